@@ -1,0 +1,169 @@
+// Package checkpoint names and stores the service-owned docs of the spiegel db (SPEC §2.4): the
+// per-(on_change rule, db) checkpoints and the producer's feed position.
+package checkpoint
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net/http"
+	"strings"
+	"time"
+
+	"github.com/go-kivik/kivik/v4"
+)
+
+// Doc ids of the service-owned docs.
+const (
+	// PrefixOnChange starts every on_change checkpoint id.
+	PrefixOnChange = "spiegel_cp_"
+	// ProducerPositionID is the producer's feed position.
+	ProducerPositionID = "spiegel_producer_seq"
+)
+
+// ID returns the checkpoint doc id of (rule, db): "spiegel_cp_<rule>_<db>" where '%' and '_' in
+// the rule id are written %25 and %5F, so the first '_' after the prefix always ends the rule id
+// and no two (rule, db) pairs share an id.
+func ID(rule, db string) string {
+	r := strings.NewReplacer("%", "%25", "_", "%5F").Replace(rule)
+	return PrefixOnChange + r + "_" + db
+}
+
+// IsServiceDoc reports whether id names a doc the service owns (never a rule).
+func IsServiceDoc(id string) bool {
+	return id == ProducerPositionID || strings.HasPrefix(id, PrefixOnChange)
+}
+
+// OnChange is the checkpoint of one on_change rule in one db.
+type OnChange struct {
+	Rule string `json:"rule"`
+	DB   string `json:"db"`
+	// LastSeq is the opaque seq up to which every change was acted on.
+	LastSeq string `json:"last_seq"`
+	// DBInstance is the db's instance_start_time when LastSeq was taken: a different one means
+	// the db was deleted and recreated, and the rule starts over.
+	DBInstance string    `json:"db_instance,omitempty"`
+	UpdatedAt  time.Time `json:"updated_at"`
+}
+
+// Position is the producer's saved feed position.
+type Position struct {
+	LastSeq   string    `json:"last_seq"`
+	Source    string    `json:"source,omitempty"`
+	UpdatedAt time.Time `json:"updated_at"`
+}
+
+// Store reads and writes service-owned docs in the spiegel db.
+type Store struct {
+	db *kivik.DB
+}
+
+// NewStore returns a store over the spiegel db.
+func NewStore(db *kivik.DB) *Store { return &Store{db: db} }
+
+// ErrNotFound means the doc does not exist.
+var ErrNotFound = errors.New("checkpoint not found")
+
+// get reads id into out and returns its rev.
+func (s *Store) get(ctx context.Context, id string, out any) (string, error) {
+	row := s.db.Get(ctx, id)
+	var raw json.RawMessage
+	if err := row.ScanDoc(&raw); err != nil {
+		if kivik.HTTPStatus(err) == http.StatusNotFound {
+			return "", ErrNotFound
+		}
+		return "", fmt.Errorf("read %s: %w", id, err)
+	}
+	// The rev comes from the body: some servers quote the ETag kivik would read it from.
+	var meta struct {
+		Rev string `json:"_rev"`
+	}
+	if err := json.Unmarshal(raw, &meta); err != nil {
+		return "", fmt.Errorf("read %s: %w", id, err)
+	}
+	if err := json.Unmarshal(raw, out); err != nil {
+		return "", fmt.Errorf("read %s: %w", id, err)
+	}
+	return meta.Rev, nil
+}
+
+// put writes doc as id, overwriting whatever is there (last writer wins: every writer's value is
+// a safe position, see Producer).
+func (s *Store) put(ctx context.Context, id string, doc map[string]any) error {
+	for attempt := 0; attempt < 5; attempt++ {
+		var cur map[string]any
+		rev, err := s.get(ctx, id, &cur)
+		if err != nil && !errors.Is(err, ErrNotFound) {
+			return err
+		}
+		if rev != "" {
+			doc["_rev"] = rev
+		} else {
+			delete(doc, "_rev")
+		}
+		_, err = s.db.Put(ctx, id, doc)
+		if err == nil {
+			return nil
+		}
+		if kivik.HTTPStatus(err) != http.StatusConflict {
+			return fmt.Errorf("write %s: %w", id, err)
+		}
+	}
+	return fmt.Errorf("write %s: conflicts persisted after 5 attempts", id)
+}
+
+// Position reads the producer's position; ErrNotFound when none was saved.
+func (s *Store) Position(ctx context.Context) (Position, error) {
+	var p Position
+	_, err := s.get(ctx, ProducerPositionID, &p)
+	return p, err
+}
+
+// SavePosition writes the producer's position.
+func (s *Store) SavePosition(ctx context.Context, p Position) error {
+	p.UpdatedAt = time.Now().UTC()
+	return s.put(ctx, ProducerPositionID, map[string]any{"last_seq": p.LastSeq, "source": p.Source, "updated_at": p.UpdatedAt})
+}
+
+// OnChange reads the checkpoint of (rule, db); ErrNotFound when there is none.
+func (s *Store) OnChange(ctx context.Context, rule, db string) (OnChange, error) {
+	var cp OnChange
+	_, err := s.get(ctx, ID(rule, db), &cp)
+	return cp, err
+}
+
+// SaveOnChange writes the checkpoint of (cp.Rule, cp.DB).
+func (s *Store) SaveOnChange(ctx context.Context, cp OnChange) error {
+	cp.UpdatedAt = time.Now().UTC()
+	return s.put(ctx, ID(cp.Rule, cp.DB), map[string]any{
+		"rule": cp.Rule, "db": cp.DB, "last_seq": cp.LastSeq, "db_instance": cp.DBInstance, "updated_at": cp.UpdatedAt,
+	})
+}
+
+// DeleteOnChange removes the checkpoint of (rule, db), if any.
+func (s *Store) DeleteOnChange(ctx context.Context, rule, db string) error {
+	id := ID(rule, db)
+	var cur map[string]any
+	rev, err := s.get(ctx, id, &cur)
+	if errors.Is(err, ErrNotFound) {
+		return nil
+	}
+	if err != nil {
+		return err
+	}
+	if _, err := s.db.Delete(ctx, id, rev); err != nil && kivik.HTTPStatus(err) != http.StatusNotFound {
+		return fmt.Errorf("delete %s: %w", id, err)
+	}
+	return nil
+}
+
+// DeleteDB removes the checkpoints of db for every rule in rules: the producer calls it when db
+// is deleted, so a recreated db is processed from its beginning.
+func (s *Store) DeleteDB(ctx context.Context, db string, rules []string) error {
+	var errs []error
+	for _, r := range rules {
+		errs = append(errs, s.DeleteOnChange(ctx, r, db))
+	}
+	return errors.Join(errs...)
+}

@@ -1,0 +1,180 @@
+// Package config holds the configuration of the three binaries: one envconfig struct per binary,
+// built from shared parts, every variable with a default and a one-line description. Only main
+// packages load it.
+package config
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"strings"
+	"time"
+
+	"github.com/kelseyhightower/envconfig"
+)
+
+// Version is set at build time with -ldflags "-X .../pkg/config.Version=...".
+var Version = "dev"
+
+// Prefix of every environment variable.
+const Prefix = "SPIEGEL"
+
+// CouchDB says how to reach the watched server and where the rules live.
+type CouchDB struct {
+	CouchDBURL         string        `envconfig:"COUCHDB_URL" required:"true" desc:"the watched CouchDB, with admin credentials (http://user:password@host:5984)"`
+	DBName             string        `envconfig:"DB_NAME" default:"spiegel" desc:"the spiegel db: rules and checkpoints"`
+	CouchDBCAFile      string        `envconfig:"COUCHDB_CA_FILE" desc:"PEM file of CAs to trust for an https CouchDB (default: system roots)"`
+	CouchDBInsecureTLS bool          `envconfig:"COUCHDB_INSECURE_SKIP_VERIFY" default:"false" desc:"skip TLS certificate verification of CouchDB (testing only)"`
+	CouchDBTimeout     time.Duration `envconfig:"COUCHDB_TIMEOUT" default:"30s" desc:"timeout of one CouchDB request (feeds excepted)"`
+}
+
+// NATS says how to reach NATS and how the JetStream topology is named.
+type NATS struct {
+	NATSURL          string        `envconfig:"NATS_URL" default:"nats://127.0.0.1:4222" desc:"NATS server URL(s), comma-separated"`
+	SubjectPrefix    string        `envconfig:"SUBJECT_PREFIX" default:"spiegel" desc:"subject prefix; stream names derive from it (SPIEGEL_WORK, ...)"`
+	NATSCredsFile    string        `envconfig:"NATS_CREDS_FILE" desc:"NATS credentials (JWT) file"`
+	NATSNKeySeedFile string        `envconfig:"NATS_NKEY_SEED_FILE" desc:"NATS nkey seed file"`
+	NATSUser         string        `envconfig:"NATS_USER" desc:"NATS user"`
+	NATSPassword     string        `envconfig:"NATS_PASSWORD" desc:"NATS password (never logged)"`
+	NATSToken        string        `envconfig:"NATS_TOKEN" desc:"NATS token (never logged)"`
+	NATSCAFile       string        `envconfig:"NATS_CA_FILE" desc:"PEM file of CAs to trust for NATS TLS"`
+	NATSCertFile     string        `envconfig:"NATS_CERT_FILE" desc:"client certificate for NATS TLS"`
+	NATSKeyFile      string        `envconfig:"NATS_KEY_FILE" desc:"client key for NATS TLS"`
+	StreamReplicas   int           `envconfig:"STREAM_REPLICAS" default:"1" desc:"replicas of the streams install creates (3 on a NATS cluster)"`
+	AckWait          time.Duration `envconfig:"ACK_WAIT" default:"60s" desc:"JetStream AckWait for work jobs: a dead worker's job is redelivered after it"`
+}
+
+// Log configures logging.
+type Log struct {
+	LogLevel  string `envconfig:"LOG_LEVEL" default:"info" desc:"debug|info|warn|error"`
+	LogFormat string `envconfig:"LOG_FORMAT" default:"json" desc:"json|text"`
+}
+
+// Producer is the configuration of the producer binary and its admin commands.
+type Producer struct {
+	CouchDB
+	NATS
+	Log
+	HTTPAddr             string        `envconfig:"HTTP_ADDR" default:":8080" desc:"health and metrics listener (empty: off)"`
+	Source               string        `envconfig:"SOURCE" default:"auto" desc:"feed source: auto|db_updates|global_changes|poll"`
+	Start                string        `envconfig:"START" default:"beginning" desc:"where a producer with no saved position starts: beginning|now"`
+	FeedHeartbeat        time.Duration `envconfig:"FEED_HEARTBEAT" default:"10s" desc:"heartbeat asked of continuous feeds; no byte for twice this reopens the feed"`
+	PollInterval         time.Duration `envconfig:"POLL_INTERVAL" default:"2s" desc:"how often the poll source lists dbs and their update_seq"`
+	SweepInterval        time.Duration `envconfig:"SWEEP_INTERVAL" default:"10m" desc:"reconciliation sweep period for db_updates/global_changes (0: off)"`
+	PositionSaveInterval time.Duration `envconfig:"POSITION_SAVE_INTERVAL" default:"2s" desc:"how often the feed position is saved"`
+	MaxInflight          int           `envconfig:"PUBLISH_MAX_INFLIGHT" default:"4096" desc:"job publishes awaiting JetStream's ack at once"`
+	ShutdownGrace        time.Duration `envconfig:"SHUTDOWN_GRACE" default:"10s" desc:"time allowed on SIGTERM to flush publishes and save the position"`
+}
+
+// Validate checks what envconfig cannot.
+func (c *Producer) Validate() error {
+	var errs []error
+	errs = append(errs, c.CouchDB.validate(), c.NATS.validate(), c.Log.validate())
+	switch c.Source {
+	case "auto", "db_updates", "global_changes", "poll":
+	default:
+		errs = append(errs, fmt.Errorf("SPIEGEL_SOURCE=%q: want auto, db_updates, global_changes or poll", c.Source))
+	}
+	switch c.Start {
+	case "beginning", "now":
+	default:
+		errs = append(errs, fmt.Errorf("SPIEGEL_START=%q: want beginning or now", c.Start))
+	}
+	errs = append(errs,
+		positive("SPIEGEL_FEED_HEARTBEAT", c.FeedHeartbeat),
+		positive("SPIEGEL_POLL_INTERVAL", c.PollInterval),
+		positive("SPIEGEL_POSITION_SAVE_INTERVAL", c.PositionSaveInterval),
+		positive("SPIEGEL_SHUTDOWN_GRACE", c.ShutdownGrace))
+	if c.SweepInterval < 0 {
+		errs = append(errs, fmt.Errorf("SPIEGEL_SWEEP_INTERVAL=%s: must not be negative", c.SweepInterval))
+	}
+	if c.MaxInflight < 1 {
+		errs = append(errs, fmt.Errorf("SPIEGEL_PUBLISH_MAX_INFLIGHT=%d: must be at least 1", c.MaxInflight))
+	}
+	return errors.Join(errs...)
+}
+
+func (c *CouchDB) validate() error {
+	var errs []error
+	if !strings.HasPrefix(c.CouchDBURL, "http://") && !strings.HasPrefix(c.CouchDBURL, "https://") {
+		errs = append(errs, errors.New("SPIEGEL_COUCHDB_URL: want an http:// or https:// URL"))
+	}
+	if c.DBName == "" || strings.HasPrefix(c.DBName, "_") {
+		errs = append(errs, fmt.Errorf("SPIEGEL_DB_NAME=%q: want a plain db name", c.DBName))
+	}
+	if c.CouchDBCAFile != "" {
+		if _, err := os.Stat(c.CouchDBCAFile); err != nil {
+			errs = append(errs, fmt.Errorf("SPIEGEL_COUCHDB_CA_FILE: %w", err))
+		}
+	}
+	errs = append(errs, positive("SPIEGEL_COUCHDB_TIMEOUT", c.CouchDBTimeout))
+	return errors.Join(errs...)
+}
+
+func (c *NATS) validate() error {
+	var errs []error
+	if strings.TrimSpace(c.NATSURL) == "" {
+		errs = append(errs, errors.New("SPIEGEL_NATS_URL: must not be empty"))
+	}
+	if c.SubjectPrefix == "" || strings.ContainsAny(c.SubjectPrefix, " *>\t") || strings.HasPrefix(c.SubjectPrefix, ".") ||
+		strings.HasSuffix(c.SubjectPrefix, ".") || strings.Contains(c.SubjectPrefix, "..") {
+		errs = append(errs, fmt.Errorf("SPIEGEL_SUBJECT_PREFIX=%q: want one or more NATS subject tokens without wildcards", c.SubjectPrefix))
+	}
+	if c.StreamReplicas < 1 || c.StreamReplicas > 5 {
+		errs = append(errs, fmt.Errorf("SPIEGEL_STREAM_REPLICAS=%d: want 1 to 5", c.StreamReplicas))
+	}
+	if (c.NATSCertFile == "") != (c.NATSKeyFile == "") {
+		errs = append(errs, errors.New("SPIEGEL_NATS_CERT_FILE and SPIEGEL_NATS_KEY_FILE: set both or neither"))
+	}
+	if c.AckWait < time.Second {
+		errs = append(errs, fmt.Errorf("SPIEGEL_ACK_WAIT=%s: must be at least 1s", c.AckWait))
+	}
+	return errors.Join(errs...)
+}
+
+func (c *Log) validate() error {
+	var errs []error
+	switch c.LogLevel {
+	case "debug", "info", "warn", "error":
+	default:
+		errs = append(errs, fmt.Errorf("SPIEGEL_LOG_LEVEL=%q: want debug, info, warn or error", c.LogLevel))
+	}
+	switch c.LogFormat {
+	case "json", "text":
+	default:
+		errs = append(errs, fmt.Errorf("SPIEGEL_LOG_FORMAT=%q: want json or text", c.LogFormat))
+	}
+	return errors.Join(errs...)
+}
+
+func positive(name string, d time.Duration) error {
+	if d <= 0 {
+		return fmt.Errorf("%s=%s: must be positive", name, d)
+	}
+	return nil
+}
+
+// Load fills spec from the environment and runs its Validate method. Errors name the variable.
+func Load(spec interface{ Validate() error }) error {
+	if err := envconfig.Process(Prefix, spec); err != nil {
+		return fmt.Errorf("configuration: %w", humanize(err))
+	}
+	if err := spec.Validate(); err != nil {
+		return fmt.Errorf("configuration: %w", err)
+	}
+	return nil
+}
+
+// humanize rewrites envconfig's errors to name the variable with its prefix.
+func humanize(err error) error {
+	var perr *envconfig.ParseError
+	if errors.As(err, &perr) {
+		return fmt.Errorf("%s_%s=%q: not a valid %s", Prefix, perr.KeyName, perr.Value, perr.TypeName)
+	}
+	msg := err.Error()
+	if after, ok := strings.CutPrefix(msg, "required key "); ok {
+		key := strings.TrimSuffix(after, " missing value")
+		return fmt.Errorf("%s_%s is required", Prefix, key)
+	}
+	return err
+}

@@ -1,0 +1,168 @@
+// Package couchtest gives tests the real CouchDB-compatible server named by COUCHDB_URL (the test
+// command starts PouchDB Server and sets it) and unique databases that are removed afterwards.
+package couchtest
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"net/url"
+	"os"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/go-kivik/kivik/v4"
+	"github.com/go-kivik/kivik/v4/couchdb"
+)
+
+// Server is the CouchDB server under test.
+type Server struct {
+	// URL is the server's base URL with credentials, without a trailing slash.
+	URL string
+	// Client is a kivik client for the server (compression disabled).
+	Client *kivik.Client
+	// HTTP is a plain client for requests kivik does not cover.
+	HTTP *http.Client
+	// PouchDB is true when the server is PouchDB Server rather than Apache CouchDB.
+	PouchDB bool
+	// Version is the server's version string.
+	Version string
+}
+
+var counter atomic.Int64
+
+// Get returns the server from COUCHDB_URL. Without it the test is skipped, unless
+// SPIEGEL_REQUIRE_COUCHDB is set (as the test command does), in which case it fails.
+func Get(t testing.TB) *Server {
+	t.Helper()
+	raw := strings.TrimRight(os.Getenv("COUCHDB_URL"), "/")
+	if raw == "" {
+		if os.Getenv("SPIEGEL_REQUIRE_COUCHDB") != "" {
+			t.Fatal("couchtest: COUCHDB_URL is unset; the test command must start a server")
+		}
+		t.Skip("couchtest: COUCHDB_URL is unset; run `make test`, which starts PouchDB Server")
+	}
+	hc := &http.Client{Transport: &http.Transport{DisableCompression: true, MaxIdleConnsPerHost: 64}}
+	c, err := kivik.New("couch", raw, couchdb.OptionHTTPClient(hc))
+	if err != nil {
+		t.Fatalf("couchtest: client: %v", err)
+	}
+	s := &Server{URL: raw, Client: c, HTTP: hc}
+	var root struct {
+		Version string `json:"version"`
+		Vendor  struct {
+			Name string `json:"name"`
+		} `json:"vendor"`
+		PouchDB string `json:"express-pouchdb"`
+	}
+	if err := s.Do(t, http.MethodGet, "/", nil, &root); err != nil {
+		t.Fatalf("couchtest: server at COUCHDB_URL does not answer: %v", err)
+	}
+	s.Version = root.Version
+	s.PouchDB = root.PouchDB != "" || strings.Contains(root.Vendor.Name, "PouchDB")
+	return s
+}
+
+// UniqueName returns a db name unique to this test run: prefix, the test's short name and a
+// counter, lower-cased to satisfy CouchDB's naming rule.
+func UniqueName(t testing.TB, prefix string) string {
+	n := counter.Add(1)
+	name := strings.ToLower(t.Name())
+	name = strings.Map(func(r rune) rune {
+		if r >= 'a' && r <= 'z' || r >= '0' && r <= '9' {
+			return r
+		}
+		return '_'
+	}, name)
+	if len(name) > 40 {
+		name = name[len(name)-40:]
+	}
+	return fmt.Sprintf("%s%s_%d_%d", prefix, name, time.Now().UnixNano()%1e9, n)
+}
+
+// NewDB creates a uniquely named db and deletes it when the test ends.
+func (s *Server) NewDB(t testing.TB, prefix string) string {
+	t.Helper()
+	name := UniqueName(t, prefix)
+	s.CreateDB(t, name)
+	return name
+}
+
+// CreateDB creates the db name (which may contain any character CouchDB allows) and deletes it
+// when the test ends.
+func (s *Server) CreateDB(t testing.TB, name string) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if err := s.Client.CreateDB(ctx, name); err != nil {
+		t.Fatalf("couchtest: create db %s: %v", name, err)
+	}
+	s.Cleanup(t, name)
+}
+
+// Cleanup deletes the db name, if it exists, when the test ends.
+func (s *Server) Cleanup(t testing.TB, name string) {
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		_ = s.Client.DestroyDB(ctx, name)
+	})
+}
+
+// Put writes doc (any JSON-encodable value) as id and returns the new rev.
+func (s *Server) Put(t testing.TB, db, id string, doc any) string {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	rev, err := s.Client.DB(db).Put(ctx, id, doc)
+	if err != nil {
+		t.Fatalf("couchtest: put %s/%s: %v", db, id, err)
+	}
+	return rev
+}
+
+// Do sends a request to path (already escaped) with body encoded as JSON and decodes the answer
+// into out when out is not nil. A status of 300 or more is an error.
+func (s *Server) Do(t testing.TB, method, path string, body, out any) error {
+	t.Helper()
+	var rd io.Reader
+	if body != nil {
+		b, err := json.Marshal(body)
+		if err != nil {
+			return err
+		}
+		rd = bytes.NewReader(b)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, method, s.URL+path, rd)
+	if err != nil {
+		return err
+	}
+	req.Header.Set("Content-Type", "application/json")
+	req.Header.Set("Accept", "application/json")
+	resp, err := s.HTTP.Do(req)
+	if err != nil {
+		return err
+	}
+	defer resp.Body.Close()
+	data, err := io.ReadAll(resp.Body)
+	if err != nil {
+		return err
+	}
+	if resp.StatusCode >= 300 {
+		return fmt.Errorf("%s %s: %s: %s", method, path, resp.Status, bytes.TrimSpace(data))
+	}
+	if out != nil {
+		return json.Unmarshal(data, out)
+	}
+	return nil
+}
+
+// PathDB escapes a db name as one path segment.
+func PathDB(name string) string { return url.PathEscape(name) }

@@ -1,0 +1,110 @@
+package events
+
+import (
+	"fmt"
+	"strings"
+)
+
+// Group names one consumer group of the work stream. The group is the subject token after
+// "<prefix>.work."; the durable consumer that serves it has its own name (ConsumerName).
+type Group string
+
+// The two consumer groups.
+const (
+	GroupReplicate Group = "replicate"
+	GroupOnChange  Group = "onchange"
+)
+
+// Groups lists every group, in a stable order.
+var Groups = []Group{GroupReplicate, GroupOnChange}
+
+// ConsumerName is the durable JetStream consumer of the group (SPEC §3).
+func (g Group) ConsumerName() string {
+	if g == GroupReplicate {
+		return "replicator"
+	}
+	return string(g)
+}
+
+// Default names, used when the configuration does not say otherwise.
+const (
+	DefaultPrefix = "spiegel"
+)
+
+// Subjects derives every subject and stream name from the subject prefix.
+type Subjects struct {
+	Prefix string
+}
+
+// NewSubjects returns the scheme for prefix (DefaultPrefix when empty).
+func NewSubjects(prefix string) Subjects {
+	if prefix == "" {
+		prefix = DefaultPrefix
+	}
+	return Subjects{Prefix: prefix}
+}
+
+// streamBase is the prefix in upper case with characters invalid in stream names replaced.
+func (s Subjects) streamBase() string {
+	up := strings.ToUpper(s.Prefix)
+	return strings.Map(func(r rune) rune {
+		if r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' || r == '_' || r == '-' {
+			return r
+		}
+		return '_'
+	}, up)
+}
+
+// WorkStream is the work queue stream: SPIEGEL_WORK for the default prefix.
+func (s Subjects) WorkStream() string { return s.streamBase() + "_WORK" }
+
+// ChangesStream captures the changes published by `subject` rules: SPIEGEL_CHANGES.
+func (s Subjects) ChangesStream() string { return s.streamBase() + "_CHANGES" }
+
+// DeadLetterStream keeps records of work given up: SPIEGEL_DEADLETTER.
+func (s Subjects) DeadLetterStream() string { return s.streamBase() + "_DEADLETTER" }
+
+// WorkAll is the work stream's subject filter.
+func (s Subjects) WorkAll() string { return s.Prefix + ".work.>" }
+
+// WorkGroup is the subject filter of one group's consumer.
+func (s Subjects) WorkGroup(g Group) string { return fmt.Sprintf("%s.work.%s.*", s.Prefix, g) }
+
+// Work is the subject of the job "db has changes group has not processed".
+func (s Subjects) Work(g Group, db string) string {
+	return s.Prefix + ".work." + string(g) + "." + EncodeDBName(db)
+}
+
+// ParseWork splits a work subject into its group and db name.
+func (s Subjects) ParseWork(subject string) (Group, string, error) {
+	rest, ok := strings.CutPrefix(subject, s.Prefix+".work.")
+	if !ok {
+		return "", "", fmt.Errorf("parse work subject %q: not under %s.work", subject, s.Prefix)
+	}
+	group, token, ok := strings.Cut(rest, ".")
+	if !ok || strings.Contains(token, ".") {
+		return "", "", fmt.Errorf("parse work subject %q: want <group>.<dbtoken>", subject)
+	}
+	db, err := DecodeDBName(token)
+	if err != nil {
+		return "", "", fmt.Errorf("parse work subject %q: %w", subject, err)
+	}
+	return Group(group), db, nil
+}
+
+// DeadLetterAll is the dead-letter stream's subject filter.
+func (s Subjects) DeadLetterAll() string { return s.Prefix + ".deadletter.>" }
+
+// DeadLetter is the subject of a dead-letter record for group and db.
+func (s Subjects) DeadLetter(g Group, db string) string {
+	return s.Prefix + ".deadletter." + string(g) + "." + EncodeDBName(db)
+}
+
+// ChangesAll is the changes stream's subject filter.
+func (s Subjects) ChangesAll() string { return s.Prefix + ".changes.>" }
+
+// DefaultChangeSubject is the subject template of a `subject` rule that names none.
+func (s Subjects) DefaultChangeSubject() string { return s.Prefix + ".changes.${db_name}" }
+
+// ChangeMsgID is the JetStream message id of a published change, so that replays deduplicate.
+func ChangeMsgID(db, docID, rev string) string { return db + "/" + docID + "/" + rev }

@@ -1,0 +1,112 @@
+package natsjs
+
+import (
+	"context"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/sirupsen/logrus"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/spiegel-nats/spiegel/pkg/events"
+	"github.com/spiegel-nats/spiegel/pkg/natstest"
+)
+
+func TestEnsureIsIdempotentAndConcurrent(t *testing.T) {
+	srv := natstest.Start(t)
+	_, js := srv.Connect(t)
+	topo := DefaultTopology("")
+	require.ErrorIs(t, CheckInstalled(t.Context(), js, topo, events.Groups...), ErrNotInstalled)
+
+	var wg sync.WaitGroup
+	errs := make([]error, 4)
+	for i := range errs {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			errs[i] = Ensure(t.Context(), js, topo)
+		}()
+	}
+	wg.Wait()
+	for _, err := range errs {
+		require.NoError(t, err)
+	}
+	require.NoError(t, Ensure(t.Context(), js, topo))
+	require.NoError(t, CheckInstalled(t.Context(), js, topo, events.Groups...))
+
+	info, err := js.Stream(t.Context(), "SPIEGEL_WORK")
+	require.NoError(t, err)
+	cfg := info.CachedInfo().Config
+	assert.Equal(t, jetstream.WorkQueuePolicy, cfg.Retention)
+	assert.Equal(t, int64(1), cfg.MaxMsgsPerSubject)
+	assert.True(t, cfg.DiscardNewPerSubject)
+
+	require.NoError(t, Remove(t.Context(), js, topo))
+	require.ErrorIs(t, CheckInstalled(t.Context(), js, topo), ErrNotInstalled)
+	require.NoError(t, Remove(t.Context(), js, topo))
+}
+
+func TestOnePendingJobPerGroupAndDB(t *testing.T) {
+	srv := natstest.Start(t)
+	_, js := srv.Connect(t)
+	topo := DefaultTopology("")
+	require.NoError(t, Ensure(t.Context(), js, topo))
+	jobs := NewJobs(js, topo.Subjects)
+	ctx := t.Context()
+
+	dedup, err := jobs.Publish(ctx, events.GroupReplicate, events.Job{DB: "a/b+c$d"})
+	require.NoError(t, err)
+	assert.False(t, dedup)
+	dedup, err = jobs.Publish(ctx, events.GroupReplicate, events.Job{DB: "a/b+c$d"})
+	require.NoError(t, err)
+	assert.True(t, dedup, "second publish while one is pending is deduplicated")
+	dedup, err = jobs.Publish(ctx, events.GroupOnChange, events.Job{DB: "a/b+c$d"})
+	require.NoError(t, err)
+	assert.False(t, dedup, "the other group has its own slot")
+
+	f, err := jobs.PublishAsync(events.GroupReplicate, events.Job{DB: "a/b+c$d"})
+	require.NoError(t, err)
+	select {
+	case <-f.Ok():
+		t.Fatal("async duplicate was accepted")
+	case err := <-f.Err():
+		assert.True(t, IsDuplicateJob(err), "got %v", err)
+	case <-time.After(5 * time.Second):
+		t.Fatal("no answer to async publish")
+	}
+
+	// Fetch without ack: the slot is still held; after the ack it is free again.
+	cons, err := js.Consumer(ctx, topo.Subjects.WorkStream(), "replicator")
+	require.NoError(t, err)
+	batch, err := cons.Fetch(1, jetstream.FetchMaxWait(5*time.Second))
+	require.NoError(t, err)
+	var msg jetstream.Msg
+	for m := range batch.Messages() {
+		msg = m
+	}
+	require.NotNil(t, msg)
+	g, db, err := topo.Subjects.ParseWork(msg.Subject())
+	require.NoError(t, err)
+	assert.Equal(t, events.GroupReplicate, g)
+	assert.Equal(t, "a/b+c$d", db)
+	dedup, err = jobs.Publish(ctx, events.GroupReplicate, events.Job{DB: "a/b+c$d"})
+	require.NoError(t, err)
+	assert.True(t, dedup, "a delivered, unacked job still holds the slot")
+	require.NoError(t, msg.DoubleAck(ctx))
+	dedup, err = jobs.Publish(ctx, events.GroupReplicate, events.Job{DB: "a/b+c$d"})
+	require.NoError(t, err)
+	assert.False(t, dedup, "ack frees the slot")
+}
+
+func TestConnectWaitsForContext(t *testing.T) {
+	ctx, cancel := context.WithTimeout(t.Context(), 700*time.Millisecond)
+	defer cancel()
+	log := logrus.New()
+	log.SetLevel(logrus.PanicLevel)
+	_, err := Connect(ctx, Options{URLs: "nats://user:SECRETPW@127.0.0.1:1"}, log)
+	require.Error(t, err)
+	assert.NotContains(t, err.Error(), "SECRETPW")
+}

@@ -1,0 +1,66 @@
+package natsjs
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/spiegel-nats/spiegel/pkg/events"
+)
+
+// ErrCodeMaxMsgsPerSubject is the JetStream error code for a publish refused because its subject
+// already holds a message (MaxMsgsPerSubject with DiscardNewPerSubject): for the work stream it
+// means "a job for this (group, db) is already pending", which is success.
+const ErrCodeMaxMsgsPerSubject jetstream.ErrorCode = 10077
+
+// IsDuplicateJob reports whether err is the work stream's per-subject rejection.
+func IsDuplicateJob(err error) bool {
+	var apiErr *jetstream.APIError
+	return errors.As(err, &apiErr) && apiErr.ErrorCode == ErrCodeMaxMsgsPerSubject
+}
+
+// Jobs publishes jobs to the work stream.
+type Jobs struct {
+	js       jetstream.JetStream
+	subjects events.Subjects
+}
+
+// NewJobs returns a job publisher for the work stream named by subjects.
+func NewJobs(js jetstream.JetStream, subjects events.Subjects) *Jobs {
+	return &Jobs{js: js, subjects: subjects}
+}
+
+// Msg builds the message of a job for group g.
+func (j *Jobs) Msg(g events.Group, job events.Job) *nats.Msg {
+	if job.At.IsZero() {
+		job.At = time.Now().UTC()
+	}
+	return &nats.Msg{Subject: j.subjects.Work(g, job.DB), Data: job.Marshal()}
+}
+
+// Publish enqueues job for group g and waits for JetStream's answer. It returns deduplicated
+// true when a job for the same (group, db) was already pending, which is as good as a new one.
+func (j *Jobs) Publish(ctx context.Context, g events.Group, job events.Job) (deduplicated bool, err error) {
+	_, err = j.js.PublishMsg(ctx, j.Msg(g, job), jetstream.WithExpectStream(j.subjects.WorkStream()))
+	if err == nil {
+		return false, nil
+	}
+	if IsDuplicateJob(err) {
+		return true, nil
+	}
+	return false, fmt.Errorf("publish %s job for %q: %w", g, job.DB, err)
+}
+
+// PublishAsync enqueues job for group g without waiting; the future reports the answer, to be
+// read with IsDuplicateJob in mind.
+func (j *Jobs) PublishAsync(g events.Group, job events.Job) (jetstream.PubAckFuture, error) {
+	f, err := j.js.PublishMsgAsync(j.Msg(g, job), jetstream.WithExpectStream(j.subjects.WorkStream()))
+	if err != nil {
+		return nil, fmt.Errorf("publish %s job for %q: %w", g, job.DB, err)
+	}
+	return f, nil
+}

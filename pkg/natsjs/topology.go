@@ -1,0 +1,207 @@
+package natsjs
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/spiegel-nats/spiegel/pkg/events"
+)
+
+// ErrNotInstalled means the streams or consumers the service needs do not exist yet.
+var ErrNotInstalled = errors.New("spiegel is not installed: run `producer install` first")
+
+// Topology is the JetStream layout of SPEC §3, derived from the subject prefix.
+type Topology struct {
+	Subjects events.Subjects
+	// Replicas of every stream: 1 on a single server, 3 on a cluster.
+	Replicas int
+	// AckWait of the work consumers; a job whose consumer died is redelivered after it.
+	AckWait time.Duration
+	// MaxAckPending bounds the jobs delivered and not yet acknowledged, per consumer.
+	MaxAckPending int
+	// ChangesMaxAge bounds how long published changes are kept (0 = forever).
+	ChangesMaxAge time.Duration
+	// DeadLetterMaxAge bounds how long dead-letter records are kept (0 = forever).
+	DeadLetterMaxAge time.Duration
+}
+
+// DefaultTopology returns the defaults for prefix.
+func DefaultTopology(prefix string) Topology {
+	return Topology{
+		Subjects:         events.NewSubjects(prefix),
+		Replicas:         1,
+		AckWait:          60 * time.Second,
+		MaxAckPending:    1000,
+		ChangesMaxAge:    7 * 24 * time.Hour,
+		DeadLetterMaxAge: 30 * 24 * time.Hour,
+	}
+}
+
+func (t Topology) replicas() int {
+	if t.Replicas < 1 {
+		return 1
+	}
+	return t.Replicas
+}
+
+// WorkStreamConfig is the work queue: one pending message per subject, further publishes to a
+// subject that holds one are rejected (the dedup of SPEC §3).
+func (t Topology) WorkStreamConfig() jetstream.StreamConfig {
+	return jetstream.StreamConfig{
+		Name:                 t.Subjects.WorkStream(),
+		Description:          "Spiegel jobs: one pending message per (group, db) that has unprocessed changes",
+		Subjects:             []string{t.Subjects.WorkAll()},
+		Retention:            jetstream.WorkQueuePolicy,
+		Storage:              jetstream.FileStorage,
+		Discard:              jetstream.DiscardNew,
+		DiscardNewPerSubject: true,
+		MaxMsgsPerSubject:    1,
+		MaxMsgs:              -1,
+		MaxBytes:             -1,
+		Replicas:             t.replicas(),
+		Duplicates:           0,
+	}
+}
+
+// DeadLetterStreamConfig keeps records of requests and replications given up.
+func (t Topology) DeadLetterStreamConfig() jetstream.StreamConfig {
+	return jetstream.StreamConfig{
+		Name:        t.Subjects.DeadLetterStream(),
+		Description: "Spiegel dead letters: requests and replications given up after their retry limit",
+		Subjects:    []string{t.Subjects.DeadLetterAll()},
+		Retention:   jetstream.LimitsPolicy,
+		Storage:     jetstream.FileStorage,
+		MaxAge:      t.DeadLetterMaxAge,
+		Replicas:    t.replicas(),
+	}
+}
+
+// ChangesStreamConfig captures the changes `subject` rules publish; message ids deduplicate
+// replays within the duplicate window.
+func (t Topology) ChangesStreamConfig() jetstream.StreamConfig {
+	return jetstream.StreamConfig{
+		Name:        t.Subjects.ChangesStream(),
+		Description: "Spiegel changes published by on_change rules with a subject",
+		Subjects:    []string{t.Subjects.ChangesAll()},
+		Retention:   jetstream.LimitsPolicy,
+		Storage:     jetstream.FileStorage,
+		MaxAge:      t.ChangesMaxAge,
+		Duplicates:  24 * time.Hour,
+		Replicas:    t.replicas(),
+	}
+}
+
+// ConsumerConfig is the durable pull consumer of group g. MaxDeliver is unlimited: the worker
+// decides when a job is given up (Term plus a dead letter), because in a work queue a message
+// that ran out of deliveries would hold its db's subject forever.
+func (t Topology) ConsumerConfig(g events.Group) jetstream.ConsumerConfig {
+	ackWait := t.AckWait
+	if ackWait <= 0 {
+		ackWait = 60 * time.Second
+	}
+	maxAck := t.MaxAckPending
+	if maxAck <= 0 {
+		maxAck = 1000
+	}
+	return jetstream.ConsumerConfig{
+		Durable:       g.ConsumerName(),
+		Description:   fmt.Sprintf("Spiegel %s workers", g),
+		FilterSubject: t.Subjects.WorkGroup(g),
+		AckPolicy:     jetstream.AckExplicitPolicy,
+		AckWait:       ackWait,
+		MaxDeliver:    -1,
+		MaxAckPending: maxAck,
+		DeliverPolicy: jetstream.DeliverAllPolicy,
+		Replicas:      t.replicas(),
+	}
+}
+
+// Ensure creates or updates every stream and consumer. It is idempotent and safe to run from
+// several processes at once.
+func Ensure(ctx context.Context, js jetstream.JetStream, t Topology) error {
+	for _, cfg := range []jetstream.StreamConfig{t.WorkStreamConfig(), t.DeadLetterStreamConfig(), t.ChangesStreamConfig()} {
+		if err := ensureStream(ctx, js, cfg); err != nil {
+			return err
+		}
+	}
+	for _, g := range events.Groups {
+		cfg := t.ConsumerConfig(g)
+		var err error
+		for attempt := 0; attempt < 5; attempt++ {
+			if _, err = js.CreateOrUpdateConsumer(ctx, t.Subjects.WorkStream(), cfg); err == nil {
+				break
+			}
+			if !isRace(err) {
+				break
+			}
+		}
+		if err != nil {
+			return fmt.Errorf("create consumer %s on stream %s: %w", cfg.Durable, t.Subjects.WorkStream(), err)
+		}
+	}
+	return nil
+}
+
+func ensureStream(ctx context.Context, js jetstream.JetStream, cfg jetstream.StreamConfig) error {
+	var err error
+	for attempt := 0; attempt < 5; attempt++ {
+		if _, err = js.CreateOrUpdateStream(ctx, cfg); err == nil {
+			return nil
+		}
+		if !isRace(err) {
+			break
+		}
+	}
+	return fmt.Errorf("create stream %s: %w", cfg.Name, err)
+}
+
+// isRace reports errors that a concurrent install can cause and a retry resolves.
+func isRace(err error) bool {
+	var apiErr *jetstream.APIError
+	if errors.As(err, &apiErr) {
+		switch apiErr.ErrorCode {
+		case jetstream.JSErrCodeStreamNameInUse, jetstream.JSErrCodeStreamNotFound,
+			jetstream.JSErrCodeConsumerAlreadyExists, jetstream.JSErrCodeConsumerExists,
+			jetstream.JSErrCodeConsumerNameExists, jetstream.JSErrCodeConsumerDoesNotExist:
+			return true
+		}
+	}
+	return errors.Is(err, jetstream.ErrStreamNameAlreadyInUse) || errors.Is(err, jetstream.ErrStreamNotFound) ||
+		errors.Is(err, jetstream.ErrConsumerExists) || errors.Is(err, jetstream.ErrConsumerNotFound)
+}
+
+// CheckInstalled returns an error wrapping ErrNotInstalled when the work stream, or the
+// consumer of one of groups, is missing.
+func CheckInstalled(ctx context.Context, js jetstream.JetStream, t Topology, groups ...events.Group) error {
+	s, err := js.Stream(ctx, t.Subjects.WorkStream())
+	if errors.Is(err, jetstream.ErrStreamNotFound) {
+		return fmt.Errorf("stream %s is missing: %w", t.Subjects.WorkStream(), ErrNotInstalled)
+	}
+	if err != nil {
+		return fmt.Errorf("look up stream %s: %w", t.Subjects.WorkStream(), err)
+	}
+	for _, g := range groups {
+		if _, err := s.Consumer(ctx, g.ConsumerName()); err != nil {
+			if errors.Is(err, jetstream.ErrConsumerNotFound) {
+				return fmt.Errorf("consumer %s is missing: %w", g.ConsumerName(), ErrNotInstalled)
+			}
+			return fmt.Errorf("look up consumer %s: %w", g.ConsumerName(), err)
+		}
+	}
+	return nil
+}
+
+// Remove deletes the work and dead-letter streams (and so their consumers) and the changes
+// stream. Missing streams are not an error.
+func Remove(ctx context.Context, js jetstream.JetStream, t Topology) error {
+	for _, name := range []string{t.Subjects.WorkStream(), t.Subjects.DeadLetterStream(), t.Subjects.ChangesStream()} {
+		if err := js.DeleteStream(ctx, name); err != nil && !errors.Is(err, jetstream.ErrStreamNotFound) {
+			return fmt.Errorf("delete stream %s: %w", name, err)
+		}
+	}
+	return nil
+}

@@ -1,0 +1,83 @@
+// Package natstest runs a real nats-server with JetStream inside the test process.
+package natstest
+
+import (
+	"net"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats-server/v2/server"
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+)
+
+// Server is an embedded nats-server with JetStream on a random loopback port and a temporary
+// store. It is shut down when the test ends.
+type Server struct {
+	*server.Server
+	opts *server.Options
+}
+
+// Start starts a server for t. Options may adjust the server options before start.
+func Start(t testing.TB, options ...func(*server.Options)) *Server {
+	t.Helper()
+	opts := &server.Options{
+		Host:      "127.0.0.1",
+		Port:      server.RANDOM_PORT,
+		JetStream: true,
+		StoreDir:  t.TempDir(),
+		NoLog:     true,
+		NoSigs:    true,
+	}
+	for _, o := range options {
+		o(opts)
+	}
+	s := &Server{opts: opts}
+	s.start(t)
+	t.Cleanup(func() { s.Shutdown(); s.WaitForShutdown() })
+	return s
+}
+
+func (s *Server) start(t testing.TB) {
+	t.Helper()
+	srv, err := server.NewServer(s.opts)
+	if err != nil {
+		t.Fatalf("natstest: new server: %v", err)
+	}
+	go srv.Start()
+	if !srv.ReadyForConnections(10 * time.Second) {
+		t.Fatalf("natstest: server not ready within 10s")
+	}
+	s.Server = srv
+}
+
+// URL is the client URL of the server.
+func (s *Server) URL() string { return s.ClientURL() }
+
+// Restart stops the server and starts it again on the same port with the same store, so that
+// streams and consumers survive, as a NATS restart in production would.
+func (s *Server) Restart(t testing.TB) {
+	t.Helper()
+	if addr, ok := s.Server.Addr().(*net.TCPAddr); ok {
+		s.opts.Port = addr.Port
+	}
+	s.Shutdown()
+	s.WaitForShutdown()
+	s.start(t)
+}
+
+// Connect returns a NATS connection and a JetStream handle for the server, closed at the end of
+// the test.
+func (s *Server) Connect(t testing.TB) (*nats.Conn, jetstream.JetStream) {
+	t.Helper()
+	nc, err := nats.Connect(s.URL(), nats.MaxReconnects(-1), nats.ReconnectWait(100*time.Millisecond))
+	if err != nil {
+		t.Fatalf("natstest: connect: %v", err)
+	}
+	t.Cleanup(nc.Close)
+	js, err := jetstream.New(nc)
+	if err != nil {
+		t.Fatalf("natstest: jetstream: %v", err)
+	}
+	return nc, js
+}
