@@ -9,7 +9,7 @@ all: build
 
 build:
 	@mkdir -p $(BIN)
-	CGO_ENABLED=0 go build -trimpath -ldflags '$(LDFLAGS)' -o $(BIN)/ ./producer ./consumers/replicator ./consumers/onchange
+	CGO_ENABLED=0 go build -trimpath -ldflags '$(LDFLAGS)' -o $(BIN)/ ./producer $(patsubst %/main.go,./%,$(wildcard consumers/*/main.go))
 	go build -o $(BIN)/nats-server github.com/nats-io/nats-server/v2
 
 run: build

@@ -49,7 +49,10 @@ type OnChange struct {
 
 // Position is the producer's saved feed position.
 type Position struct {
-	LastSeq   string    `json:"last_seq"`
+	LastSeq string `json:"last_seq"`
+	// RulesSeq is the spiegel db seq up to which new and edited rules have had their existing
+	// dbs enqueued; a restarted producer enqueues only for rules changed after it.
+	RulesSeq  string    `json:"rules_seq,omitempty"`
 	Source    string    `json:"source,omitempty"`
 	UpdatedAt time.Time `json:"updated_at"`
 }
@@ -123,7 +126,7 @@ func (s *Store) Position(ctx context.Context) (Position, error) {
 // SavePosition writes the producer's position.
 func (s *Store) SavePosition(ctx context.Context, p Position) error {
 	p.UpdatedAt = time.Now().UTC()
-	return s.put(ctx, ProducerPositionID, map[string]any{"last_seq": p.LastSeq, "source": p.Source, "updated_at": p.UpdatedAt})
+	return s.put(ctx, ProducerPositionID, map[string]any{"last_seq": p.LastSeq, "rules_seq": p.RulesSeq, "source": p.Source, "updated_at": p.UpdatedAt})
 }
 
 // OnChange reads the checkpoint of (rule, db); ErrNotFound when there is none.

@@ -68,3 +68,15 @@ func Markdown(spec any) string {
 	}
 	return b.String()
 }
+
+// Reference is the configuration reference of every binary, as Markdown.
+func Reference() string {
+	var b strings.Builder
+	b.WriteString("#### producer (and its admin commands)\n\n")
+	b.WriteString(Markdown(&Producer{}))
+	b.WriteString("\n#### replicator\n\n")
+	b.WriteString(Markdown(&Replicator{}))
+	b.WriteString("\n#### onchange\n\n")
+	b.WriteString(Markdown(&OnChange{}))
+	return b.String()
+}

@@ -56,11 +56,17 @@ func (j *Jobs) Publish(ctx context.Context, g events.Group, job events.Job) (ded
 }
 
 // PublishAsync enqueues job for group g without waiting; the future reports the answer, to be
-// read with IsDuplicateJob in mind.
+// read with IsDuplicateJob in mind. When the connection's window of unacknowledged publishes is
+// full it waits for room (up to about a minute), which is the back-pressure callers want.
 func (j *Jobs) PublishAsync(g events.Group, job events.Job) (jetstream.PubAckFuture, error) {
-	f, err := j.js.PublishMsgAsync(j.Msg(g, job), jetstream.WithExpectStream(j.subjects.WorkStream()))
-	if err != nil {
-		return nil, fmt.Errorf("publish %s job for %q: %w", g, job.DB, err)
+	msg := j.Msg(g, job)
+	for attempt := 0; ; attempt++ {
+		f, err := j.js.PublishMsgAsync(msg, jetstream.WithExpectStream(j.subjects.WorkStream()))
+		if err == nil {
+			return f, nil
+		}
+		if !errors.Is(err, jetstream.ErrTooManyStalledMsgs) || attempt >= 300 {
+			return nil, fmt.Errorf("publish %s job for %q: %w", g, job.DB, err)
+		}
 	}
-	return f, nil
 }

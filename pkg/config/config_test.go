@@ -1,0 +1,83 @@
+package config
+
+import (
+	"bytes"
+	"os"
+	"strings"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+// The README's configuration reference is generated from the structs; this fails when they drift.
+// Regenerate with: go run ./scripts/confdoc
+func TestReadmeReferenceIsCurrent(t *testing.T) {
+	readme, err := os.ReadFile("../../README.md")
+	require.NoError(t, err)
+	const begin, end = "<!-- config:begin -->\n", "<!-- config:end -->"
+	s := string(readme)
+	i, j := strings.Index(s, begin), strings.Index(s, end)
+	require.True(t, i >= 0 && j > i, "README.md lacks the config markers")
+	assert.Equal(t, Reference(), s[i+len(begin):j], "README configuration reference is stale: run `go run ./scripts/confdoc` and paste it between the markers")
+}
+
+func TestSpecVariablesExist(t *testing.T) {
+	t.Parallel()
+	names := map[string]bool{}
+	for _, v := range Vars(&OnChange{}) {
+		names[v.Name] = true
+	}
+	for _, v := range Vars(&Producer{}) {
+		names[v.Name] = true
+	}
+	for _, want := range []string{"SPIEGEL_COUCHDB_URL", "SPIEGEL_DB_NAME", "SPIEGEL_NATS_URL", "SPIEGEL_SUBJECT_PREFIX",
+		"SPIEGEL_PASSWORDS_FILE", "SPIEGEL_HTTP_ADDR", "SPIEGEL_LOG_LEVEL", "SPIEGEL_LOG_FORMAT", "SPIEGEL_CONCURRENCY",
+		"SPIEGEL_ACK_WAIT", "SPIEGEL_SOURCE"} {
+		assert.True(t, names[want], want)
+	}
+}
+
+func TestLoadErrorsNameTheVariable(t *testing.T) {
+	cases := []struct {
+		env  map[string]string
+		want string
+	}{
+		{map[string]string{}, "SPIEGEL_COUCHDB_URL is required"},
+		{map[string]string{"SPIEGEL_COUCHDB_URL": "ftp://x"}, "SPIEGEL_COUCHDB_URL"},
+		{map[string]string{"SPIEGEL_COUCHDB_URL": "http://x", "SPIEGEL_SOURCE": "magic"}, "SPIEGEL_SOURCE"},
+		{map[string]string{"SPIEGEL_COUCHDB_URL": "http://x", "SPIEGEL_ACK_WAIT": "soon"}, "SPIEGEL_ACK_WAIT"},
+		{map[string]string{"SPIEGEL_COUCHDB_URL": "http://x", "SPIEGEL_LOG_LEVEL": "loud"}, "SPIEGEL_LOG_LEVEL"},
+		{map[string]string{"SPIEGEL_COUCHDB_URL": "http://x", "SPIEGEL_SUBJECT_PREFIX": "a..b"}, "SPIEGEL_SUBJECT_PREFIX"},
+		{map[string]string{"SPIEGEL_COUCHDB_URL": "http://x", "SPIEGEL_START": "later"}, "SPIEGEL_START"},
+	}
+	for _, c := range cases {
+		for _, k := range []string{"SPIEGEL_COUCHDB_URL", "SPIEGEL_SOURCE", "SPIEGEL_ACK_WAIT", "SPIEGEL_LOG_LEVEL", "SPIEGEL_SUBJECT_PREFIX", "SPIEGEL_START"} {
+			t.Setenv(k, "")
+			os.Unsetenv(k)
+		}
+		for k, v := range c.env {
+			t.Setenv(k, v)
+		}
+		var p Producer
+		err := Load(&p)
+		require.Error(t, err, "%v", c.env)
+		assert.Contains(t, err.Error(), c.want)
+	}
+}
+
+func TestLoadDefaults(t *testing.T) {
+	t.Setenv("SPIEGEL_COUCHDB_URL", "http://admin:pw@127.0.0.1:5984")
+	var r Replicator
+	require.NoError(t, Load(&r))
+	assert.Equal(t, ":8081", r.HTTPAddr)
+	assert.Equal(t, 20, r.Concurrency)
+	assert.Equal(t, "spiegel", r.DBName)
+	var o OnChange
+	require.NoError(t, Load(&o))
+	assert.Equal(t, ":8082", o.HTTPAddr)
+	var buf bytes.Buffer
+	PrintHelp(&buf, "onchange — test", &o)
+	assert.Contains(t, buf.String(), "SPIEGEL_WEBHOOK_ALLOWED_HOSTS")
+	assert.Contains(t, buf.String(), "(required)")
+}

@@ -1,0 +1,82 @@
+package config
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"time"
+)
+
+// Consumer is what both consumer binaries share.
+type Consumer struct {
+	CouchDB
+	NATS
+	Log
+	Concurrency   int           `envconfig:"CONCURRENCY" default:"20" desc:"jobs one consumer process runs at once"`
+	PasswordsFile string        `envconfig:"PASSWORDS_FILE" desc:"JSON passwords file {\"host\": {\"user\": \"password\"}}; reloaded on SIGHUP"`
+	ShutdownGrace time.Duration `envconfig:"SHUTDOWN_GRACE" default:"20s" desc:"on SIGTERM, how long running jobs may take to finish before they are handed back"`
+	RetryInitial  time.Duration `envconfig:"RETRY_INITIAL" default:"1s" desc:"first redelivery delay of a job that failed transiently"`
+	RetryMax      time.Duration `envconfig:"RETRY_MAX" default:"5m" desc:"cap of the redelivery delay of a job that keeps failing"`
+}
+
+func (c *Consumer) validate() error {
+	var errs []error
+	errs = append(errs, c.CouchDB.validate(), c.NATS.validate(), c.Log.validate())
+	if c.Concurrency < 1 || c.Concurrency > 10000 {
+		errs = append(errs, fmt.Errorf("SPIEGEL_CONCURRENCY=%d: want 1 to 10000", c.Concurrency))
+	}
+	if c.PasswordsFile != "" {
+		if _, err := os.Stat(c.PasswordsFile); err != nil {
+			errs = append(errs, fmt.Errorf("SPIEGEL_PASSWORDS_FILE: %w", err))
+		}
+	}
+	errs = append(errs, positive("SPIEGEL_SHUTDOWN_GRACE", c.ShutdownGrace),
+		positive("SPIEGEL_RETRY_INITIAL", c.RetryInitial), positive("SPIEGEL_RETRY_MAX", c.RetryMax))
+	if c.RetryMax < c.RetryInitial {
+		errs = append(errs, fmt.Errorf("SPIEGEL_RETRY_MAX=%s: must not be below SPIEGEL_RETRY_INITIAL=%s", c.RetryMax, c.RetryInitial))
+	}
+	return errors.Join(errs...)
+}
+
+// Replicator is the configuration of the replicator binary.
+type Replicator struct {
+	Consumer
+	HTTPAddr           string        `envconfig:"HTTP_ADDR" default:":8081" desc:"health and metrics listener (empty: off)"`
+	ReplicationTimeout time.Duration `envconfig:"REPLICATION_TIMEOUT" default:"10m" desc:"longest one replication of one rule may run"`
+	Engine             string        `envconfig:"REPLICATION_ENGINE" default:"couchdb" desc:"engine of rules that name none: couchdb (POST /_replicate) or native"`
+}
+
+// Validate checks what envconfig cannot.
+func (c *Replicator) Validate() error {
+	errs := []error{c.Consumer.validate(), positive("SPIEGEL_REPLICATION_TIMEOUT", c.ReplicationTimeout)}
+	if c.Engine != "couchdb" && c.Engine != "native" {
+		errs = append(errs, fmt.Errorf("SPIEGEL_REPLICATION_ENGINE=%q: want couchdb or native", c.Engine))
+	}
+	return errors.Join(errs...)
+}
+
+// OnChange is the configuration of the onchange binary.
+type OnChange struct {
+	Consumer
+	HTTPAddr           string        `envconfig:"HTTP_ADDR" default:":8082" desc:"health and metrics listener (empty: off)"`
+	BatchSize          int           `envconfig:"CHANGES_BATCH" default:"100" desc:"changes read per _changes request"`
+	RequestConcurrency int           `envconfig:"REQUEST_CONCURRENCY" default:"10" desc:"requests in flight at once for one rule and db when block is false"`
+	WebhookTimeout     time.Duration `envconfig:"WEBHOOK_TIMEOUT" default:"30s" desc:"timeout of one webhook request (a rule's timeout wins)"`
+	AllowedHosts       []string      `envconfig:"WEBHOOK_ALLOWED_HOSTS" desc:"comma-separated hosts webhooks may call (empty: any); whoever writes rule docs can otherwise make the service call any URL"`
+	SignatureSecret    string        `envconfig:"WEBHOOK_SIGNATURE_SECRET" desc:"name of a secret in the passwords file; when set, requests carry X-Spiegel-Signature: sha256=<HMAC of the body>"`
+}
+
+// Validate checks what envconfig cannot.
+func (c *OnChange) Validate() error {
+	errs := []error{c.Consumer.validate(), positive("SPIEGEL_WEBHOOK_TIMEOUT", c.WebhookTimeout)}
+	if c.BatchSize < 1 || c.BatchSize > 10000 {
+		errs = append(errs, fmt.Errorf("SPIEGEL_CHANGES_BATCH=%d: want 1 to 10000", c.BatchSize))
+	}
+	if c.RequestConcurrency < 1 || c.RequestConcurrency > 1000 {
+		errs = append(errs, fmt.Errorf("SPIEGEL_REQUEST_CONCURRENCY=%d: want 1 to 1000", c.RequestConcurrency))
+	}
+	return errors.Join(errs...)
+}
+
+// LogSettings returns the logging part (consumer.Spec).
+func (c *Consumer) LogSettings() Log { return c.Log }

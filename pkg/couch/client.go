@@ -1,0 +1,349 @@
+// Package couch is the CouchDB client every binary uses: one HTTP transport (compression off, so
+// that continuous feeds stream on PouchDB Server too), a kivik client over it, a JSON request
+// helper with redacted errors, db listing and info, the _changes of one db, and the db-updates
+// feed in its three forms (_db_updates, _global_changes, polling).
+//
+// Sequence values are opaque strings end to end (see Seq). No error or log line of this package
+// holds the password of the configured URL.
+package couch
+
+import (
+	"bytes"
+	"context"
+	"crypto/tls"
+	"crypto/x509"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/url"
+	"os"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/go-kivik/kivik/v4"
+	"github.com/go-kivik/kivik/v4/couchdb"
+	"github.com/sirupsen/logrus"
+
+	"github.com/spiegel-nats/spiegel/pkg/backoff"
+	"github.com/spiegel-nats/spiegel/pkg/logging"
+)
+
+// DefaultRequestTimeout bounds every non-feed request made through Do when Config.RequestTimeout
+// is zero.
+const DefaultRequestTimeout = 30 * time.Second
+
+// Config of the watched server.
+type Config struct {
+	// URL is the base URL with admin credentials, e.g. http://admin:pw@127.0.0.1:5984. It may
+	// have a path prefix (a reverse proxy). Never log it: use Client.Redacted.
+	URL string
+	// CAFile is an optional PEM CA bundle trusted for https, in addition to the system roots.
+	CAFile string
+	// InsecureSkipVerify turns off TLS certificate verification (tests only).
+	InsecureSkipVerify bool
+	// RequestTimeout bounds each non-feed request made through Do; 0 means 30s.
+	RequestTimeout time.Duration
+}
+
+// Client talks to one CouchDB (or PouchDB Server). It is safe for concurrent use; all its HTTP
+// traffic, kivik's included, shares one connection pool.
+type Client struct {
+	log      logrus.FieldLogger
+	base     *url.URL // without user info, no trailing slash
+	user     *url.Userinfo
+	redacted string
+	timeout  time.Duration
+	http     *http.Client // no overall timeout: feeds
+	kivik    *kivik.Client
+	retry    backoff.Policy // reconnect policy of the feeds
+
+	serverMu sync.Mutex
+	server   *ServerInfo
+
+	noDBsInfo atomic.Bool  // the server lacks POST /_dbs_info
+	malformed atomic.Int64 // feed lines skipped because they did not decode
+}
+
+// New validates cfg and builds the client. It does not contact the server. The error for a bad
+// URL names the URL with its password redacted.
+func New(cfg Config, log logrus.FieldLogger) (*Client, error) {
+	if log == nil {
+		l := logrus.New()
+		l.SetOutput(io.Discard)
+		log = l
+	}
+	base, user, err := parseBaseURL(cfg.URL)
+	if err != nil {
+		return nil, err
+	}
+	tlsConf, err := tlsConfig(cfg)
+	if err != nil {
+		return nil, err
+	}
+	tr := &http.Transport{
+		Proxy:                 http.ProxyFromEnvironment,
+		DialContext:           (&net.Dialer{Timeout: 10 * time.Second, KeepAlive: 30 * time.Second}).DialContext,
+		TLSClientConfig:       tlsConf,
+		TLSHandshakeTimeout:   10 * time.Second,
+		DisableCompression:    true, // gzip stalls PouchDB Server's continuous feeds
+		MaxIdleConns:          256,
+		MaxIdleConnsPerHost:   64,
+		IdleConnTimeout:       90 * time.Second,
+		ExpectContinueTimeout: time.Second,
+	}
+	timeout := cfg.RequestTimeout
+	if timeout <= 0 {
+		timeout = DefaultRequestTimeout
+	}
+	c := &Client{
+		log:      log.WithField("component", "couch"),
+		base:     base,
+		user:     user,
+		redacted: logging.RedactURL(cfg.URL),
+		timeout:  timeout,
+		http:     &http.Client{Transport: tr},
+		retry:    backoff.Default,
+	}
+	// kivik gets its own http.Client over the same transport: its auth option wraps the
+	// client's transport, which must not leak into ours.
+	opts := []kivik.Option{
+		couchdb.OptionHTTPClient(&http.Client{Transport: tr}),
+		couchdb.OptionNoRequestCompression(),
+	}
+	if user != nil {
+		pw, _ := user.Password()
+		opts = append(opts, couchdb.BasicAuth(user.Username(), pw))
+	}
+	k, err := kivik.New("couch", base.String(), opts...)
+	if err != nil {
+		return nil, fmt.Errorf("create kivik client for %s: %w", c.redacted, redact(err))
+	}
+	c.kivik = k
+	return c, nil
+}
+
+// shownURL returns raw fit for an error message: redacted when it parses as a URL with a host,
+// otherwise with everything before its last '@' (where a password may hide) replaced.
+func shownURL(raw string) string {
+	if u, err := url.Parse(raw); err == nil && u.Host != "" {
+		return logging.RedactURL(raw)
+	}
+	if i := strings.LastIndex(raw, "@"); i >= 0 {
+		return "xxxxx" + raw[i:]
+	}
+	return logging.RedactText(raw)
+}
+
+func parseBaseURL(raw string) (*url.URL, *url.Userinfo, error) {
+	shown := shownURL(raw)
+	if strings.TrimSpace(raw) == "" {
+		return nil, nil, errors.New("couchdb url is empty")
+	}
+	u, err := url.Parse(raw)
+	if err != nil {
+		// url's error quotes the input: never wrap it.
+		return nil, nil, fmt.Errorf("couchdb url %q does not parse", shown)
+	}
+	if u.Scheme != "http" && u.Scheme != "https" {
+		return nil, nil, fmt.Errorf("couchdb url %q: scheme must be http or https", shown)
+	}
+	if u.Host == "" {
+		return nil, nil, fmt.Errorf("couchdb url %q: no host", shown)
+	}
+	if u.RawQuery != "" || u.Fragment != "" {
+		return nil, nil, fmt.Errorf("couchdb url %q: must not have a query or fragment", shown)
+	}
+	user := u.User
+	u.User = nil
+	u.Path = strings.TrimRight(u.Path, "/")
+	u.RawPath = strings.TrimRight(u.RawPath, "/")
+	return u, user, nil
+}
+
+func tlsConfig(cfg Config) (*tls.Config, error) {
+	tc := &tls.Config{MinVersion: tls.VersionTLS12, InsecureSkipVerify: cfg.InsecureSkipVerify} //nolint:gosec // opt-in
+	if cfg.CAFile == "" {
+		return tc, nil
+	}
+	pem, err := os.ReadFile(cfg.CAFile)
+	if err != nil {
+		return nil, fmt.Errorf("read couchdb CA file: %w", err)
+	}
+	pool, err := x509.SystemCertPool()
+	if err != nil || pool == nil {
+		pool = x509.NewCertPool()
+	}
+	if !pool.AppendCertsFromPEM(pem) {
+		return nil, fmt.Errorf("couchdb CA file %s holds no PEM certificate", cfg.CAFile)
+	}
+	tc.RootCAs = pool
+	return tc, nil
+}
+
+// Kivik returns the kivik client over the shared transport. kivik calls have no timeout of
+// their own: give them a context deadline.
+func (c *Client) Kivik() *kivik.Client { return c.kivik }
+
+// HTTPClient returns the plain HTTP client over the shared transport, with no overall timeout
+// (feeds use it). Requests to URLs built from BaseURL carry its credentials; NewRequest does the
+// same without putting them in the URL.
+func (c *Client) HTTPClient() *http.Client { return c.http }
+
+// BaseURL returns a copy of the server URL with its credentials. Never log it.
+func (c *Client) BaseURL() *url.URL {
+	u := *c.base
+	if c.user != nil {
+		uu := *c.user
+		u.User = &uu
+	}
+	return &u
+}
+
+// Redacted returns the server URL with its password replaced: safe for logs and errors.
+func (c *Client) Redacted() string { return c.redacted }
+
+// MalformedLines returns how many feed lines were skipped, since the client was built, because
+// they did not decode.
+func (c *Client) MalformedLines() int64 { return c.malformed.Load() }
+
+// DBPath returns the request path of db: "/" and the name escaped as one path segment ('/'
+// becomes %2F; '+' becomes %2B so that no server reads it as a space).
+func (c *Client) DBPath(db string) string {
+	return "/" + strings.ReplaceAll(url.PathEscape(db), "+", "%2B")
+}
+
+// NewRequest builds a request for path (already escaped, starting with "/") and query on the
+// server, with the credentials as a Basic Authorization header (never in the URL), Accept JSON,
+// and Content-Type JSON when body is not nil.
+func (c *Client) NewRequest(ctx context.Context, method, path string, query url.Values, body io.Reader) (*http.Request, error) {
+	target := c.base.String() + path
+	if len(query) > 0 {
+		target += "?" + query.Encode()
+	}
+	req, err := http.NewRequestWithContext(ctx, method, target, body)
+	if err != nil {
+		return nil, fmt.Errorf("build request %s %s: %w", method, path, redact(err))
+	}
+	if c.user != nil {
+		pw, _ := c.user.Password()
+		req.SetBasicAuth(c.user.Username(), pw)
+	}
+	req.Header.Set("Accept", "application/json")
+	if body != nil {
+		req.Header.Set("Content-Type", "application/json")
+	}
+	return req, nil
+}
+
+// send performs req and turns a status >= 300 into an *HTTPError (closing the body). On success
+// the caller owns resp.Body.
+func (c *Client) send(req *http.Request, path string) (*http.Response, error) {
+	resp, err := c.http.Do(req)
+	if err != nil {
+		var ue *url.Error
+		if errors.As(err, &ue) {
+			err = ue.Err // its message would repeat method and URL
+		}
+		return nil, redact(fmt.Errorf("%s %s: %w", req.Method, path, err))
+	}
+	if resp.StatusCode >= 300 {
+		he := readHTTPError(resp, req.Method, path)
+		_ = resp.Body.Close()
+		return nil, he
+	}
+	return resp, nil
+}
+
+// Do sends one JSON request and decodes the answer into out (nil: discard it). path is already
+// escaped (see DBPath); body is nil, an io.Reader or []byte sent as is, or any value encoded as
+// JSON. The request ends after Config.RequestTimeout. A status >= 300 returns an *HTTPError
+// (errors.Is(err, ErrNotFound) for 404); every error is redacted.
+func (c *Client) Do(ctx context.Context, method, path string, query url.Values, body any, out any) error {
+	ctx, cancel := context.WithTimeout(ctx, c.timeout)
+	defer cancel()
+	rd, err := encodeBody(body)
+	if err != nil {
+		return fmt.Errorf("encode body of %s %s: %w", method, path, err)
+	}
+	req, err := c.NewRequest(ctx, method, path, query, rd)
+	if err != nil {
+		return err
+	}
+	resp, err := c.send(req, path)
+	if err != nil {
+		return err
+	}
+	defer func() {
+		_, _ = io.Copy(io.Discard, io.LimitReader(resp.Body, 1<<20))
+		_ = resp.Body.Close()
+	}()
+	if out == nil {
+		return nil
+	}
+	if err := json.NewDecoder(resp.Body).Decode(out); err != nil {
+		return redact(fmt.Errorf("decode answer of %s %s: %w", method, path, err))
+	}
+	return nil
+}
+
+func encodeBody(body any) (io.Reader, error) {
+	switch b := body.(type) {
+	case nil:
+		return nil, nil
+	case io.Reader:
+		return b, nil
+	case []byte:
+		return bytes.NewReader(b), nil
+	case json.RawMessage:
+		return bytes.NewReader(b), nil
+	default:
+		data, err := json.Marshal(body)
+		if err != nil {
+			return nil, err
+		}
+		return bytes.NewReader(data), nil
+	}
+}
+
+// ServerInfo describes the server from its welcome document (GET /).
+type ServerInfo struct {
+	Vendor  string // vendor.name, e.g. "The Apache Software Foundation", "PouchDB authors"
+	Version string // e.g. "3.3.3", "4.2.0"
+	PouchDB bool   // PouchDB Server (express-pouchdb)
+	CouchDB bool   // Apache CouchDB (or a compatible server that is not PouchDB)
+	Major   int    // leading number of Version, 0 when it has none
+}
+
+// Server returns the server's welcome info. The first success is cached for the client's life;
+// failures are not.
+func (c *Client) Server(ctx context.Context) (ServerInfo, error) {
+	c.serverMu.Lock()
+	defer c.serverMu.Unlock()
+	if c.server != nil {
+		return *c.server, nil
+	}
+	var root struct {
+		CouchDB string `json:"couchdb"`
+		PouchDB string `json:"express-pouchdb"`
+		Version string `json:"version"`
+		Vendor  struct {
+			Name string `json:"name"`
+		} `json:"vendor"`
+	}
+	if err := c.Do(ctx, http.MethodGet, "/", nil, nil, &root); err != nil {
+		return ServerInfo{}, fmt.Errorf("read server info of %s: %w", c.redacted, err)
+	}
+	info := ServerInfo{Vendor: root.Vendor.Name, Version: root.Version}
+	info.PouchDB = root.PouchDB != "" || strings.Contains(root.Vendor.Name, "PouchDB")
+	info.CouchDB = !info.PouchDB && root.CouchDB != ""
+	major, _, _ := strings.Cut(root.Version, ".")
+	info.Major, _ = strconv.Atoi(major)
+	c.server = &info
+	return info, nil
+}

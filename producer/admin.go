@@ -1,0 +1,306 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"regexp"
+	"sort"
+	"sync/atomic"
+	"text/tabwriter"
+	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/sirupsen/logrus"
+
+	"github.com/spiegel-nats/spiegel/pkg/checkpoint"
+	"github.com/spiegel-nats/spiegel/pkg/config"
+	"github.com/spiegel-nats/spiegel/pkg/events"
+	"github.com/spiegel-nats/spiegel/pkg/natsjs"
+	"github.com/spiegel-nats/spiegel/pkg/rulefeed"
+	"github.com/spiegel-nats/spiegel/pkg/rules"
+)
+
+// loadRules reads the rule set once.
+func loadRules(ctx context.Context, d *deps, log logrus.FieldLogger) (*rules.Set, error) {
+	set := rules.NewSet()
+	rf := &rulefeed.Follower{Couch: d.couch, DB: d.cfg.DBName, Set: set, Log: log}
+	if _, err := rf.Load(ctx); err != nil {
+		return nil, err
+	}
+	return set, nil
+}
+
+// progress prints "scanned N dbs, enqueued M jobs" to w at most every second and at the end.
+type progress struct {
+	scanned, enqueued, deduped atomic.Int64
+	last                       time.Time
+}
+
+func (p *progress) print(c cmdIO, final bool) {
+	if !final && time.Since(p.last) < time.Second {
+		return
+	}
+	p.last = time.Now()
+	fmt.Fprintf(c.stderr, "scanned %d dbs, enqueued %d jobs (%d were already pending)\n",
+		p.scanned.Load(), p.enqueued.Load(), p.deduped.Load())
+}
+
+// enqueueDBs publishes a job per matching group for every db accepted by match, settling the
+// publishes in windows of 256.
+func enqueueDBs(ctx context.Context, d *deps, match func(db string) []events.Group, reason string, pr *progress, cio cmdIO) error {
+	jobs := natsjs.NewJobs(d.js, d.topo.Subjects)
+	type inflight struct {
+		g events.Group
+		j events.Job
+		f jetstream.PubAckFuture
+	}
+	var window []inflight
+	flush := func() error {
+		for _, w := range window {
+			var err error
+			select {
+			case <-w.f.Ok():
+			case err = <-w.f.Err():
+			case <-ctx.Done():
+				return ctx.Err()
+			}
+			if err != nil && !natsjs.IsDuplicateJob(err) {
+				// One synchronous retry path handles transient failures.
+				dedup, perr := jobs.Publish(ctx, w.g, w.j)
+				if perr != nil {
+					return perr
+				}
+				if dedup {
+					err = perr
+					pr.deduped.Add(1)
+					continue
+				}
+			}
+			if natsjs.IsDuplicateJob(err) {
+				pr.deduped.Add(1)
+				continue
+			}
+			pr.enqueued.Add(1)
+		}
+		window = window[:0]
+		return nil
+	}
+	err := d.couch.EachDB(ctx, func(db string) error {
+		pr.scanned.Add(1)
+		for _, g := range match(db) {
+			j := events.Job{DB: db, Reason: reason, At: time.Now().UTC()}
+			f, err := jobs.PublishAsync(g, j)
+			if err != nil {
+				return err
+			}
+			window = append(window, inflight{g, j, f})
+		}
+		if len(window) >= 256 {
+			if err := flush(); err != nil {
+				return err
+			}
+			pr.print(cio, false)
+		}
+		return nil
+	})
+	if err != nil {
+		return err
+	}
+	if err := flush(); err != nil {
+		return err
+	}
+	pr.print(cio, true)
+	return nil
+}
+
+// runResync enqueues a job for every db that a rule (and --db) matches.
+func runResync(ctx context.Context, cfg *config.Producer, log *logrus.Logger, cio cmdIO) error {
+	fs := flag.NewFlagSet("resync", flag.ContinueOnError)
+	fs.SetOutput(cio.stderr)
+	dbRE := fs.String("db", "", "only dbs matching this RE2 regex")
+	if err := fs.Parse(cio.args); err != nil {
+		return usageError{err}
+	}
+	var re *regexp.Regexp
+	if *dbRE != "" {
+		var err error
+		if re, err = regexp.Compile(*dbRE); err != nil {
+			return usageError{fmt.Errorf("--db %q: %w", *dbRE, err)}
+		}
+	}
+	d, err := connect(ctx, cfg, log, 1024)
+	if err != nil {
+		return err
+	}
+	defer func() { _ = d.nc.Drain() }()
+	if err := natsjs.CheckInstalled(ctx, d.js, d.topo); err != nil {
+		return err
+	}
+	set, err := loadRules(ctx, d, log.WithField("component", "rules"))
+	if err != nil {
+		return err
+	}
+	var pr progress
+	return enqueueDBs(ctx, d, func(db string) []events.Group {
+		if db == cfg.DBName || systemDBs[db] || re != nil && !re.MatchString(db) {
+			return nil
+		}
+		return set.Groups(db).Groups()
+	}, events.ReasonResync, &pr, cio)
+}
+
+// runReplay resets an on_change rule's checkpoints and enqueues the dbs.
+func runReplay(ctx context.Context, cfg *config.Producer, log *logrus.Logger, cio cmdIO) error {
+	fs := flag.NewFlagSet("replay", flag.ContinueOnError)
+	fs.SetOutput(cio.stderr)
+	ruleID := fs.String("rule", "", "the on_change rule to replay (required)")
+	dbRE := fs.String("db", "", "only dbs matching this RE2 regex")
+	since := fs.String("since", "", "restart from this seq instead of the beginning")
+	if err := fs.Parse(cio.args); err != nil {
+		return usageError{err}
+	}
+	if *ruleID == "" {
+		return usageError{errors.New("--rule is required")}
+	}
+	var re *regexp.Regexp
+	if *dbRE != "" {
+		var err error
+		if re, err = regexp.Compile(*dbRE); err != nil {
+			return usageError{fmt.Errorf("--db %q: %w", *dbRE, err)}
+		}
+	}
+	d, err := connect(ctx, cfg, log, 1024)
+	if err != nil {
+		return err
+	}
+	defer func() { _ = d.nc.Drain() }()
+	if err := natsjs.CheckInstalled(ctx, d.js, d.topo); err != nil {
+		return err
+	}
+	set, err := loadRules(ctx, d, log.WithField("component", "rules"))
+	if err != nil {
+		return err
+	}
+	r, ok := set.Rule(*ruleID)
+	if !ok || r.Kind() != rules.KindOnChange {
+		return fmt.Errorf("replay: no valid on_change rule %q in %s", *ruleID, cfg.DBName)
+	}
+	store := checkpoint.NewStore(d.couch.Kivik().DB(cfg.DBName))
+	var pr progress
+	return enqueueDBs(ctx, d, func(db string) []events.Group {
+		if db == cfg.DBName || systemDBs[db] || !r.MatchesDB(db) || re != nil && !re.MatchString(db) {
+			return nil
+		}
+		var err error
+		if *since == "" {
+			err = store.DeleteOnChange(ctx, r.ID(), db)
+		} else {
+			err = store.SaveOnChange(ctx, checkpoint.OnChange{Rule: r.ID(), DB: db, LastSeq: *since})
+		}
+		if err != nil {
+			log.WithFields(logrus.Fields{"rule": r.ID(), "db": db}).WithError(err).Warn("reset checkpoint")
+			return nil
+		}
+		return []events.Group{events.GroupOnChange}
+	}, events.ReasonResync, &pr, cio)
+}
+
+// statusReport is what `producer status` prints.
+type statusReport struct {
+	Rules struct {
+		Replicators int               `json:"replicators"`
+		OnChanges   int               `json:"on_changes"`
+		Disabled    int               `json:"disabled"`
+		Rejected    map[string]string `json:"rejected"`
+	} `json:"rules"`
+	Groups      map[string]groupStatus `json:"groups"`
+	DeadLetters uint64                 `json:"dead_letters"`
+	Position    *checkpoint.Position   `json:"producer_position,omitempty"`
+}
+
+type groupStatus struct {
+	Pending     uint64 `json:"pending"`
+	InFlight    int    `json:"in_flight"`
+	Redelivered int    `json:"redelivered"`
+}
+
+// runStatus reports rules, jobs and the producer's position. It prints nothing secret.
+func runStatus(ctx context.Context, cfg *config.Producer, log *logrus.Logger, cio cmdIO) error {
+	fs := flag.NewFlagSet("status", flag.ContinueOnError)
+	fs.SetOutput(cio.stderr)
+	asJSON := fs.Bool("json", false, "print JSON")
+	if err := fs.Parse(cio.args); err != nil {
+		return usageError{err}
+	}
+	d, err := connect(ctx, cfg, log, 16)
+	if err != nil {
+		return err
+	}
+	defer d.nc.Close()
+	if err := natsjs.CheckInstalled(ctx, d.js, d.topo, events.Groups...); err != nil {
+		return err
+	}
+	set, err := loadRules(ctx, d, logrus.NewEntry(discardLogger()))
+	if err != nil {
+		return err
+	}
+	var rep statusReport
+	st := set.Stats()
+	rep.Rules.Replicators, rep.Rules.OnChanges, rep.Rules.Disabled = st.Replicators, st.OnChanges, st.Disabled
+	rep.Rules.Rejected = st.RejectedIDs
+	rep.Groups = map[string]groupStatus{}
+	for _, g := range events.Groups {
+		c, err := d.js.Consumer(ctx, d.topo.Subjects.WorkStream(), g.ConsumerName())
+		if err != nil {
+			return fmt.Errorf("read consumer %s: %w", g.ConsumerName(), err)
+		}
+		info, err := c.Info(ctx)
+		if err != nil {
+			return fmt.Errorf("read consumer %s: %w", g.ConsumerName(), err)
+		}
+		rep.Groups[string(g)] = groupStatus{Pending: info.NumPending, InFlight: info.NumAckPending, Redelivered: info.NumRedelivered}
+	}
+	if s, err := d.js.Stream(ctx, d.topo.Subjects.DeadLetterStream()); err == nil {
+		rep.DeadLetters = s.CachedInfo().State.Msgs
+	}
+	if pos, err := checkpoint.NewStore(d.couch.Kivik().DB(cfg.DBName)).Position(ctx); err == nil {
+		rep.Position = &pos
+	}
+	if *asJSON {
+		enc := json.NewEncoder(cio.stdout)
+		enc.SetIndent("", "  ")
+		return enc.Encode(rep)
+	}
+	w := tabwriter.NewWriter(cio.stdout, 2, 4, 2, ' ', 0)
+	fmt.Fprintf(w, "rules\treplicator %d, on_change %d, disabled %d, rejected %d\n",
+		rep.Rules.Replicators, rep.Rules.OnChanges, rep.Rules.Disabled, len(rep.Rules.Rejected))
+	ids := make([]string, 0, len(rep.Rules.Rejected))
+	for id := range rep.Rules.Rejected {
+		ids = append(ids, id)
+	}
+	sort.Strings(ids)
+	for _, id := range ids {
+		fmt.Fprintf(w, "  rejected\t%s\n", rep.Rules.Rejected[id])
+	}
+	for _, g := range events.Groups {
+		gs := rep.Groups[string(g)]
+		fmt.Fprintf(w, "jobs %s\tpending %d, in flight %d, redelivered %d\n", g, gs.Pending, gs.InFlight, gs.Redelivered)
+	}
+	fmt.Fprintf(w, "dead letters\t%d\n", rep.DeadLetters)
+	if rep.Position != nil {
+		fmt.Fprintf(w, "producer position\t%s (source %s, saved %s ago)\n", rep.Position.LastSeq, rep.Position.Source,
+			time.Since(rep.Position.UpdatedAt).Round(time.Second))
+	} else {
+		fmt.Fprintln(w, "producer position\tnone saved yet")
+	}
+	return w.Flush()
+}
+
+func discardLogger() *logrus.Logger {
+	l := logrus.New()
+	l.SetLevel(logrus.PanicLevel)
+	return l
+}

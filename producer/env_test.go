@@ -1,0 +1,210 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"os"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/sirupsen/logrus"
+	"github.com/stretchr/testify/require"
+
+	"github.com/spiegel-nats/spiegel/pkg/config"
+	"github.com/spiegel-nats/spiegel/pkg/couchtest"
+	"github.com/spiegel-nats/spiegel/pkg/events"
+	"github.com/spiegel-nats/spiegel/pkg/natstest"
+)
+
+// TestMain lets the test binary act as the producer binary, so crash tests can SIGKILL a real
+// producer process without a separate build step.
+func TestMain(m *testing.M) {
+	if os.Getenv("SPIEGEL_TEST_AS_PRODUCER") == "1" {
+		main()
+		return
+	}
+	os.Exit(m.Run())
+}
+
+// env is one isolated Spiegel installation: its own NATS server, spiegel db and db-name prefix
+// on the shared test CouchDB.
+type env struct {
+	couch  *couchtest.Server
+	nats   *natstest.Server
+	js     jetstream.JetStream
+	cfg    config.Producer
+	prefix string // every db of this test starts with it
+	logs   *syncBuffer
+}
+
+// syncBuffer collects log output from several goroutines.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}
+
+func newEnv(t *testing.T) *env {
+	t.Helper()
+	cs := couchtest.Get(t)
+	ns := natstest.Start(t)
+	_, js := ns.Connect(t)
+	e := &env{couch: cs, nats: ns, js: js, logs: &syncBuffer{}}
+	e.prefix = couchtest.UniqueName(t, "p") + "_"
+	e.cfg = config.Producer{
+		CouchDB: config.CouchDB{CouchDBURL: cs.URL, DBName: e.prefix + "spiegel", CouchDBTimeout: 30 * time.Second},
+		NATS:    config.NATS{NATSURL: ns.URL(), SubjectPrefix: "spiegel", StreamReplicas: 1, AckWait: 60 * time.Second},
+		Log:     config.Log{LogLevel: "debug", LogFormat: "json"},
+		Source:  "auto", Start: "beginning", FeedHeartbeat: 2 * time.Second, PollInterval: 200 * time.Millisecond,
+		SweepInterval: 10 * time.Minute, PositionSaveInterval: 200 * time.Millisecond, MaxInflight: 256,
+		ShutdownGrace: 5 * time.Second,
+	}
+	cs.Cleanup(t, e.cfg.DBName)
+	out := e.run(t, "install")
+	require.Contains(t, out, "install complete")
+	return e
+}
+
+func (e *env) logger(t *testing.T) *logrus.Logger {
+	l := logrus.New()
+	l.SetOutput(e.logs)
+	l.SetLevel(logrus.DebugLevel)
+	l.SetFormatter(&logrus.JSONFormatter{})
+	t.Cleanup(func() {
+		if t.Failed() {
+			t.Logf("producer logs:\n%s", tail(e.logs.String(), 60))
+		}
+	})
+	return l
+}
+
+func tail(s string, n int) string {
+	lines := strings.Split(s, "\n")
+	if len(lines) > n {
+		lines = lines[len(lines)-n:]
+	}
+	return strings.Join(lines, "\n")
+}
+
+// run runs an admin command in-process and returns its stdout; it fails the test on error.
+func (e *env) run(t *testing.T, cmd string, args ...string) string {
+	t.Helper()
+	var out, errOut bytes.Buffer
+	fn := commands[cmd]
+	require.NotNil(t, fn, cmd)
+	cfg := e.cfg
+	err := fn(t.Context(), &cfg, e.logger(t), cmdIO{args: args, stdin: strings.NewReader(""), stdout: &out, stderr: &errOut})
+	require.NoError(t, err, "producer %s: %s", cmd, errOut.String())
+	return out.String() + errOut.String()
+}
+
+// startProducer runs a producer in-process until the returned stop function is called.
+func (e *env) startProducer(t *testing.T) (stop func()) {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	cfg := e.cfg
+	log := e.logger(t)
+	go func() { done <- runProducer(ctx, &cfg, log) }()
+	var once sync.Once
+	stop = func() {
+		once.Do(func() {
+			cancel()
+			select {
+			case err := <-done:
+				require.NoError(t, err)
+			case <-time.After(30 * time.Second):
+				t.Error("producer did not stop within 30s")
+			}
+		})
+	}
+	t.Cleanup(stop)
+	return stop
+}
+
+// putRule writes a rule doc into the spiegel db.
+func (e *env) putRule(t *testing.T, id string, doc map[string]any) string {
+	t.Helper()
+	return e.couch.Put(t, e.cfg.DBName, id, doc)
+}
+
+// deleteDoc deletes a doc with a plain DELETE (a tombstone without a body).
+func (e *env) deleteDoc(t *testing.T, db, id, rev string) {
+	t.Helper()
+	require.NoError(t, e.couch.Do(t, "DELETE", "/"+couchtest.PathDB(db)+"/"+id+"?rev="+rev, nil, nil))
+}
+
+// pending returns the number of pending messages per work subject.
+func (e *env) pending(t *testing.T) map[string]uint64 {
+	t.Helper()
+	s, err := e.js.Stream(t.Context(), "SPIEGEL_WORK")
+	require.NoError(t, err)
+	info, err := s.Info(t.Context(), jetstream.WithSubjectFilter("spiegel.work.>"))
+	require.NoError(t, err)
+	out := map[string]uint64{}
+	for k, v := range info.State.Subjects {
+		out[k] = v
+	}
+	return out
+}
+
+func work(g events.Group, db string) string { return events.NewSubjects("").Work(g, db) }
+
+// waitJob waits until a job for (g, db) is pending.
+func (e *env) waitJob(t *testing.T, g events.Group, db string, within time.Duration) {
+	t.Helper()
+	require.Eventually(t, func() bool { return e.pending(t)[work(g, db)] == 1 }, within, 50*time.Millisecond,
+		"no %s job for %s within %s", g, db, within)
+}
+
+// purge empties the work stream.
+func (e *env) purge(t *testing.T) {
+	t.Helper()
+	s, err := e.js.Stream(t.Context(), "SPIEGEL_WORK")
+	require.NoError(t, err)
+	require.NoError(t, s.Purge(t.Context()))
+}
+
+// writeDocs writes n docs to db with `workers` parallel writers.
+func (e *env) writeDocs(t *testing.T, db string, n, workers int) {
+	t.Helper()
+	var wg sync.WaitGroup
+	errs := make(chan error, n)
+	ch := make(chan int)
+	for range workers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := range ch {
+				_, err := e.couch.Client.DB(db).Put(context.Background(), fmt.Sprintf("doc%05d", i), map[string]any{"n": i})
+				if err != nil {
+					errs <- err
+				}
+			}
+		}()
+	}
+	for i := range n {
+		ch <- i
+	}
+	close(ch)
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		require.NoError(t, err)
+	}
+}

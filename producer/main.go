@@ -1,0 +1,139 @@
+// Command producer tails CouchDB's db updates and publishes one deduplicated job per (group, db)
+// to the JetStream work queue. Its subcommands install, uninstall, resync, replay and report the
+// status of a Spiegel installation.
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"os/signal"
+	"syscall"
+
+	"github.com/sirupsen/logrus"
+
+	"github.com/spiegel-nats/spiegel/pkg/config"
+	"github.com/spiegel-nats/spiegel/pkg/logging"
+	"github.com/spiegel-nats/spiegel/pkg/natsjs"
+)
+
+const usage = `producer — Spiegel for NATS: CouchDB db updates → deduplicated JetStream jobs
+
+Usage:
+  producer                 run the producer (tail db updates, publish jobs)
+  producer install         create the spiegel db, its validation, _global_changes, streams and consumers
+  producer uninstall       remove streams and consumers (and the spiegel db unless --keep-db); asks first unless --yes
+  producer resync          enqueue a job for every db a rule matches [--db REGEX]
+  producer replay          dispatch an on_change rule's history again: --rule ID [--db REGEX] [--since SEQ]
+  producer status          rules loaded and rejected, pending and in-flight jobs, producer position [--json]
+
+Every command accepts --help and --version.`
+
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
+	code := realMain(ctx, os.Args[1:], os.Stdin, os.Stdout, os.Stderr)
+	stop()
+	os.Exit(code)
+}
+
+// realMain runs one command and returns the process exit code.
+func realMain(ctx context.Context, args []string, stdin io.Reader, stdout, stderr io.Writer) int {
+	cmd := ""
+	if len(args) > 0 && len(args[0]) > 0 && args[0][0] != '-' {
+		cmd, args = args[0], args[1:]
+	}
+	var cfg config.Producer
+	for _, a := range args {
+		switch a {
+		case "--help", "-h", "-help":
+			printHelp(stdout, cmd, &cfg)
+			return 0
+		case "--version", "-version":
+			fmt.Fprintln(stdout, "producer", config.Version)
+			return 0
+		}
+	}
+	run, ok := commands[cmd]
+	if !ok {
+		fmt.Fprintf(stderr, "producer: unknown command %q\n\n%s\n", cmd, usage)
+		return 2
+	}
+	if err := config.Load(&cfg); err != nil {
+		fmt.Fprintf(stderr, "producer: %v\n(run `producer --help` for every variable)\n", err)
+		return 2
+	}
+	log, err := logging.New(cfg.LogLevel, cfg.LogFormat, stderr)
+	if err != nil {
+		fmt.Fprintf(stderr, "producer: %v\n", err)
+		return 2
+	}
+	err = run(ctx, &cfg, log, cmdIO{args: args, stdin: stdin, stdout: stdout, stderr: stderr})
+	if err == nil {
+		return 0
+	}
+	var uerr usageError
+	if errors.As(err, &uerr) {
+		fmt.Fprintf(stderr, "producer %s: %v\n", cmd, err)
+		return 2
+	}
+	msg := logging.RedactText(err.Error())
+	if errors.Is(err, natsjs.ErrNotInstalled) {
+		fmt.Fprintf(stderr, "producer: %s\nRun `producer install` to create the spiegel db, streams and consumers.\n", msg)
+		return 1
+	}
+	log.WithField("component", "producer").Error(msg)
+	return 1
+}
+
+// cmdIO is what a command reads and writes besides its configuration.
+type cmdIO struct {
+	args           []string
+	stdin          io.Reader
+	stdout, stderr io.Writer
+}
+
+type command func(ctx context.Context, cfg *config.Producer, log *logrus.Logger, io cmdIO) error
+
+var commands = map[string]command{
+	"": func(ctx context.Context, cfg *config.Producer, log *logrus.Logger, io cmdIO) error {
+		if len(io.args) > 0 {
+			return usageError{fmt.Errorf("unexpected arguments %q", io.args)}
+		}
+		return runProducer(ctx, cfg, log)
+	},
+	"install":   runInstall,
+	"uninstall": runUninstall,
+	"resync":    runResync,
+	"replay":    runReplay,
+	"status":    runStatus,
+}
+
+// usageError marks a bad command line (exit code 2).
+type usageError struct{ error }
+
+var commandHelp = map[string]string{
+	"install": `producer install — create or update everything Spiegel needs (idempotent; safe to run twice or concurrently):
+  the spiegel db with admin-only security and a validate_doc_update that rejects invalid rule docs,
+  _global_changes on CouchDB 2/3 when missing, the JetStream streams (work, dead letters, changes)
+  and the durable consumers "replicator" and "onchange".`,
+	"uninstall": `producer uninstall [--yes] [--keep-db] — delete the streams and consumers and the spiegel db
+  (rules and checkpoints). Asks for confirmation on the terminal unless --yes. --keep-db keeps the
+  spiegel db and its rules.`,
+	"resync": `producer resync [--db REGEX] — enqueue a job for every db that a rule matches (and REGEX, an
+  RE2 regex, when given), with a progress display. Jobs already pending are deduplicated.`,
+	"replay": `producer replay --rule ID [--db REGEX] [--since SEQ] — reset the checkpoints of the on_change rule
+  ID (in the dbs it matches, optionally only those matching REGEX) to the beginning or to SEQ, and
+  enqueue those dbs, so the rule's history is dispatched again.`,
+	"status": `producer status [--json] — rules loaded and rejected (with reasons), pending and in-flight jobs
+  per group, dead letters, and the producer's saved position.`,
+}
+
+func printHelp(w io.Writer, cmd string, cfg *config.Producer) {
+	text := usage
+	if h, ok := commandHelp[cmd]; ok {
+		text = h
+	}
+	config.PrintHelp(w, text, cfg)
+}

@@ -1,0 +1,45 @@
+package main
+
+import (
+	"github.com/spiegel-nats/spiegel/pkg/events"
+	"github.com/spiegel-nats/spiegel/pkg/metrics"
+)
+
+// producerMetrics adapts metrics.Producer; its zero value records nothing (admin commands).
+type producerMetrics struct{ m *metrics.Producer }
+
+func (p producerMetrics) published(g events.Group) {
+	if p.m != nil {
+		p.m.JobsPublished.WithLabelValues(string(g)).Inc()
+	}
+}
+
+func (p producerMetrics) deduplicated(g events.Group) {
+	if p.m != nil {
+		p.m.JobsDeduped.WithLabelValues(string(g)).Inc()
+	}
+}
+
+func (p producerMetrics) publishError(g events.Group) {
+	if p.m != nil {
+		p.m.PublishErrors.WithLabelValues(string(g)).Inc()
+	}
+}
+
+func (p producerMetrics) feedEvent(typ string) {
+	if p.m != nil {
+		p.m.FeedEvents.WithLabelValues(typ).Inc()
+	}
+}
+
+func (p producerMetrics) feedError() {
+	if p.m != nil {
+		p.m.FeedReconnects.Inc()
+	}
+}
+
+func (p producerMetrics) sweepEnqueued() {
+	if p.m != nil {
+		p.m.SweepEnqueued.Inc()
+	}
+}

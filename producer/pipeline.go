@@ -1,0 +1,224 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/sirupsen/logrus"
+
+	"github.com/spiegel-nats/spiegel/pkg/backoff"
+	"github.com/spiegel-nats/spiegel/pkg/events"
+	"github.com/spiegel-nats/spiegel/pkg/natsjs"
+)
+
+// publisher is the producer's publish pipeline. Enqueue publishes a position's jobs
+// asynchronously (many in flight); a single settling goroutine reads the answers in enqueue
+// order, republishes what failed until it succeeds, and only then advances the safe position.
+// So Safe() never passes a seq whose jobs are not all acknowledged by JetStream (SPEC §4.5).
+type publisher struct {
+	jobs    *natsjs.Jobs
+	log     logrus.FieldLogger
+	metrics producerMetrics
+	pending chan *batch
+
+	mu   sync.Mutex
+	safe string
+	// settled counts batches fully settled; enqueued counts batches handed in. Equal → idle.
+	settled  atomic.Int64
+	enqueued atomic.Int64
+	done     chan struct{}
+}
+
+// batch is one feed position and the publishes it caused.
+type batch struct {
+	seq     string
+	hasSeq  bool
+	jobs    []pendingJob
+	settled chan struct{} // closed when settled, if the caller wants to wait (may be nil)
+}
+
+type pendingJob struct {
+	group  events.Group
+	job    events.Job
+	future jetstream.PubAckFuture
+	err    error // from PublishAsync itself
+}
+
+func newPublisher(jobs *natsjs.Jobs, maxInflight int, m producerMetrics, log logrus.FieldLogger) *publisher {
+	return &publisher{
+		jobs:    jobs,
+		log:     log,
+		metrics: m,
+		pending: make(chan *batch, maxInflight),
+		done:    make(chan struct{}),
+	}
+}
+
+// Enqueue publishes one job per group for db and records seq (when hasSeq) as reached once they
+// are acknowledged. It blocks when maxInflight batches are unsettled (back-pressure on the feed).
+func (p *publisher) Enqueue(ctx context.Context, seq string, hasSeq bool, db, reason string, groups []events.Group) error {
+	b := &batch{seq: seq, hasSeq: hasSeq}
+	if len(groups) > 0 {
+		now := time.Now().UTC()
+		b.jobs = make([]pendingJob, len(groups))
+		for i, g := range groups {
+			j := events.Job{DB: db, Reason: reason, Seq: seq, At: now}
+			f, err := p.jobs.PublishAsync(g, j)
+			b.jobs[i] = pendingJob{group: g, job: j, future: f, err: err}
+		}
+	}
+	return p.push(ctx, b)
+}
+
+// EnqueueWait is Enqueue that waits until the jobs are settled.
+func (p *publisher) EnqueueWait(ctx context.Context, db, reason string, groups []events.Group) error {
+	b := &batch{settled: make(chan struct{})}
+	now := time.Now().UTC()
+	for _, g := range groups {
+		j := events.Job{DB: db, Reason: reason, At: now}
+		f, err := p.jobs.PublishAsync(g, j)
+		b.jobs = append(b.jobs, pendingJob{group: g, job: j, future: f, err: err})
+	}
+	if err := p.push(ctx, b); err != nil {
+		return err
+	}
+	select {
+	case <-b.settled:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+func (p *publisher) push(ctx context.Context, b *batch) error {
+	p.enqueued.Add(1)
+	select {
+	case p.pending <- b:
+		return nil
+	case <-ctx.Done():
+		p.enqueued.Add(-1)
+		return ctx.Err()
+	}
+}
+
+// Safe returns the newest seq whose jobs, and all jobs before them, are acknowledged.
+func (p *publisher) Safe() string {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.safe
+}
+
+// SetSafe sets the starting position (the saved one) before Run.
+func (p *publisher) SetSafe(seq string) {
+	p.mu.Lock()
+	p.safe = seq
+	p.mu.Unlock()
+}
+
+// Idle reports whether every enqueued batch is settled.
+func (p *publisher) Idle() bool { return p.settled.Load() == p.enqueued.Load() }
+
+// Run settles batches in order until ctx ends and the queue is empty. After ctx ends it keeps
+// settling what was enqueued, for up to grace, so a shutdown saves as far as it can.
+func (p *publisher) Run(ctx context.Context, grace time.Duration) {
+	defer close(p.done)
+	// settleCtx outlives ctx by grace, so in-flight publishes get their answers on shutdown.
+	settleCtx, cancel := context.WithCancel(context.WithoutCancel(ctx))
+	defer cancel()
+	go func() {
+		<-ctx.Done()
+		t := time.NewTimer(grace)
+		defer t.Stop()
+		select {
+		case <-t.C:
+			cancel()
+		case <-p.done:
+		}
+	}()
+	for {
+		select {
+		case b := <-p.pending:
+			if !p.settle(settleCtx, b) {
+				return
+			}
+		case <-ctx.Done():
+			for {
+				select {
+				case b := <-p.pending:
+					if !p.settle(settleCtx, b) {
+						return
+					}
+				default:
+					return
+				}
+			}
+		}
+	}
+}
+
+// settle waits for every job of b, republishing failures with backoff. It returns false when
+// settleCtx ended first (b is then not settled and the position does not move past it).
+func (p *publisher) settle(ctx context.Context, b *batch) bool {
+	for i := range b.jobs {
+		if !p.settleJob(ctx, &b.jobs[i]) {
+			return false
+		}
+	}
+	if b.hasSeq {
+		p.mu.Lock()
+		p.safe = b.seq
+		p.mu.Unlock()
+	}
+	p.settled.Add(1)
+	if b.settled != nil {
+		close(b.settled)
+	}
+	return true
+}
+
+func (p *publisher) settleJob(ctx context.Context, j *pendingJob) bool {
+	err := j.err
+	if err == nil && j.future != nil {
+		select {
+		case <-j.future.Ok():
+			p.metrics.published(j.group)
+			return true
+		case err = <-j.future.Err():
+		case <-ctx.Done():
+			return false
+		}
+	}
+	for attempt := 1; ; attempt++ {
+		if natsjs.IsDuplicateJob(err) {
+			p.metrics.deduplicated(j.group)
+			return true
+		}
+		if err == nil {
+			p.metrics.published(j.group)
+			return true
+		}
+		p.metrics.publishError(j.group)
+		p.log.WithFields(logrus.Fields{"group": j.group, "db": j.job.DB, "attempt": attempt}).WithError(err).Warn("publish job failed, retrying")
+		if backoff.Sleep(ctx, backoff.Default.Delay(attempt)) != nil {
+			return false
+		}
+		pubCtx, cancel := context.WithTimeout(ctx, 10*time.Second)
+		var dedup bool
+		dedup, err = p.jobs.Publish(pubCtx, j.group, j.job)
+		cancel()
+		if err == nil && dedup {
+			p.metrics.deduplicated(j.group)
+			return true
+		}
+		if errors.Is(err, context.Canceled) && ctx.Err() != nil {
+			return false
+		}
+	}
+}
+
+// Wait blocks until Run has returned.
+func (p *publisher) Wait() { <-p.done }

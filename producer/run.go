@@ -1,0 +1,179 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/sirupsen/logrus"
+
+	"github.com/spiegel-nats/spiegel/pkg/checkpoint"
+	"github.com/spiegel-nats/spiegel/pkg/config"
+	"github.com/spiegel-nats/spiegel/pkg/couch"
+	"github.com/spiegel-nats/spiegel/pkg/events"
+	"github.com/spiegel-nats/spiegel/pkg/health"
+	"github.com/spiegel-nats/spiegel/pkg/metrics"
+	"github.com/spiegel-nats/spiegel/pkg/natsjs"
+	"github.com/spiegel-nats/spiegel/pkg/rulefeed"
+	"github.com/spiegel-nats/spiegel/pkg/rules"
+)
+
+// deps are the connections every command of the producer binary needs.
+type deps struct {
+	cfg   *config.Producer
+	log   *logrus.Logger
+	couch *couch.Client
+	nc    *nats.Conn
+	js    jetstream.JetStream
+	topo  natsjs.Topology
+}
+
+func connect(ctx context.Context, cfg *config.Producer, log *logrus.Logger, maxPending int) (*deps, error) {
+	cc, err := couch.New(couch.Config{
+		URL: cfg.CouchDBURL, CAFile: cfg.CouchDBCAFile, InsecureSkipVerify: cfg.CouchDBInsecureTLS, RequestTimeout: cfg.CouchDBTimeout,
+	}, log.WithField("component", "couch"))
+	if err != nil {
+		return nil, err
+	}
+	nc, err := natsjs.Connect(ctx, natsOptions(cfg.NATS, "spiegel-producer"), log.WithField("component", "nats"))
+	if err != nil {
+		return nil, err
+	}
+	js, err := jetstream.New(nc, jetstream.WithPublishAsyncMaxPending(maxPending))
+	if err != nil {
+		nc.Close()
+		return nil, fmt.Errorf("open JetStream: %w", err)
+	}
+	topo := natsjs.DefaultTopology(cfg.SubjectPrefix)
+	topo.Replicas = cfg.StreamReplicas
+	topo.AckWait = cfg.AckWait
+	return &deps{cfg: cfg, log: log, couch: cc, nc: nc, js: js, topo: topo}, nil
+}
+
+func natsOptions(c config.NATS, name string) natsjs.Options {
+	return natsjs.Options{
+		URLs: c.NATSURL, Name: name, CredsFile: c.NATSCredsFile, NKeySeedFile: c.NATSNKeySeedFile,
+		User: c.NATSUser, Password: c.NATSPassword, Token: c.NATSToken,
+		CAFile: c.NATSCAFile, CertFile: c.NATSCertFile, KeyFile: c.NATSKeyFile,
+	}
+}
+
+// runProducer runs the producer until ctx ends (SPEC §4).
+func runProducer(ctx context.Context, cfg *config.Producer, log *logrus.Logger) error {
+	d, err := connect(ctx, cfg, log, 2*cfg.MaxInflight+64)
+	if err != nil {
+		return err
+	}
+	defer func() { _ = d.nc.Drain() }()
+	if err := natsjs.CheckInstalled(ctx, d.js, d.topo); err != nil {
+		return err
+	}
+	if _, err := d.couch.DBInfo(ctx, cfg.DBName); errors.Is(err, couch.ErrNotFound) {
+		return fmt.Errorf("the spiegel db %q does not exist: %w", cfg.DBName, natsjs.ErrNotInstalled)
+	}
+
+	reg := metrics.NewRegistry("producer")
+	pm := metrics.NewProducer(reg)
+	plog := log.WithField("component", "producer")
+	p := &producer{
+		cfg: producerSettings{
+			SpiegelDB: cfg.DBName, Source: cfg.Source, Start: cfg.Start, Heartbeat: cfg.FeedHeartbeat,
+			PollInterval: cfg.PollInterval, SweepInterval: cfg.SweepInterval, SaveInterval: cfg.PositionSaveInterval,
+			Grace: cfg.ShutdownGrace,
+		},
+		couch:   d.couch,
+		store:   checkpoint.NewStore(d.couch.Kivik().DB(cfg.DBName)),
+		rules:   rules.NewSet(),
+		log:     plog,
+		metrics: producerMetrics{m: pm},
+	}
+	p.pub = newPublisher(natsjs.NewJobs(d.js, d.topo.Subjects), cfg.MaxInflight, p.metrics, plog)
+
+	srv := health.New(cfg.HTTPAddr, reg, readiness(d, cfg.DBName), log.WithField("component", "http"))
+	var wg sync.WaitGroup
+	httpCtx, stopHTTP := context.WithCancel(context.WithoutCancel(ctx))
+	defer stopHTTP()
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		if err := srv.Run(httpCtx); err != nil {
+			plog.WithError(err).Error("health and metrics listener failed")
+		}
+	}()
+
+	since, err := p.startPosition(ctx)
+	if err != nil {
+		return err
+	}
+	pos, _ := p.store.Position(ctx)
+	p.pub.SetSafe(since)
+	pubDone := make(chan struct{})
+	go func() { defer close(pubDone); p.pub.Run(ctx, cfg.ShutdownGrace) }()
+
+	rf := &rulefeed.Follower{Couch: d.couch, DB: cfg.DBName, Set: p.rules, Log: plog.WithField("component", "rules"), Metrics: pm,
+		OnAdded: p.enqueueMatching}
+	rulesSeq, err := rf.Load(ctx)
+	if err != nil {
+		return err
+	}
+	st := p.rules.Stats()
+	plog.WithFields(logrus.Fields{"replicators": st.Replicators, "on_changes": st.OnChanges, "rejected": st.Rejected}).Info("rules loaded")
+
+	var feedWG sync.WaitGroup
+	feedWG.Add(3)
+	go func() {
+		defer feedWG.Done()
+		// Rules changed while no producer ran: enqueue their existing dbs, then follow live.
+		if err := rf.CatchUp(ctx, pos.RulesSeq, rulesSeq); err != nil && ctx.Err() == nil {
+			plog.WithError(err).Warn("enqueue dbs of rules changed while stopped")
+		}
+		rf.Follow(ctx, rulesSeq)
+	}()
+	go func() { defer feedWG.Done(); p.runSweepIfFeed(ctx) }()
+	var feedErr error
+	go func() {
+		defer feedWG.Done()
+		feedErr = p.runFeed(ctx, since)
+	}()
+	saverCtx, stopSaver := context.WithCancel(ctx)
+	saverDone := make(chan struct{})
+	go func() {
+		defer close(saverDone)
+		p.runSaver(saverCtx, rf.EnqueuedSeq)
+	}()
+
+	<-ctx.Done()
+	feedWG.Wait()
+	stopSaver()
+	<-saverDone
+	<-pubDone // settles what was in flight, within the grace period
+	finalCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), cfg.ShutdownGrace)
+	defer cancel()
+	p.save(finalCtx, rf.EnqueuedSeq())
+	stopHTTP()
+	wg.Wait()
+	plog.WithField("seq", p.pub.Safe()).Info("producer stopped")
+	return feedErr
+}
+
+// readiness checks CouchDB, NATS and the work stream.
+func readiness(d *deps, spiegelDB string) map[string]health.Check {
+	return map[string]health.Check{
+		"couchdb": func(ctx context.Context) error {
+			_, err := d.couch.DBInfo(ctx, spiegelDB)
+			return err
+		},
+		"nats": func(context.Context) error {
+			if !d.nc.IsConnected() {
+				return errors.New("not connected")
+			}
+			return nil
+		},
+		"stream": func(ctx context.Context) error {
+			return natsjs.CheckInstalled(ctx, d.js, d.topo, events.Groups...)
+		},
+	}
+}
