@@ -9,8 +9,6 @@ import (
 	"os"
 	"strings"
 	"time"
-
-	"github.com/kelseyhightower/envconfig"
 )
 
 // Version is set at build time with -ldflags "-X .../pkg/config.Version=...".
@@ -156,25 +154,11 @@ func positive(name string, d time.Duration) error {
 
 // Load fills spec from the environment and runs its Validate method. Errors name the variable.
 func Load(spec interface{ Validate() error }) error {
-	if err := envconfig.Process(Prefix, spec); err != nil {
-		return fmt.Errorf("configuration: %w", humanize(err))
+	if err := process(spec); err != nil {
+		return fmt.Errorf("configuration: %w", err)
 	}
 	if err := spec.Validate(); err != nil {
 		return fmt.Errorf("configuration: %w", err)
 	}
 	return nil
-}
-
-// humanize rewrites envconfig's errors to name the variable with its prefix.
-func humanize(err error) error {
-	var perr *envconfig.ParseError
-	if errors.As(err, &perr) {
-		return fmt.Errorf("%s_%s=%q: not a valid %s", Prefix, perr.KeyName, perr.Value, perr.TypeName)
-	}
-	msg := err.Error()
-	if after, ok := strings.CutPrefix(msg, "required key "); ok {
-		key := strings.TrimSuffix(after, " missing value")
-		return fmt.Errorf("%s_%s is required", Prefix, key)
-	}
-	return err
 }

@@ -52,6 +52,7 @@ func TestLoadErrorsNameTheVariable(t *testing.T) {
 		{map[string]string{"SPIEGEL_COUCHDB_URL": "http://x", "SPIEGEL_START": "later"}, "SPIEGEL_START"},
 	}
 	for _, c := range cases {
+		t.Setenv("COUCHDB_URL", "http://from-the-bare-name:5984")
 		for _, k := range []string{"SPIEGEL_COUCHDB_URL", "SPIEGEL_SOURCE", "SPIEGEL_ACK_WAIT", "SPIEGEL_LOG_LEVEL", "SPIEGEL_SUBJECT_PREFIX", "SPIEGEL_START"} {
 			t.Setenv(k, "")
 			os.Unsetenv(k)
@@ -64,6 +65,20 @@ func TestLoadErrorsNameTheVariable(t *testing.T) {
 		require.Error(t, err, "%v", c.env)
 		assert.Contains(t, err.Error(), c.want)
 	}
+}
+
+// Only SPIEGEL_* variables configure the service: a bare COUCHDB_URL or LOG_LEVEL in the
+// environment (envconfig's fallback) must not.
+func TestBareVariablesAreIgnored(t *testing.T) {
+	t.Setenv("SPIEGEL_COUCHDB_URL", "http://127.0.0.1:5984")
+	t.Setenv("COUCHDB_URL", "http://other:5984")
+	t.Setenv("LOG_LEVEL", "debug")
+	t.Setenv("CONCURRENCY", "3")
+	var o OnChange
+	require.NoError(t, Load(&o))
+	assert.Equal(t, "http://127.0.0.1:5984", o.CouchDBURL)
+	assert.Equal(t, "info", o.LogLevel)
+	assert.Equal(t, 20, o.Concurrency)
 }
 
 func TestLoadDefaults(t *testing.T) {

@@ -235,10 +235,11 @@ func TestFixtureFollowChanges(t *testing.T) {
 func TestFixtureDBInfos(t *testing.T) {
 	t.Parallel()
 	var body []byte
+	fixture := fixtureBody(t, "dbs-info.http") // read here: t.Skip only works in the test goroutine
 	srv := newFakeServer(t, func(w http.ResponseWriter, r *http.Request) {
 		body = make([]byte, r.ContentLength)
 		_, _ = r.Body.Read(body)
-		serveBody(http.StatusOK, fixtureBody(t, "dbs-info.http"))(w, r)
+		serveBody(http.StatusOK, fixture)(w, r)
 	})
 	c, _ := newTestClient(t, srv.URL)
 	infos, err := c.DBInfos(t.Context(), []string{"fx_src", "fx_tgt", "fx_missing"})

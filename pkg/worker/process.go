@@ -1,0 +1,226 @@
+package worker
+
+import (
+	"context"
+	"fmt"
+	"runtime/debug"
+	"sync"
+	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/sirupsen/logrus"
+
+	"github.com/spiegel-nats/spiegel/pkg/backoff"
+	"github.com/spiegel-nats/spiegel/pkg/events"
+)
+
+const (
+	// settleTimeout bounds one ack, dead-letter publish or republish.
+	settleTimeout = 10 * time.Second
+	// wakeupTimeout bounds one lost-wakeup check.
+	wakeupTimeout = 30 * time.Second
+	// republishAttempts bounds the publishes of a lost-wakeup job.
+	republishAttempts = 3
+)
+
+// process runs one job and settles its message. handlerCtx ends when the grace period of a
+// shutdown is over.
+func (r *Runner) process(handlerCtx context.Context, msg jetstream.Msg) {
+	attempt := 1
+	if md, err := msg.Metadata(); err == nil && md.NumDelivered > 0 {
+		attempt = int(md.NumDelivered)
+	}
+	group, db, err := r.subjects.ParseWork(msg.Subject())
+	if err == nil && group != r.cfg.Group {
+		err = fmt.Errorf("parse work subject %q: group %s, want %s", msg.Subject(), group, r.cfg.Group)
+	}
+	if err != nil {
+		r.rejectSubject(handlerCtx, msg, attempt, err)
+		return
+	}
+	job := &Job{Group: group, DB: db, Attempt: attempt}
+	log := r.log.WithFields(logrus.Fields{"db": db, "attempt": attempt})
+	if payload, err := events.UnmarshalJob(msg.Data()); err != nil {
+		log.WithError(err).Warn("bad job payload: running the job from its subject alone")
+	} else {
+		job.Reason, job.Seq = payload.Reason, payload.Seq
+	}
+
+	ctx, cancel := context.WithCancel(withJob(handlerCtx, job))
+	defer cancel()
+	stopKeepAlive := r.keepAlive(ctx, msg, log)
+	started := time.Now()
+	herr := r.runHandler(ctx, job)
+	took := time.Since(started)
+
+	result := r.settle(handlerCtx, msg, job, herr, stopKeepAlive, log)
+	r.observe(result, took)
+	if result == ResultOK {
+		r.checkWakeup(handlerCtx, job, log)
+	}
+}
+
+// runHandler calls the handler, turning a panic into a transient error.
+func (r *Runner) runHandler(ctx context.Context, job *Job) (err error) {
+	defer func() {
+		if p := recover(); p != nil {
+			err = fmt.Errorf("handler panicked: %v\n%s", p, debug.Stack())
+		}
+	}()
+	return r.handler(ctx, job)
+}
+
+// keepAlive sends InProgress at once (the job may have waited in a client buffer) and then every
+// AckWait/3 until the returned stop is called or ctx ends; stop returns once no InProgress can be
+// sent any more.
+func (r *Runner) keepAlive(ctx context.Context, msg jetstream.Msg, log logrus.FieldLogger) (stop func()) {
+	ctx, cancel := context.WithCancel(ctx)
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		tick := time.NewTicker(max(r.cfg.AckWait/3, time.Millisecond))
+		defer tick.Stop()
+		for {
+			if err := msg.InProgress(); err != nil {
+				log.WithError(err).Debug("keep job alive failed")
+			}
+			select {
+			case <-ctx.Done():
+				return
+			case <-tick.C:
+			}
+		}
+	}()
+	return func() { cancel(); wg.Wait() }
+}
+
+// settle acks, naks or terminates msg from the handler's result and returns the result for the
+// Observer. stopKeepAlive is called before the message is settled.
+func (r *Runner) settle(handlerCtx context.Context, msg jetstream.Msg, job *Job, herr error, stopKeepAlive func(), log logrus.FieldLogger) string {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(handlerCtx), settleTimeout)
+	defer cancel()
+
+	if handlerCtx.Err() != nil {
+		// The grace period is over: whatever the handler returned, it may have been cut short.
+		stopKeepAlive()
+		if err := msg.Nak(); err != nil {
+			log.WithError(err).Warn("nak interrupted job failed: it runs again after AckWait")
+		} else {
+			log.Info("job interrupted by shutdown: nak'ed for a redelivery")
+		}
+		return ResultRetry
+	}
+
+	if herr == nil {
+		stopKeepAlive()
+		if err := msg.DoubleAck(ctx); err != nil {
+			log.WithError(err).Error("ack job failed: it may run again after AckWait")
+		}
+		return ResultOK
+	}
+
+	if IsPermanent(herr) {
+		rec := DeadLetter{Group: job.Group, DB: job.DB, Seq: job.Seq, Error: herr.Error(), Attempts: job.Attempt}
+		if err := r.deadLetters.Publish(ctx, rec); err != nil {
+			// Terminating without a record would give the job up silently: run it again later.
+			delay := r.cfg.Retry.Delay(job.Attempt)
+			stopKeepAlive()
+			r.nak(msg, delay, log)
+			log.WithError(err).WithField("job_error", herr.Error()).WithField("delay", delay.String()).
+				Error("job failed permanently but its dead letter could not be stored: retrying the job")
+			return ResultRetry
+		}
+		stopKeepAlive()
+		if err := msg.Term(); err != nil {
+			log.WithError(err).Error("terminate failed job failed: it runs again after AckWait")
+		}
+		log.WithError(herr).Error("job failed permanently: dead letter recorded")
+		return ResultFailed
+	}
+
+	if ra, ok := asRetryAfter(herr); ok {
+		stopKeepAlive()
+		r.nak(msg, ra.delay, log)
+		if ra.err == nil {
+			log.WithField("delay", ra.delay.String()).Debug("job postponed")
+			return ResultDelayed
+		}
+		log.WithError(ra.err).WithField("delay", ra.delay.String()).Warn("job failed, retrying")
+		return ResultRetry
+	}
+
+	delay := r.cfg.Retry.Delay(job.Attempt)
+	stopKeepAlive()
+	r.nak(msg, delay, log)
+	log.WithError(herr).WithField("delay", delay.String()).Warn("job failed, retrying")
+	return ResultRetry
+}
+
+func (r *Runner) nak(msg jetstream.Msg, delay time.Duration, log logrus.FieldLogger) {
+	if err := msg.NakWithDelay(delay); err != nil {
+		log.WithError(err).Warn("nak job failed: it runs again after AckWait")
+	}
+}
+
+// rejectSubject gives up a message whose subject names no db of this group: dead letter, Term.
+func (r *Runner) rejectSubject(handlerCtx context.Context, msg jetstream.Msg, attempt int, perr error) {
+	log := r.log.WithFields(logrus.Fields{"subject": msg.Subject(), "attempt": attempt})
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(handlerCtx), settleTimeout)
+	defer cancel()
+	stopKeepAlive := r.keepAlive(ctx, msg, log)
+	rec := DeadLetter{Group: r.cfg.Group, DB: msg.Subject(), Error: perr.Error(), Attempts: attempt,
+		Details: map[string]any{"subject": msg.Subject()}}
+	err := r.deadLetters.Publish(ctx, rec)
+	stopKeepAlive()
+	if err != nil {
+		r.nak(msg, r.cfg.Retry.Delay(attempt), log)
+		log.WithError(err).Error("bad work subject, and its dead letter could not be stored: retrying")
+		r.observe(ResultRetry, 0)
+		return
+	}
+	if err := msg.Term(); err != nil {
+		log.WithError(err).Error("terminate job with a bad subject failed: it runs again after AckWait")
+	}
+	log.WithError(perr).Error("bad work subject: dead letter recorded")
+	r.observe(ResultFailed, 0)
+}
+
+func (r *Runner) observe(result string, d time.Duration) {
+	if r.cfg.Observer != nil {
+		r.cfg.Observer.JobDone(r.cfg.Group, result, d)
+	}
+}
+
+// checkWakeup runs the lost-wakeup check of an acked job: when the db changed after the seq the
+// handler reached, or when that cannot be told, the job is published again.
+func (r *Runner) checkWakeup(handlerCtx context.Context, job *Job, log logrus.FieldLogger) {
+	seq := job.ReachedSeq()
+	if r.wake == nil || seq == "" {
+		return
+	}
+	ctx, cancel := context.WithTimeout(handlerCtx, wakeupTimeout)
+	changed, err := r.wake.ChangedSince(ctx, job.DB, seq)
+	cancel()
+	if err != nil {
+		log.WithError(err).WithField("seq", seq).Warn("lost-wakeup check failed: enqueueing the job again to be safe")
+		changed = true
+	}
+	if !changed {
+		return
+	}
+	pctx, cancel := context.WithTimeout(context.WithoutCancel(handlerCtx), settleTimeout)
+	defer cancel()
+	retry := backoff.Policy{Initial: 200 * time.Millisecond, Max: 2 * time.Second, Multiplier: 2, Jitter: 0.2}
+	for attempt := 1; ; attempt++ {
+		_, err := r.jobs.Publish(pctx, job.Group, events.Job{DB: job.DB, Reason: events.ReasonWakeup})
+		if err == nil {
+			log.WithField("seq", seq).Debug("db changed while its job ran: job enqueued again")
+			return
+		}
+		if attempt == republishAttempts || backoff.Sleep(pctx, retry.Delay(attempt)) != nil {
+			log.WithError(err).WithField("seq", seq).Error("enqueue job again after a lost wakeup failed: the db waits for its next change or sweep")
+			return
+		}
+	}
+}

@@ -1,0 +1,275 @@
+package worker
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/spiegel-nats/spiegel/pkg/events"
+	"github.com/spiegel-nats/spiegel/pkg/natsjs"
+)
+
+func TestNewWithoutConsumerIsNotInstalled(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 0)
+	require.NoError(t, e.js.DeleteConsumer(t.Context(), e.topo.Subjects.WorkStream(), group.ConsumerName()))
+	_, err := New(e.js, e.topo.Subjects, testConfig(), func(context.Context, *Job) error { return nil }, nil, testLogger(t))
+	require.ErrorIs(t, err, natsjs.ErrNotInstalled)
+
+	_, err = New(e.js, e.topo.Subjects, Config{}, func(context.Context, *Job) error { return nil }, nil, testLogger(t))
+	require.Error(t, err, "a config without group")
+}
+
+func TestEveryJobRunsOnce(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 0)
+	var rec recorder
+	obs := &results{}
+	cfg := testConfig()
+	cfg.Observer = obs
+	r := e.newRunner(t, nil, cfg, func(ctx context.Context, job *Job) error {
+		j, ok := FromContext(ctx)
+		if !ok || j != job {
+			return Permanent(errors.New("context does not carry the job"))
+		}
+		rec.add(job)
+		return nil
+	}, nil)
+	start(t, r)
+
+	const n = 50
+	for i := range n {
+		e.publish(t, fmt.Sprintf("db/%02d", i), events.TypeUpdated)
+	}
+	require.Eventually(t, func() bool { return rec.count() >= n }, waitFor, tick)
+	e.requireDrained(t)
+	require.Eventually(t, func() bool { return r.InFlight() == 0 }, waitFor, tick)
+
+	perDB := map[string]int{}
+	for _, c := range rec.all() {
+		perDB[c.DB]++
+		assert.Equal(t, events.TypeUpdated, c.Reason)
+		assert.Equal(t, 1, c.Attempt)
+	}
+	assert.Len(t, perDB, n)
+	for db, runs := range perDB {
+		assert.Equal(t, 1, runs, "db %s", db)
+	}
+	assert.Equal(t, n, obs.get(ResultOK))
+	assert.Zero(t, e.deadLetterCount(t))
+}
+
+func TestTransientErrorsRetryWithBackoff(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 0)
+	var rec recorder
+	obs := &results{}
+	cfg := testConfig()
+	cfg.Observer = obs
+	cfg.Retry.Initial = 100 * time.Millisecond // attempt 1 → 100ms, attempt 2 → 200ms, no jitter
+	r := e.newRunner(t, nil, cfg, func(_ context.Context, job *Job) error {
+		if rec.add(job) < 3 {
+			return errors.New("couchdb unavailable")
+		}
+		return nil
+	}, nil)
+	start(t, r)
+	e.publish(t, "flaky", "")
+
+	require.Eventually(t, func() bool { return rec.count() >= 3 }, waitFor, tick)
+	e.requireDrained(t)
+	calls := rec.all()
+	require.Len(t, calls, 3)
+	for i, c := range calls {
+		assert.Equal(t, i+1, c.Attempt)
+		assert.Equal(t, "flaky", c.DB)
+	}
+	assert.GreaterOrEqual(t, calls[1].At.Sub(calls[0].At), 100*time.Millisecond)
+	assert.GreaterOrEqual(t, calls[2].At.Sub(calls[1].At), 200*time.Millisecond)
+	assert.Equal(t, []string{ResultRetry, ResultRetry, ResultOK}, obs.sequence())
+}
+
+func TestHandlerPanicIsTransient(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 0)
+	var rec recorder
+	r := e.newRunner(t, nil, testConfig(), func(_ context.Context, job *Job) error {
+		if rec.add(job) == 1 {
+			panic("bug")
+		}
+		return nil
+	}, nil)
+	start(t, r)
+	e.publish(t, "panics", "")
+	require.Eventually(t, func() bool { return rec.count() >= 2 }, waitFor, tick)
+	e.requireDrained(t)
+	assert.Equal(t, 2, rec.all()[1].Attempt)
+}
+
+func TestPermanentErrorDeadLettersAndFreesTheSubject(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 0)
+	var rec recorder
+	obs := &results{}
+	cfg := testConfig()
+	cfg.Observer = obs
+	r := e.newRunner(t, nil, cfg, func(_ context.Context, job *Job) error {
+		if rec.add(job) == 1 {
+			return fmt.Errorf("replicate: %w", Permanent(errors.New("target refused: forbidden")))
+		}
+		return nil
+	}, nil)
+	start(t, r)
+	dedup, err := e.jobs.Publish(t.Context(), group, events.Job{DB: "a/b", Seq: "17-abc"})
+	require.NoError(t, err)
+	require.False(t, dedup)
+
+	require.Eventually(t, func() bool { return e.deadLetterCount(t) == 1 }, waitFor, tick)
+	e.requireDrained(t)
+	dl := e.deadLetter(t, "a/b")
+	assert.Equal(t, group, dl.Group)
+	assert.Equal(t, "a/b", dl.DB)
+	assert.Equal(t, "17-abc", dl.Seq)
+	assert.Equal(t, "replicate: target refused: forbidden", dl.Error)
+	assert.Equal(t, 1, dl.Attempts)
+	assert.WithinDuration(t, time.Now(), dl.At, time.Minute)
+	assert.Equal(t, 1, obs.get(ResultFailed))
+	assert.Equal(t, uint64(1), e.consumerInfo(t).Delivered.Consumer, "a terminated job is not delivered again")
+
+	// The slot is free: a new job for the db is accepted and runs.
+	e.publish(t, "a/b", "")
+	require.Eventually(t, func() bool { return rec.count() == 2 }, waitFor, tick)
+	e.requireDrained(t)
+	assert.Equal(t, 1, rec.all()[1].Attempt, "a new message, not a redelivery")
+	assert.Equal(t, uint64(1), e.deadLetterCount(t))
+}
+
+func TestRetryAfterDelaysTheJob(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 0)
+	var rec recorder
+	obs := &results{}
+	cfg := testConfig()
+	cfg.Observer = obs
+	r := e.newRunner(t, nil, cfg, func(_ context.Context, job *Job) error {
+		if rec.add(job) == 1 {
+			return RetryAfter(300*time.Millisecond, nil)
+		}
+		return nil
+	}, nil)
+	start(t, r)
+	e.publish(t, "dirty-after", "")
+
+	require.Eventually(t, func() bool { return rec.count() >= 2 }, waitFor, tick)
+	e.requireDrained(t)
+	calls := rec.all()
+	require.Len(t, calls, 2)
+	assert.GreaterOrEqual(t, calls[1].At.Sub(calls[0].At), 300*time.Millisecond)
+	assert.Equal(t, 2, calls[1].Attempt)
+	assert.Equal(t, []string{ResultDelayed, ResultOK}, obs.sequence())
+}
+
+// Not parallel: with a 1s AckWait, the test must not starve for CPU behind the others.
+func TestInProgressKeepsALongJobAlive(t *testing.T) {
+	e := newEnv(t, time.Second)
+	var entered atomic.Int32
+	finished := make(chan struct{})
+	r := e.newRunner(t, nil, testConfig(), func(ctx context.Context, _ *Job) error {
+		entered.Add(1)
+		defer close(finished)
+		select {
+		case <-time.After(3 * time.Second): // three AckWaits
+			return nil
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}, nil)
+	require.Equal(t, time.Second, r.cfg.AckWait, "AckWait is read from the consumer")
+	start(t, r)
+	e.publish(t, "long", "")
+
+	select {
+	case <-finished:
+	case <-time.After(waitFor):
+		t.Fatal("handler did not finish")
+	}
+	e.requireDrained(t)
+	assert.Equal(t, int32(1), entered.Load(), "the job was not redelivered while it ran")
+	assert.Equal(t, uint64(1), e.consumerInfo(t).Delivered.Consumer, "delivered once")
+}
+
+func TestConcurrencyIsBoundedAndNothingIsPrefetched(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 0)
+	const jobs = 20
+	var running, maxRunning, done atomic.Int32
+	cfg := testConfig()
+	cfg.Concurrency = 3
+	r := e.newRunner(t, nil, cfg, func(ctx context.Context, _ *Job) error {
+		now := running.Add(1)
+		defer running.Add(-1)
+		for {
+			old := maxRunning.Load()
+			if now <= old || maxRunning.CompareAndSwap(old, now) {
+				break
+			}
+		}
+		select {
+		case <-time.After(100 * time.Millisecond):
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+		done.Add(1)
+		return nil
+	}, nil)
+	for i := range jobs {
+		e.publish(t, fmt.Sprintf("slow-%d", i), "")
+	}
+	start(t, r)
+
+	maxAckPending, maxInFlight := 0, 0
+	require.Eventually(t, func() bool {
+		maxAckPending = max(maxAckPending, e.consumerInfo(t).NumAckPending)
+		maxInFlight = max(maxInFlight, r.InFlight())
+		return done.Load() == jobs
+	}, waitFor, tick)
+	e.requireDrained(t)
+	assert.Equal(t, int32(3), maxRunning.Load(), "never more than Concurrency handlers, and all slots used")
+	assert.LessOrEqual(t, maxAckPending, 3, "no job pulled without a free slot")
+	assert.LessOrEqual(t, maxInFlight, 3)
+}
+
+func TestBadMessages(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 0)
+	var rec recorder
+	r := e.newRunner(t, nil, testConfig(), func(_ context.Context, job *Job) error {
+		rec.add(job)
+		return nil
+	}, nil)
+	start(t, r)
+
+	// A payload that is not JSON: the subject alone names the db.
+	_, err := e.js.Publish(t.Context(), e.topo.Subjects.Work(group, "x/y"), []byte("{not json"))
+	require.NoError(t, err)
+	// A subject whose token no db name encodes to: given up with a dead letter.
+	badSubject := e.topo.Subjects.Prefix + ".work." + string(group) + ".bad~ZZ"
+	_, err = e.js.Publish(t.Context(), badSubject, events.Job{DB: "whatever"}.Marshal())
+	require.NoError(t, err)
+
+	require.Eventually(t, func() bool { return rec.count() >= 1 && e.deadLetterCount(t) == 1 }, waitFor, tick)
+	e.requireDrained(t)
+	calls := rec.all()
+	require.Len(t, calls, 1, "the bad subject never reaches the handler")
+	assert.Equal(t, "x/y", calls[0].DB)
+	assert.Empty(t, calls[0].Reason)
+	dl := e.deadLetter(t, badSubject)
+	assert.Equal(t, group, dl.Group)
+	assert.Contains(t, dl.Error, "parse work subject")
+}
