@@ -184,19 +184,24 @@ func (p *producer) isPoll() bool {
 	return p.source == "poll"
 }
 
-// save writes the safe position (and the rules seq) if either moved.
+// save writes the safe position (and the rules seq) if either moved, and updates the position
+// age: the time since the position last moved or was confirmed current (nothing unsettled).
 func (p *producer) save(ctx context.Context, rulesSeq string) {
 	p.feedMu.Lock()
 	defer p.feedMu.Unlock()
+	defer func() {
+		if p.metrics.m != nil && !p.lastSaveAt.IsZero() {
+			p.metrics.m.FeedPositionAge.Set(time.Since(p.lastSaveAt).Seconds())
+		}
+	}()
 	source := p.source
 	safe := p.pub.Safe()
 	if safe == "now" {
 		safe = ""
 	}
 	if safe == "" && rulesSeq == "" || safe == p.lastSaved && rulesSeq == p.lastRulesSeq {
-		if p.metrics.m != nil && !p.lastSaveAt.IsZero() && p.pub.Idle() {
+		if p.pub.Idle() {
 			p.lastSaveAt = time.Now()
-			p.metrics.m.FeedPositionAge.Set(0)
 		}
 		return
 	}
@@ -210,9 +215,6 @@ func (p *producer) save(ctx context.Context, rulesSeq string) {
 	p.lastSaved = safe
 	p.lastRulesSeq = rulesSeq
 	p.lastSaveAt = time.Now()
-	if p.metrics.m != nil {
-		p.metrics.m.FeedPositionAge.Set(0)
-	}
 	p.log.WithField("seq", safe).Debug("saved producer position")
 }
 

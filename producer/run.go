@@ -77,6 +77,7 @@ func runProducer(ctx context.Context, cfg *config.Producer, log *logrus.Logger) 
 
 	reg := metrics.NewRegistry("producer")
 	pm := metrics.NewProducer(reg)
+	metrics.RegisterJobGauges(reg, d.js, d.topo.Subjects.WorkStream())
 	plog := log.WithField("component", "producer")
 	p := &producer{
 		cfg: producerSettings{
