@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The bench command (`make bench`): runs every benchmark against the same kind of servers the
+# tests use and writes bench-report.md. Figures are reported next to a baseline measured in the
+# same run (ratios), because this machine's absolute speed varies.
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+cd "$ROOT"
+work=$(mktemp -d "${TMPDIR:-/tmp}/spiegel-bench.XXXXXX")
+trap 'stop_started; rm -rf "$work"' EXIT
+go mod download
+if [ -z "${COUCHDB_URL:-}" ]; then
+  start_pouchdb "$work/couchdb"
+fi
+report="$ROOT/bench-report.md"
+raw="$work/bench.txt"
+log "running benchmarks (BENCHTIME=${BENCHTIME:-1x})"
+go test -run '^$' -bench "${BENCH:-.}" -benchtime "${BENCHTIME:-1x}" -timeout 60m ./... | tee "$raw"
+{
+  echo "# Benchmark report"
+  echo
+  echo "- date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+  echo "- machine: $(nproc) cores, $(awk '/MemTotal/ {printf "%.0f GiB", $2/1048576}' /proc/meminfo), $(go version | cut -d' ' -f3-)"
+  echo "- CouchDB: $(printf '%s' "$COUCHDB_URL" | sed -E 's#//[^@/]*@#//#')$( [ -n "${POUCHDB_PID:-}" ] && echo ' (PouchDB Server, in memory)')"
+  echo
+  echo '```'
+  grep -E '^(Benchmark|pkg:|ok|PASS|FAIL)' "$raw"
+  echo '```'
+} > "$report"
+log "wrote $report"
