@@ -1,0 +1,115 @@
+package replicate
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"os"
+	"strconv"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/spiegel-nats/spiegel/pkg/couchtest"
+)
+
+// benchDocs is the number of docs of the bulk benchmark (REPLICATE_BENCH_DOCS overrides 20000).
+func benchDocs() int {
+	if n, err := strconv.Atoi(os.Getenv("REPLICATE_BENCH_DOCS")); err == nil && n > 0 {
+		return n
+	}
+	return 20000
+}
+
+// serverReplicate runs the server's own one-shot POST /_replicate from source to target (full
+// URLs, as CouchDB 3 requires) and returns its wall time.
+func serverReplicate(b *testing.B, s *couchtest.Server, source, target string) time.Duration {
+	b.Helper()
+	body, err := json.Marshal(map[string]any{"source": dbURL(s, source), "target": dbURL(s, target)})
+	require.NoError(b, err)
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Minute)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, s.URL+"/_replicate", bytes.NewReader(body))
+	require.NoError(b, err)
+	req.Header.Set("Content-Type", "application/json")
+	req.Header.Set("Accept", "application/json")
+	start := time.Now()
+	resp, err := s.HTTP.Do(req)
+	require.NoError(b, err)
+	ans, _ := io.ReadAll(resp.Body)
+	_ = resp.Body.Close()
+	d := time.Since(start)
+	require.Less(b, resp.StatusCode, 300, string(ans))
+	return d
+}
+
+// BenchmarkNativeVsServer compares Run with the server's own POST /_replicate on the same
+// server in the same run: "bulk" replicates benchDocs() small docs into an empty target
+// (docs/s for both, and native/server); "incremental" replicates a db that received 1–3 docs
+// since its last replication (wall time per run for both, HTTP requests per native run).
+// Run it with -benchtime=1x (bulk) or a few x (incremental).
+func BenchmarkNativeVsServer(b *testing.B) {
+	s := couchtest.Get(b)
+	hc := &http.Client{Transport: &http.Transport{DisableCompression: true, MaxIdleConnsPerHost: 32}}
+	b.Run("bulk", func(b *testing.B) {
+		n := benchDocs()
+		var native, server time.Duration
+		for i := 0; i < b.N; i++ {
+			b.StopTimer()
+			source := s.NewDB(b, "bsrc_")
+			createDocs(b, s, source, "b", n)
+			nt, st := s.NewDB(b, "bnat_"), s.NewDB(b, "bsrv_")
+			b.StartTimer()
+			start := time.Now()
+			res, err := Run(context.Background(), Options{Source: dbURL(s, source), Target: dbURL(s, nt), HTTPClient: hc}, nil)
+			native += time.Since(start)
+			require.NoError(b, err)
+			require.EqualValues(b, n, res.DocsWritten)
+			server += serverReplicate(b, s, source, st)
+			b.StopTimer()
+			require.Equal(b, n, docCount(b, s, st))
+			b.StartTimer()
+		}
+		nd := float64(n*b.N) / native.Seconds()
+		sd := float64(n*b.N) / server.Seconds()
+		b.ReportMetric(nd, "native_docs/s")
+		b.ReportMetric(sd, "server_docs/s")
+		b.ReportMetric(nd/sd, "native/server")
+		b.Logf("%d docs: native %.0f docs/s, server _replicate %.0f docs/s, ratio %.2f", n, nd, sd, nd/sd)
+	})
+	b.Run("incremental", func(b *testing.B) {
+		source, nt, st := s.NewDB(b, "isrc_"), s.NewDB(b, "inat_"), s.NewDB(b, "isrv_")
+		createDocs(b, s, source, "base", 1000)
+		opt := Options{Source: dbURL(s, source), Target: dbURL(s, nt), HTTPClient: hc}
+		_, err := Run(context.Background(), opt, nil)
+		require.NoError(b, err)
+		serverReplicate(b, s, source, st)
+		var native, server time.Duration
+		var requests int64
+		b.ResetTimer()
+		for i := 0; i < b.N; i++ {
+			b.StopTimer()
+			for j := range 1 + i%3 {
+				s.Put(b, source, fmt.Sprintf("inc-%d-%d", i, j), map[string]any{"i": i})
+			}
+			b.StartTimer()
+			start := time.Now()
+			res, err := Run(context.Background(), opt, nil)
+			native += time.Since(start)
+			require.NoError(b, err)
+			require.EqualValues(b, 1+i%3, res.DocsWritten)
+			requests += res.Requests
+			server += serverReplicate(b, s, source, st)
+		}
+		b.ReportMetric(float64(native.Microseconds())/1000/float64(b.N), "native_ms/run")
+		b.ReportMetric(float64(server.Microseconds())/1000/float64(b.N), "server_ms/run")
+		b.ReportMetric(float64(requests)/float64(b.N), "native_requests/run")
+		b.Logf("incremental (%d runs): native %.1f ms/run, %.1f requests/run; server _replicate %.1f ms/run",
+			b.N, float64(native.Microseconds())/1000/float64(b.N), float64(requests)/float64(b.N),
+			float64(server.Microseconds())/1000/float64(b.N))
+	})
+}

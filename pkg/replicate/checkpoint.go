@@ -1,0 +1,183 @@
+package replicate
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/http"
+	"net/url"
+	"sync"
+	"time"
+
+	"github.com/spiegel-nats/spiegel/pkg/couch"
+)
+
+// maxHistory bounds the sessions a checkpoint doc keeps, as CouchDB does.
+const maxHistory = 50
+
+// replicationIDVersion is written in checkpoint docs; our ids are not CouchDB's (version 3 and
+// below use a node uuid), so the value names our own scheme.
+const replicationIDVersion = 100
+
+// historyEntry is one session of a checkpoint's history, CouchDB's field names.
+type historyEntry struct {
+	SessionID        string    `json:"session_id"`
+	StartTime        string    `json:"start_time,omitempty"`
+	EndTime          string    `json:"end_time,omitempty"`
+	StartLastSeq     couch.Seq `json:"start_last_seq"`
+	EndLastSeq       couch.Seq `json:"end_last_seq"`
+	RecordedSeq      couch.Seq `json:"recorded_seq"`
+	MissingChecked   int64     `json:"missing_checked"`
+	MissingFound     int64     `json:"missing_found"`
+	DocsRead         int64     `json:"docs_read"`
+	DocsWritten      int64     `json:"docs_written"`
+	DocWriteFailures int64     `json:"doc_write_failures"`
+}
+
+// checkpointDoc is the `_local/<replication id>` doc on source and target. Seqs are written as
+// strings (PouchDB's integers are read back as their text) and never compared but for equality.
+type checkpointDoc struct {
+	Rev                  string         `json:"_rev,omitempty"`
+	SessionID            string         `json:"session_id"`
+	SourceLastSeq        couch.Seq      `json:"source_last_seq"`
+	ReplicationIDVersion int            `json:"replication_id_version"`
+	Engine               string         `json:"engine,omitempty"`
+	History              []historyEntry `json:"history"`
+}
+
+// findStartSeq returns where a replication resumes and the history it continues, from the
+// checkpoints read on source and target (nil when missing). Same session on both sides: the
+// source's source_last_seq. Otherwise the histories are walked side by side, newest first, for
+// the latest session both recorded (CouchDB's compare_rep_history). No common session: "" (the
+// beginning) and an empty history.
+func findStartSeq(src, tgt *checkpointDoc) (couch.Seq, []historyEntry) {
+	if src == nil || tgt == nil {
+		return "", nil
+	}
+	if src.SessionID != "" && src.SessionID == tgt.SessionID {
+		return src.SourceLastSeq, src.History
+	}
+	s, t := src.History, tgt.History
+	for len(s) > 0 && len(t) > 0 {
+		s0, sRest := s[0], s[1:]
+		t0, tRest := t[0], t[1:]
+		if hasSession(t, s0.SessionID) {
+			return s0.RecordedSeq, sRest
+		}
+		if hasSession(sRest, t0.SessionID) {
+			return t0.RecordedSeq, tRest
+		}
+		s, t = sRest, tRest
+	}
+	return "", nil
+}
+
+func hasSession(h []historyEntry, id string) bool {
+	if id == "" {
+		return false
+	}
+	for _, e := range h {
+		if e.SessionID == id {
+			return true
+		}
+	}
+	return false
+}
+
+// checkpointer reads and writes the checkpoint docs of one run on both sides. Not safe for
+// concurrent use: the run's coordinator alone calls it.
+type checkpointer struct {
+	src, tgt *endpoint
+	id       string // replication id
+	session  string
+	started  time.Time
+	startSeq couch.Seq
+	history  []historyEntry // the history this session continues (without its own entry)
+	srcRev   string
+	tgtRev   string
+	written  couch.Seq // the last seq written to both sides
+}
+
+func (c *checkpointer) path(e *endpoint) string { return e.dbPath + "/_local/" + url.PathEscape(c.id) }
+
+// read reads the checkpoint doc of e; a missing doc is (nil, nil), and so is a missing db: the
+// caller checks db existence (it costs a request that a present checkpoint makes unnecessary).
+func (c *checkpointer) read(ctx context.Context, e *endpoint) (*checkpointDoc, error) {
+	var doc checkpointDoc
+	err := e.do(ctx, http.MethodGet, c.path(e), nil, nil, &doc)
+	if errors.Is(err, couch.ErrNotFound) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, fmt.Errorf("read checkpoint of %s: %w", e.shown, err)
+	}
+	return &doc, nil
+}
+
+// write records seq with stats as this session's checkpoint on both sides (in parallel).
+// It must only be called once every change up to seq has been written to the target.
+func (c *checkpointer) write(ctx context.Context, seq couch.Seq, st stats) error {
+	entry := historyEntry{
+		SessionID:        c.session,
+		StartTime:        c.started.UTC().Format(time.RFC1123),
+		EndTime:          time.Now().UTC().Format(time.RFC1123),
+		StartLastSeq:     c.startSeq,
+		EndLastSeq:       seq,
+		RecordedSeq:      seq,
+		MissingChecked:   st.MissingChecked,
+		MissingFound:     st.MissingFound,
+		DocsRead:         st.DocsRead,
+		DocsWritten:      st.DocsWritten,
+		DocWriteFailures: st.DocWriteFailures,
+	}
+	hist := append([]historyEntry{entry}, c.history...)
+	if len(hist) > maxHistory {
+		hist = hist[:maxHistory]
+	}
+	doc := checkpointDoc{
+		SessionID:            c.session,
+		SourceLastSeq:        seq,
+		ReplicationIDVersion: replicationIDVersion,
+		Engine:               EngineVersion,
+		History:              hist,
+	}
+	var wg sync.WaitGroup
+	var srcErr, tgtErr error
+	wg.Add(2)
+	go func() { defer wg.Done(); srcErr = c.put(ctx, c.src, doc, &c.srcRev) }()
+	go func() { defer wg.Done(); tgtErr = c.put(ctx, c.tgt, doc, &c.tgtRev) }()
+	wg.Wait()
+	if err := errors.Join(srcErr, tgtErr); err != nil {
+		return err
+	}
+	c.written = seq
+	return nil
+}
+
+// put writes doc as e's checkpoint over *rev and stores the new rev. A 409 (a rev we did not
+// know, e.g. after a concurrent run) re-reads the current rev and tries once more.
+func (c *checkpointer) put(ctx context.Context, e *endpoint, doc checkpointDoc, rev *string) error {
+	for attempt := 0; ; attempt++ {
+		doc.Rev = *rev
+		var ans struct {
+			Rev string `json:"rev"`
+		}
+		err := e.do(ctx, http.MethodPut, c.path(e), nil, doc, &ans)
+		if err == nil {
+			*rev = ans.Rev
+			return nil
+		}
+		var he *couch.HTTPError
+		if attempt > 0 || !errors.As(err, &he) || he.Status != http.StatusConflict {
+			return fmt.Errorf("write checkpoint of %s: %w", e.shown, err)
+		}
+		cur, rerr := c.read(ctx, e)
+		if rerr != nil {
+			return rerr
+		}
+		*rev = ""
+		if cur != nil {
+			*rev = cur.Rev
+		}
+	}
+}

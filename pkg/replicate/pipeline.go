@@ -1,0 +1,226 @@
+package replicate
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/spiegel-nats/spiegel/pkg/couch"
+)
+
+// maxLoggedPerBatch bounds the per-doc warnings (refused, skipped) logged for one batch.
+const maxLoggedPerBatch = 10
+
+// flushTimeout bounds the checkpoint written after a run was cancelled or failed.
+const flushTimeout = 10 * time.Second
+
+// stats are CouchDB's replication counters.
+type stats struct {
+	MissingChecked, MissingFound, DocsRead, DocsWritten, DocWriteFailures int64
+}
+
+// counters are the stats of a run, updated by its workers.
+type counters struct {
+	missingChecked, missingFound, docsRead, docsWritten, docWriteFailures atomic.Int64
+}
+
+func (c *counters) snapshot() stats {
+	return stats{
+		MissingChecked:   c.missingChecked.Load(),
+		MissingFound:     c.missingFound.Load(),
+		DocsRead:         c.docsRead.Load(),
+		DocsWritten:      c.docsWritten.Load(),
+		DocWriteFailures: c.docWriteFailures.Load(),
+	}
+}
+
+func newSessionID() string {
+	var b [16]byte
+	_, _ = rand.Read(b[:]) // crypto/rand.Read never fails
+	return hex.EncodeToString(b[:])
+}
+
+// batch is one page of changes; idx orders batches for checkpointing.
+type batch struct {
+	idx     int
+	rows    []change
+	lastSeq couch.Seq
+}
+
+// batchDone reports a processed batch to the coordinator.
+type batchDone struct {
+	idx     int
+	lastSeq couch.Seq
+	err     error
+}
+
+// pipeline replicates from the first page on: one goroutine reads the following pages ahead,
+// Workers goroutines process batches in parallel, and this goroutine checkpoints the last seq
+// of the longest prefix of completed batches (so a checkpoint never covers a batch still in
+// flight), at most every CheckpointInterval and once at the end. The first error stops it all;
+// completed work is still checkpointed.
+func (r *run) pipeline(parent context.Context, reader *changesReader, first changesPage, firstRaw int, cp *checkpointer) error {
+	ctx, cancel := context.WithCancelCause(parent)
+	defer cancel(nil)
+	batches := make(chan batch, r.opt.Workers)
+	results := make(chan batchDone, r.opt.Workers)
+
+	go func() {
+		defer close(batches)
+		p, raw := first, firstRaw
+		for idx := 0; ; idx++ {
+			select {
+			case batches <- batch{idx: idx, rows: p.Results, lastSeq: p.LastSeq}:
+			case <-ctx.Done():
+				return
+			}
+			if raw < r.opt.BatchSize {
+				return // a short page is the end of the feed
+			}
+			var err error
+			if p, raw, err = reader.page(ctx, p.LastSeq); err != nil {
+				cancel(fmt.Errorf("read changes of %s: %w", r.src.shown, err))
+				return
+			}
+			if raw == 0 {
+				return
+			}
+		}
+	}()
+
+	var wg sync.WaitGroup
+	for range r.opt.Workers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for b := range batches {
+				err := r.process(ctx, b)
+				if err != nil {
+					cancel(err)
+				}
+				results <- batchDone{idx: b.idx, lastSeq: b.lastSeq, err: err}
+			}
+		}()
+	}
+	go func() { wg.Wait(); close(results) }()
+
+	done := map[int]couch.Seq{}
+	next, recorded, last := 0, cp.written, time.Now()
+	for d := range results {
+		if d.err != nil {
+			continue
+		}
+		done[d.idx] = d.lastSeq
+		for {
+			s, ok := done[next]
+			if !ok {
+				break
+			}
+			delete(done, next)
+			next++
+			recorded = s
+		}
+		if ctx.Err() == nil && recorded != cp.written && time.Since(last) >= r.opt.CheckpointInterval {
+			if err := cp.write(ctx, recorded, r.counters.snapshot()); err != nil {
+				cancel(err)
+				continue
+			}
+			last = time.Now()
+			r.log.WithField("seq", string(recorded)).Debug("checkpoint written")
+		}
+	}
+
+	err := context.Cause(ctx) // nil unless a part failed or parent ended: cancel(nil) is deferred
+	if recorded == cp.written {
+		return err
+	}
+	wctx := ctx
+	if err != nil {
+		var stop context.CancelFunc
+		wctx, stop = context.WithTimeout(context.WithoutCancel(parent), flushTimeout)
+		defer stop()
+	}
+	if werr := cp.write(wctx, recorded, r.counters.snapshot()); werr != nil {
+		return errors.Join(err, werr)
+	}
+	return err
+}
+
+// process replicates one batch: _revs_diff, fetch, _bulk_docs. It returns only when every
+// fetched doc was written or refused by the target, or with an error.
+func (r *run) process(ctx context.Context, b batch) error {
+	if len(b.rows) == 0 {
+		return nil
+	}
+	revs := make(map[string][]string, len(b.rows))
+	var checked int64
+	for _, c := range b.rows {
+		for _, ch := range c.Changes {
+			revs[c.ID] = append(revs[c.ID], ch.Rev)
+			checked++
+		}
+	}
+	r.counters.missingChecked.Add(checked)
+	missing, err := missingRevs(ctx, r.tgt, revs)
+	if err != nil {
+		return err
+	}
+	var found int64
+	for id, d := range missing {
+		if len(d.Missing) == 0 {
+			delete(missing, id)
+		}
+		found += int64(len(d.Missing))
+	}
+	r.counters.missingFound.Add(found)
+	if found == 0 {
+		return nil
+	}
+	docs, skipped, err := r.fetch(ctx, missing)
+	if err != nil {
+		return err
+	}
+	r.counters.docsRead.Add(int64(len(docs)))
+	for i, s := range skipped {
+		if i == maxLoggedPerBatch {
+			r.log.WithField("count", len(skipped)).Warn("more revisions skipped in this batch")
+			break
+		}
+		r.log.WithFields(map[string]any{"doc": s.ID, "rev": s.Rev, "reason": s.Reason}).
+			Warn("source could not return a missing revision; skipped")
+	}
+	failed, err := bulkDocs(ctx, r.tgt, docs)
+	if err != nil {
+		return err
+	}
+	r.counters.docsWritten.Add(int64(len(docs) - len(failed)))
+	r.counters.docWriteFailures.Add(int64(len(failed)))
+	for i, f := range failed {
+		if i == maxLoggedPerBatch {
+			r.log.WithField("count", len(failed)).Warn("more documents refused in this batch")
+			break
+		}
+		r.log.WithFields(map[string]any{"doc": f.ID, "rev": f.Rev, "error": f.Error, "reason": f.Reason}).
+			Warn("target refused a document")
+	}
+	return nil
+}
+
+// fetch reads the missing revs from the source with _bulk_get, or with open_revs once the
+// source turned out to lack _bulk_get.
+func (r *run) fetch(ctx context.Context, missing map[string]revsDiff) ([]fetchedDoc, []skippedRev, error) {
+	if !r.noBulkGet.Load() {
+		docs, skipped, unsupported, err := bulkGet(ctx, r.src, missing)
+		if !unsupported {
+			return docs, skipped, err
+		}
+		r.noBulkGet.Store(true)
+		r.log.Info("source lacks _bulk_get: fetching with open_revs")
+	}
+	return openRevs(ctx, r.src, missing, r.opt.Workers)
+}

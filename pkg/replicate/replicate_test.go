@@ -1,0 +1,278 @@
+package replicate
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/http"
+	"net/http/httptest"
+	"net/url"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/spiegel-nats/spiegel/pkg/couchtest"
+)
+
+// killSwitch is a transport that, once tripped, fails every request as a dead process would
+// (no flush of the checkpoint gets through), and trips itself after a number of successful
+// _bulk_docs answers.
+type killSwitch struct {
+	base      http.RoundTripper
+	after     int64
+	bulkDocs  atomic.Int64
+	dead      atomic.Bool
+	onTripped func()
+}
+
+func (k *killSwitch) RoundTrip(req *http.Request) (*http.Response, error) {
+	if k.dead.Load() {
+		return nil, errors.New("killed")
+	}
+	resp, err := k.base.RoundTrip(req)
+	if err == nil && strings.HasSuffix(req.URL.Path, "/_bulk_docs") && resp.StatusCode < 300 {
+		if k.bulkDocs.Add(1) == k.after {
+			k.dead.Store(true)
+			k.onTripped()
+		}
+	}
+	return resp, err
+}
+
+// TestKillAndResume kills a replication of many docs midway (its transport dies after some
+// batches, after interval checkpoints were written) and runs it again: the second run resumes
+// from the checkpoint, reads fewer docs than the total, and the target converges.
+func TestKillAndResume(t *testing.T) {
+	s := couchtest.Get(t)
+	const total = 20000
+	source, target := s.NewDB(t, "ksrc_"), s.NewDB(t, "ktgt_")
+	createDocs(t, s, source, "d", total)
+
+	ctx, cancel := context.WithCancel(t.Context())
+	defer cancel()
+	ks := &killSwitch{base: &http.Transport{DisableCompression: true}, after: 16, onTripped: cancel}
+	opt := Options{
+		Source: dbURL(s, source), Target: dbURL(s, target),
+		BatchSize: 500, Workers: 4, CheckpointInterval: 200 * time.Millisecond,
+		HTTPClient: &http.Client{Transport: ks},
+	}
+	start := time.Now()
+	first, err := Run(ctx, opt, testLog(t))
+	require.Error(t, err, "the killed run fails")
+	assert.False(t, first.OK)
+	t.Logf("killed run: %s, docs written %d, checkpoint %q", time.Since(start), first.DocsWritten, first.EndSeq)
+	require.NotEmpty(t, first.EndSeq, "a checkpoint was written before the kill")
+
+	opt.HTTPClient = nil
+	second, err := Run(t.Context(), opt, testLog(t))
+	require.NoError(t, err)
+	t.Logf("resumed run: start %q, docs read %d, written %d", second.StartSeq, second.DocsRead, second.DocsWritten)
+	// Usually first.EndSeq; a kill between the two checkpoint PUTs may leave the source one
+	// checkpoint ahead of what the killed run reported, which is as safe.
+	assert.NotEmpty(t, second.StartSeq, "resumes from the killed run's checkpoint")
+	assert.Less(t, second.DocsRead, int64(total))
+	assert.Positive(t, second.DocsRead)
+	assert.Equal(t, total, docCount(t, s, target))
+
+	third, err := Run(t.Context(), opt, testLog(t))
+	require.NoError(t, err)
+	assert.True(t, third.NoChanges)
+}
+
+// TestNoChangesWritesNothing: a second run with nothing new writes nothing, in at most 4
+// requests (checkpoint reads on both sides, one _changes).
+func TestNoChangesWritesNothing(t *testing.T) {
+	s := couchtest.Get(t)
+	source, target := s.NewDB(t, "nsrc_"), s.NewDB(t, "ntgt_")
+	createDocs(t, s, source, "n", 25)
+	opt := Options{Source: dbURL(s, source), Target: dbURL(s, target)}
+	first, err := Run(t.Context(), opt, testLog(t))
+	require.NoError(t, err)
+	require.EqualValues(t, 25, first.DocsWritten)
+	assert.False(t, first.NoChanges)
+
+	second, err := Run(t.Context(), opt, testLog(t))
+	require.NoError(t, err)
+	assert.True(t, second.OK)
+	assert.True(t, second.NoChanges)
+	assert.Zero(t, second.DocsWritten)
+	assert.Zero(t, second.DocsRead)
+	assert.Equal(t, first.EndSeq, second.StartSeq)
+	assert.LessOrEqual(t, second.Requests, int64(4))
+	t.Logf("no-change run: %d requests", second.Requests)
+}
+
+// TestIncrementalRequests: a db that received 1–3 docs since its last replication costs at most
+// 8 requests per run.
+func TestIncrementalRequests(t *testing.T) {
+	s := couchtest.Get(t)
+	source, target := s.NewDB(t, "isrc_"), s.NewDB(t, "itgt_")
+	createDocs(t, s, source, "base", 50)
+	opt := Options{Source: dbURL(s, source), Target: dbURL(s, target)}
+	_, err := Run(t.Context(), opt, testLog(t))
+	require.NoError(t, err)
+	for n := 1; n <= 3; n++ {
+		for i := range n {
+			s.Put(t, source, fmt.Sprintf("new-%d-%d", n, i), map[string]any{"i": i})
+		}
+		res, err := Run(t.Context(), opt, testLog(t))
+		require.NoError(t, err)
+		assert.EqualValues(t, n, res.DocsWritten)
+		assert.LessOrEqual(t, res.Requests, int64(8), "%d new docs", n)
+		t.Logf("%d new docs: %d requests", n, res.Requests)
+	}
+	requireSameLeaves(t, s, source, target)
+}
+
+// TestMissingDBs: a missing source is ErrSourceNotFound naming it; a missing target is
+// ErrTargetNotFound without CreateTarget and is created with it. Neither is created by a
+// failed run.
+func TestMissingDBs(t *testing.T) {
+	s := couchtest.Get(t)
+	existing := s.NewDB(t, "msrc_")
+	createDocs(t, s, existing, "m", 3)
+
+	t.Run("source", func(t *testing.T) {
+		missing := couchtest.UniqueName(t, "nosrc_")
+		_, err := Run(t.Context(), Options{Source: dbURL(s, missing), Target: dbURL(s, existing)}, testLog(t))
+		require.ErrorIs(t, err, ErrSourceNotFound)
+		assert.Contains(t, err.Error(), missing)
+		assert.Equal(t, http.StatusNotFound, status(t, s, missing), "the source is not created")
+	})
+	t.Run("target", func(t *testing.T) {
+		missing := couchtest.UniqueName(t, "notgt_")
+		s.Cleanup(t, missing)
+		_, err := Run(t.Context(), Options{Source: dbURL(s, existing), Target: dbURL(s, missing)}, testLog(t))
+		require.ErrorIs(t, err, ErrTargetNotFound)
+		assert.Contains(t, err.Error(), missing)
+		assert.Equal(t, http.StatusNotFound, status(t, s, missing))
+
+		res, err := Run(t.Context(), Options{Source: dbURL(s, existing), Target: dbURL(s, missing), CreateTarget: true}, testLog(t))
+		require.NoError(t, err)
+		assert.EqualValues(t, 3, res.DocsWritten)
+		assert.Equal(t, 3, docCount(t, s, missing))
+	})
+}
+
+// TestMissingSourceRedacted: the error of a missing source names it without its password (a
+// fake server that knows no db, since the test server may refuse made-up credentials).
+func TestMissingSourceRedacted(t *testing.T) {
+	t.Parallel()
+	var gotAuth atomic.Bool
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if u, p, ok := r.BasicAuth(); ok && u == "admin" && p == "s3cret-pw" {
+			gotAuth.Store(true)
+		}
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(http.StatusNotFound)
+		_, _ = w.Write([]byte(`{"error":"not_found","reason":"Database does not exist."}`))
+	}))
+	defer srv.Close()
+	src := strings.Replace(srv.URL, "http://", "http://admin:s3cret-pw@", 1) + "/gone"
+	res, err := Run(t.Context(), Options{Source: src, Target: srv.URL + "/tgt"}, testLog(t))
+	require.ErrorIs(t, err, ErrSourceNotFound)
+	assert.Contains(t, err.Error(), "admin:xxxxx@")
+	assert.Contains(t, err.Error(), "/gone")
+	assert.NotContains(t, err.Error(), "s3cret-pw")
+	assert.True(t, gotAuth.Load(), "credentials are sent as Basic auth")
+	assert.Positive(t, res.Requests)
+}
+
+func status(t *testing.T, s *couchtest.Server, db string) int {
+	st, _ := raw(t, s, http.MethodGet, "/"+url.PathEscape(db), nil, "application/json")
+	return st
+}
+
+// TestFilteredReplication: doc_ids and selector (local on PouchDB Server, server-side on
+// CouchDB) replicate only the matching docs, and their checkpoints are separate.
+func TestFilteredReplication(t *testing.T) {
+	s := couchtest.Get(t)
+	source := s.NewDB(t, "fsrc_")
+	for i := range 10 {
+		s.Put(t, source, fmt.Sprintf("f%d", i), map[string]any{"kind": []string{"even", "odd"}[i%2], "i": i})
+	}
+	t.Run("doc_ids", func(t *testing.T) {
+		target := s.NewDB(t, "ftgt_")
+		res, err := Run(t.Context(), Options{Source: dbURL(s, source), Target: dbURL(s, target), DocIDs: []string{"f1", "f2", "nosuch"}}, testLog(t))
+		require.NoError(t, err)
+		assert.EqualValues(t, 2, res.DocsWritten)
+		assert.Equal(t, 2, docCount(t, s, target))
+	})
+	t.Run("selector", func(t *testing.T) {
+		target := s.NewDB(t, "ftgt_")
+		opt := Options{Source: dbURL(s, source), Target: dbURL(s, target), Selector: map[string]any{"kind": "odd"}}
+		res, err := Run(t.Context(), opt, testLog(t))
+		require.NoError(t, err)
+		assert.EqualValues(t, 5, res.DocsWritten)
+		assert.Equal(t, 5, docCount(t, s, target))
+		s.Put(t, source, "f10", map[string]any{"kind": "odd"})
+		s.Put(t, source, "f11", map[string]any{"kind": "even"})
+		res, err = Run(t.Context(), opt, testLog(t))
+		require.NoError(t, err)
+		assert.EqualValues(t, 1, res.DocsWritten)
+	})
+}
+
+// TestWriteFailuresCounted: docs the target refuses (validate_doc_update) are counted, not
+// fatal; the others are written and the run checkpoints past them.
+func TestWriteFailuresCounted(t *testing.T) {
+	s := couchtest.Get(t)
+	source, target := s.NewDB(t, "wsrc_"), s.NewDB(t, "wtgt_")
+	s.Put(t, target, "_design/v", map[string]any{
+		"validate_doc_update": `function(doc) { if (doc.bad) { throw({forbidden: "bad doc"}); } }`,
+	})
+	for i := range 6 {
+		s.Put(t, source, fmt.Sprintf("w%d", i), map[string]any{"bad": i%3 == 0})
+	}
+	opt := Options{Source: dbURL(s, source), Target: dbURL(s, target)}
+	res, err := Run(t.Context(), opt, testLog(t))
+	require.NoError(t, err)
+	assert.True(t, res.OK)
+	assert.EqualValues(t, 6, res.DocsRead)
+	assert.EqualValues(t, 4, res.DocsWritten)
+	assert.EqualValues(t, 2, res.DocWriteFailures)
+	assert.Equal(t, 5, docCount(t, s, target), "4 docs and the design doc")
+
+	again, err := Run(t.Context(), opt, testLog(t))
+	require.NoError(t, err)
+	assert.True(t, again.NoChanges, "refused docs are not retried forever")
+}
+
+// TestCancelRecordsProgress: a cancelled run (ctx) still checkpoints the batches it completed,
+// and the next run starts from there.
+func TestCancelRecordsProgress(t *testing.T) {
+	s := couchtest.Get(t)
+	source, target := s.NewDB(t, "csrc_"), s.NewDB(t, "ctgt_")
+	createDocs(t, s, source, "c", 3000)
+	ctx, cancel := context.WithCancel(t.Context())
+	defer cancel()
+	// Cancel after the second batch is written, without killing the transport: the flush of the
+	// checkpoint must get through.
+	base := &http.Transport{DisableCompression: true}
+	var written atomic.Int64
+	hc := &http.Client{Transport: roundTripFunc(func(r *http.Request) (*http.Response, error) {
+		resp, err := base.RoundTrip(r)
+		if err == nil && strings.HasSuffix(r.URL.Path, "/_bulk_docs") && written.Add(1) == 2 {
+			cancel()
+		}
+		return resp, err
+	})}
+	opt := Options{Source: dbURL(s, source), Target: dbURL(s, target), BatchSize: 200, Workers: 1, HTTPClient: hc}
+	first, err := Run(ctx, opt, testLog(t))
+	require.ErrorIs(t, err, context.Canceled)
+	require.NotEmpty(t, first.EndSeq, "completed batches were checkpointed on cancellation")
+	opt.HTTPClient = nil
+	second, err := Run(t.Context(), opt, testLog(t))
+	require.NoError(t, err)
+	assert.Equal(t, first.EndSeq, second.StartSeq)
+	assert.Less(t, second.DocsRead, int64(3000))
+	assert.Equal(t, 3000, docCount(t, s, target))
+}
+
+type roundTripFunc func(*http.Request) (*http.Response, error)
+
+func (f roundTripFunc) RoundTrip(r *http.Request) (*http.Response, error) { return f(r) }
