@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"net/http"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/go-kivik/kivik/v4"
@@ -24,7 +25,7 @@ const (
 
 // ID returns the checkpoint doc id of (rule, db): "spiegel_cp_<rule>_<db>" where '%' and '_' in
 // the rule id are written %25 and %5F, so the first '_' after the prefix always ends the rule id
-// and no two (rule, db) pairs share an id.
+// and no two (rule, db) pairs share an id. The id itself contains '%': path-escape it in URLs.
 func ID(rule, db string) string {
 	r := strings.NewReplacer("%", "%25", "_", "%5F").Replace(rule)
 	return PrefixOnChange + r + "_" + db
@@ -59,7 +60,8 @@ type Position struct {
 
 // Store reads and writes service-owned docs in the spiegel db.
 type Store struct {
-	db *kivik.DB
+	db   *kivik.DB
+	revs sync.Map // doc id → rev of this store's last write
 }
 
 // NewStore returns a store over the spiegel db.
@@ -92,26 +94,31 @@ func (s *Store) get(ctx context.Context, id string, out any) (string, error) {
 }
 
 // put writes doc as id, overwriting whatever is there (last writer wins: every writer's value is
-// a safe position, see Producer).
+// a safe position, see the producer and the onchange consumer). The rev of the last write is
+// remembered, so a steady stream of saves costs one request each; a conflict (another writer, or
+// no rev known yet) costs a read and a retry.
 func (s *Store) put(ctx context.Context, id string, doc map[string]any) error {
+	rev, _ := s.revs.Load(id)
 	for attempt := 0; attempt < 5; attempt++ {
-		var cur map[string]any
-		rev, err := s.get(ctx, id, &cur)
-		if err != nil && !errors.Is(err, ErrNotFound) {
-			return err
-		}
-		if rev != "" {
-			doc["_rev"] = rev
+		if r, _ := rev.(string); r != "" {
+			doc["_rev"] = r
 		} else {
 			delete(doc, "_rev")
 		}
-		_, err = s.db.Put(ctx, id, doc)
+		newRev, err := s.db.Put(ctx, id, doc)
 		if err == nil {
+			s.revs.Store(id, newRev)
 			return nil
 		}
 		if kivik.HTTPStatus(err) != http.StatusConflict {
 			return fmt.Errorf("write %s: %w", id, err)
 		}
+		var cur map[string]any
+		r, gerr := s.get(ctx, id, &cur)
+		if gerr != nil && !errors.Is(gerr, ErrNotFound) {
+			return gerr
+		}
+		rev = r
 	}
 	return fmt.Errorf("write %s: conflicts persisted after 5 attempts", id)
 }
@@ -155,6 +162,7 @@ func (s *Store) DeleteOnChange(ctx context.Context, rule, db string) error {
 	if err != nil {
 		return err
 	}
+	s.revs.Delete(id)
 	if _, err := s.db.Delete(ctx, id, rev); err != nil && kivik.HTTPStatus(err) != http.StatusNotFound {
 		return fmt.Errorf("delete %s: %w", id, err)
 	}

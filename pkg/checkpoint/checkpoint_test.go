@@ -41,3 +41,21 @@ func TestStoreRoundTrip(t *testing.T) {
 	_, err = s.OnChange(ctx, "hook_a", "a/b+c$d")
 	assert.ErrorIs(t, err, ErrNotFound)
 }
+
+// Two stores writing the same doc (two producers) both succeed: conflicts are resolved.
+func TestConcurrentWritersResolveConflicts(t *testing.T) {
+	srv := couchtest.Get(t)
+	name := srv.NewDB(t, "cp_")
+	a, b := NewStore(srv.Client.DB(name)), NewStore(srv.Client.DB(name))
+	ctx := t.Context()
+	for i := range 5 {
+		require.NoError(t, a.SavePosition(ctx, Position{LastSeq: "a"}))
+		require.NoError(t, b.SavePosition(ctx, Position{LastSeq: "b"}), "round %d", i)
+	}
+	p, err := a.Position(ctx)
+	require.NoError(t, err)
+	assert.Equal(t, "b", p.LastSeq)
+	require.NoError(t, a.SaveOnChange(ctx, OnChange{Rule: "r", DB: "d", LastSeq: "1"}))
+	require.NoError(t, a.DeleteOnChange(ctx, "r", "d"))
+	require.NoError(t, a.SaveOnChange(ctx, OnChange{Rule: "r", DB: "d", LastSeq: "2"}), "write after delete")
+}

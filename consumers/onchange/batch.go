@@ -1,0 +1,225 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/sirupsen/logrus"
+
+	"github.com/spiegel-nats/spiegel/pkg/couch"
+	"github.com/spiegel-nats/spiegel/pkg/events"
+	"github.com/spiegel-nats/spiegel/pkg/logging"
+	"github.com/spiegel-nats/spiegel/pkg/rules"
+	"github.com/spiegel-nats/spiegel/pkg/webhook"
+	"github.com/spiegel-nats/spiegel/pkg/worker"
+)
+
+// change is one _changes row.
+type change struct{ couch.Change }
+
+// rev is the change's winning rev.
+func (c change) rev() string {
+	if len(c.Revs) > 0 {
+		return c.Revs[0]
+	}
+	return ""
+}
+
+// vars decodes the row into substitution values: $change is the whole row (doc included, as an
+// object), numbers keep their text (json.Number).
+func (c change) vars(db string) (rules.Vars, map[string]any) {
+	var doc map[string]any
+	if len(c.Doc) > 0 {
+		dec := json.NewDecoder(bytes.NewReader(c.Doc))
+		dec.UseNumber()
+		_ = dec.Decode(&doc) // a doc that does not decode matches as an empty one
+	}
+	revs := make([]any, 0, len(c.Revs))
+	for _, r := range c.Revs {
+		revs = append(revs, map[string]any{"rev": r})
+	}
+	row := map[string]any{"seq": c.Seq, "id": c.ID, "changes": revs}
+	if c.Deleted {
+		row["deleted"] = true
+	}
+	if doc != nil {
+		row["doc"] = doc
+	}
+	return rules.VarsFromChange(db, row), doc
+}
+
+// action is what one change asks of a rule: an HTTP request or a publish.
+type action struct {
+	c       change
+	key     string // identity for debounce and the retry book
+	try     webhook.Attempt
+	details map[string]any // for a dead-letter record; never a password
+	owner   int            // index of the action that covers this one (debounce), or its own
+}
+
+// batchResult is how far a batch got.
+type batchResult struct {
+	done     int // changes at the head of the batch acted on (succeeded or dead-lettered)
+	retryIn  time.Duration
+	deferErr error
+	err      error
+}
+
+// Outcomes of one action.
+const (
+	stateDone     = iota + 1 // succeeded, or given up and dead-lettered
+	stateDeferred            // retry due later
+	stateFailed              // interrupted, or the dead letter could not be stored
+)
+
+// processBatch acts on the changes of one page in feed order. Changes that fail the rule's `if`
+// or selector are done at once. With debounce, identical requests (same method, final URL and
+// body) are sent once: later ones are done when the first is. With block each request is sent
+// after the previous one finished; without it up to requestConcurrency run at once (subject
+// rules always publish one at a time: the stream keeps feed order). No request
+// is started after one has deferred or failed. The result's done counts the head of the batch
+// that is finished, the only part the checkpoint may pass.
+func (h *handler) processBatch(ctx context.Context, db string, rule *rules.OnChange, rows []couch.Change, log logrus.FieldLogger) batchResult {
+	acts := make([]*action, len(rows))
+	seen := map[string]int{}
+	for i, row := range rows {
+		a := h.newAction(db, rule, change{row})
+		if a == nil {
+			continue
+		}
+		a.owner = i
+		if rule.Debounce && rule.Subject == "" {
+			if first, ok := seen[a.key]; ok {
+				a.owner = first
+			} else {
+				seen[a.key] = i
+			}
+		}
+		acts[i] = a
+	}
+
+	states := make([]int, len(rows))
+	var res batchResult
+	var mu sync.Mutex
+	var stop atomic.Bool
+	run := func(i int) {
+		st, retryIn, err := h.act(ctx, db, rule, acts[i], log)
+		mu.Lock()
+		defer mu.Unlock()
+		states[i] = st
+		switch st {
+		case stateDeferred:
+			stop.Store(true)
+			if res.retryIn == 0 || retryIn < res.retryIn {
+				res.retryIn, res.deferErr = retryIn, err
+			}
+		case stateFailed:
+			stop.Store(true)
+			if res.err == nil {
+				res.err = err
+			}
+		}
+	}
+	limit := h.requestConcurrency
+	if rule.Block || rule.Subject != "" {
+		limit = 1 // subject rules publish in feed order, so that stream order is feed order
+	}
+	sem := make(chan struct{}, limit)
+	var wg sync.WaitGroup
+	for i, a := range acts {
+		if a == nil || a.owner != i {
+			continue
+		}
+		sem <- struct{}{}
+		if stop.Load() || ctx.Err() != nil {
+			<-sem
+			break
+		}
+		wg.Go(func() { defer func() { <-sem }(); run(i) })
+	}
+	wg.Wait()
+
+	for i, a := range acts {
+		if a != nil && states[a.owner] != stateDone {
+			break
+		}
+		res.done = i + 1
+	}
+	if res.err == nil && res.retryIn == 0 && res.done < len(rows) {
+		res.err = ctx.Err() // only possible when the batch was cut short by ctx
+	}
+	return res
+}
+
+// newAction builds what rule does for change c, or nil when the doc does not match. A request
+// that cannot be built becomes an action that fails permanently (and is dead-lettered).
+func (h *handler) newAction(db string, rule *rules.OnChange, c change) *action {
+	vars, doc := c.vars(db)
+	if doc == nil {
+		doc = map[string]any{"_id": c.ID}
+		if c.Deleted {
+			doc["_deleted"] = true
+		}
+	}
+	if !rule.MatchDoc(doc) {
+		return nil
+	}
+	a := &action{c: c}
+	if rule.Subject != "" {
+		id, try, err := h.publisher.attempt(db, rule, c)
+		a.key, a.try, a.details = "publish "+id, try, map[string]any{"subject": subjectFor(rule, db)}
+		if err != nil {
+			a.try = func(context.Context) (int, error) { return 0, err }
+		}
+		return a
+	}
+	req, err := webhook.Build(rule, vars)
+	if err != nil {
+		a.key, a.details = "invalid request", map[string]any{"url_template": logging.RedactURL(rule.URL)}
+		a.try = func(context.Context) (int, error) { return 0, err }
+		return a
+	}
+	a.key, a.details = req.Key(), map[string]any{"method": req.Method, "url": logging.RedactURL(req.URL)}
+	a.try = func(ctx context.Context) (int, error) { return h.hooks.Send(ctx, req) }
+	return a
+}
+
+// act runs one action with the rule's retry policy. A retry due later than inlineRetry is
+// deferred (remembered in the retry book); at the retry limit the action is dead-lettered and
+// counts as done.
+func (h *handler) act(ctx context.Context, db string, rule *rules.OnChange, a *action, log logrus.FieldLogger) (int, time.Duration, error) {
+	key := bookKey(rule.ID(), db, a.c.Seq, a.key)
+	done, wait := h.book.get(key)
+	if wait > 0 {
+		return stateDeferred, wait, nil
+	}
+	out := webhook.Retrying(ctx, webhook.Retry{Policy: rule.Retry, Done: done, InlineMax: h.inlineRetry}, a.try)
+	log = log.WithFields(logrus.Fields{"seq": a.c.Seq, "doc_id": a.c.ID, "attempt": out.Attempts})
+	switch {
+	case out.Err == nil:
+		h.book.forget(key)
+		return stateDone, 0, nil
+	case out.RetryIn > 0:
+		h.book.defer_(key, out.Attempts, out.RetryIn)
+		log.WithError(out.Err).WithField("delay", out.RetryIn.String()).Warn("request failed: retrying later")
+		return stateDeferred, out.RetryIn, out.Err
+	case !out.GaveUp:
+		return stateFailed, 0, out.Err // ctx ended
+	}
+	rec := worker.DeadLetter{
+		Group: events.GroupOnChange, DB: db, Rule: rule.ID(), Seq: a.c.Seq, DocID: a.c.ID,
+		Status: out.Status, Error: logging.RedactText(out.Err.Error()), Attempts: out.Attempts, Details: a.details,
+	}
+	if err := h.dead.Publish(ctx, rec); err != nil {
+		h.book.defer_(key, out.Attempts-1, 0) // one more attempt, then the record again
+		return stateFailed, 0, err
+	}
+	h.book.forget(key)
+	h.metrics.DeadLetter(events.GroupOnChange)
+	log.WithError(out.Err).WithField("status", out.Status).Error("request given up at its retry limit: dead letter recorded")
+	return stateDone, 0, nil
+}

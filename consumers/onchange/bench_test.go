@@ -1,0 +1,140 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"regexp"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/spiegel-nats/spiegel/pkg/couch"
+	"github.com/spiegel-nats/spiegel/pkg/couchtest"
+)
+
+// countingSink answers every request with 200 after delay and counts them.
+func countingSink(b *testing.B, delay time.Duration) (*httptest.Server, *atomic.Int64) {
+	var n atomic.Int64
+	s := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		_, _ = io.Copy(io.Discard, r.Body)
+		if delay > 0 {
+			time.Sleep(delay)
+		}
+		n.Add(1)
+	}))
+	b.Cleanup(s.Close)
+	return s, &n
+}
+
+// bulkWrite writes n new docs into db.
+func (e *env) bulkWrite(b *testing.B, db string, n int) {
+	docs := make([]map[string]any, n)
+	for i := range docs {
+		docs[i] = map[string]any{"n": i, "text": "some payload text"}
+	}
+	require.NoError(b, e.couch.Do(b, "POST", "/"+couchtest.PathDB(db)+"/_bulk_docs", map[string]any{"docs": docs}, nil))
+}
+
+// baseline is the minimal hand-written loop: read db's changes after since and POST each one.
+func baseline(ctx context.Context, cc *couch.Client, hc *http.Client, db, since, url string) (string, int, error) {
+	page, err := cc.Changes(ctx, db, couch.ChangesOptions{Since: since, IncludeDocs: true})
+	if err != nil {
+		return since, 0, err
+	}
+	for _, c := range page.Results {
+		body, _ := json.Marshal(map[string]any{"change": map[string]any{"id": c.ID, "seq": c.Seq, "doc": c.Doc}})
+		resp, err := hc.Post(url, "application/json", bytes.NewReader(body))
+		if err != nil {
+			return since, 0, err
+		}
+		_, _ = io.Copy(io.Discard, resp.Body)
+		resp.Body.Close()
+	}
+	return page.LastSeq, len(page.Results), nil
+}
+
+// BenchmarkDispatch measures the pipeline's changes/s (enqueue to last webhook answer) to a
+// local sink answering in 0 and 50 ms, block true and false, over 1 and 20 dbs, next to the
+// baseline loop over the same number of changes of one db in the same run. Metrics:
+// changes/s, baseline_changes/s, ratio (pipeline / baseline). Run with -benchtime=3x.
+func BenchmarkDispatch(b *testing.B) {
+	e := newEnv(b, 60*time.Second)
+	e.cfg.Concurrency = 20
+	app := e.start(b)
+	cases := []struct {
+		delay time.Duration
+		block bool
+		dbs   int
+		perDB int
+	}{
+		{0, true, 1, 300}, {0, false, 1, 300},
+		{50 * time.Millisecond, true, 1, 20}, {50 * time.Millisecond, false, 1, 100},
+		{0, true, 20, 50}, {0, false, 20, 50},
+		{50 * time.Millisecond, true, 20, 10}, {50 * time.Millisecond, false, 20, 20},
+	}
+	for i, c := range cases {
+		name := fmt.Sprintf("sink=%s/block=%v/dbs=%d", c.delay, c.block, c.dbs)
+		sink, count := countingSink(b, c.delay)
+		prefix := fmt.Sprintf("%sb%d_", e.prefix, i)
+		dbs := make([]string, c.dbs)
+		for k := range dbs {
+			dbs[k] = fmt.Sprintf("%s%03d", prefix, k)
+			e.couch.CreateDB(b, dbs[k])
+		}
+		baseDB := "x" + prefix + "base" // not matched by the rule
+		e.couch.CreateDB(b, baseDB)
+		rev := e.putRule(b, fmt.Sprintf("bench%d", i), map[string]any{"db_name": "^" + regexp.QuoteMeta(prefix), "url": sink.URL + "/hook",
+			"method": "POST", "block": c.block, "params": map[string]any{"change": "$change"}})
+		waitRule(b, fmt.Sprintf("bench%d", i), rev, app)
+		since := ""
+		b.Run(name, func(b *testing.B) {
+			hc := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 64}}
+			var pipeDur, baseDur time.Duration
+			var pipeN, baseN int
+			b.ResetTimer()
+			for range b.N {
+				b.StopTimer()
+				for _, db := range dbs {
+					e.bulkWrite(b, db, c.perDB)
+				}
+				total := c.dbs * c.perDB
+				baseTotal := min(total, 300) // the baseline's rate needs fewer changes: keep slow sinks quick
+				if c.delay > 0 {
+					baseTotal = min(total, 20)
+				}
+				e.bulkWrite(b, baseDB, baseTotal)
+				want := count.Load() + int64(total)
+				b.StartTimer()
+				start := time.Now()
+				for _, db := range dbs {
+					e.enqueue(b, db)
+				}
+				for count.Load() < want {
+					time.Sleep(time.Millisecond)
+				}
+				pipeDur += time.Since(start)
+				pipeN += total
+				b.StopTimer()
+				start = time.Now()
+				var n int
+				var err error
+				since, n, err = baseline(b.Context(), app.Couch, hc, baseDB, since, sink.URL+"/base")
+				count.Add(-int64(n))
+				require.NoError(b, err)
+				baseDur += time.Since(start)
+				baseN += n
+			}
+			pipe, base := float64(pipeN)/pipeDur.Seconds(), float64(baseN)/baseDur.Seconds()
+			b.ReportMetric(pipe, "changes/s")
+			b.ReportMetric(base, "baseline_changes/s")
+			b.ReportMetric(pipe/base, "ratio")
+		})
+	}
+}

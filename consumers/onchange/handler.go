@@ -1,0 +1,235 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/sirupsen/logrus"
+
+	"github.com/spiegel-nats/spiegel/pkg/checkpoint"
+	"github.com/spiegel-nats/spiegel/pkg/config"
+	"github.com/spiegel-nats/spiegel/pkg/consumer"
+	"github.com/spiegel-nats/spiegel/pkg/couch"
+	"github.com/spiegel-nats/spiegel/pkg/metrics"
+	"github.com/spiegel-nats/spiegel/pkg/rules"
+	"github.com/spiegel-nats/spiegel/pkg/webhook"
+	"github.com/spiegel-nats/spiegel/pkg/worker"
+)
+
+const (
+	// defaultInlineRetry is the longest retry delay a job waits for itself; a request due later
+	// is deferred: its rule stops at that change and the job is run again later, so a webhook
+	// that is down does not hold a job slot for the whole backoff.
+	defaultInlineRetry = 10 * time.Second
+	// defaultMaxDefer caps the delay of a job whose rule deferred a request, so that the other
+	// rules of the db see their new changes soon even while one rule waits for a long backoff.
+	defaultMaxDefer = 30 * time.Second
+)
+
+// ruleSource is the live rule set (*rules.Set).
+type ruleSource interface {
+	OnChanges(db string) []*rules.OnChange
+	Rule(id string) (rules.Rule, bool)
+}
+
+// deadLetterer stores dead-letter records (*worker.DeadLetters).
+type deadLetterer interface {
+	Publish(ctx context.Context, rec worker.DeadLetter) error
+}
+
+// handler runs the on_change rules of a db for one job (SPEC §5.3). It is safe for concurrent
+// use by many jobs; the runner guarantees one job per db at a time.
+type handler struct {
+	couch     *couch.Client
+	store     *checkpoint.Store
+	rules     ruleSource
+	hooks     *webhook.Client
+	publisher *changePublisher
+	dead      deadLetterer
+	metrics   *metrics.Consumer
+	log       logrus.FieldLogger
+
+	batchSize          int
+	requestConcurrency int
+	inlineRetry        time.Duration
+	maxDefer           time.Duration
+	book               *retryBook
+}
+
+// newHandler wires a handler from an opened consumer app and the binary's config.
+func newHandler(app *consumer.App, cfg *config.OnChange) *handler {
+	return &handler{
+		couch: app.Couch, store: app.Store, rules: app.Rules, dead: app.DeadLetters, metrics: app.Metrics,
+		log: app.Log.WithField("component", "onchange"),
+		hooks: webhook.New(webhook.Config{
+			Timeout: cfg.WebhookTimeout, AllowedHosts: cfg.AllowedHosts, Passwords: app.Passwords,
+			SignatureSecret: cfg.SignatureSecret, Metrics: app.Metrics,
+		}),
+		publisher:          newChangePublisher(app.JS, app.Metrics),
+		batchSize:          max(cfg.BatchSize, 1),
+		requestConcurrency: max(cfg.RequestConcurrency, 1),
+		inlineRetry:        defaultInlineRetry,
+		maxDefer:           defaultMaxDefer,
+		book:               newRetryBook(),
+	}
+}
+
+// ruleResult is how one rule's run in one db ended.
+type ruleResult struct {
+	seq      string // the rule's checkpoint when it stopped
+	caughtUp bool   // every change up to the end of the feed was acted on
+	retryIn  time.Duration
+	deferErr error // why the rule deferred (with retryIn)
+	err      error // a transient failure: the job must run again
+}
+
+// handle is the worker.Handler of the onchange group. For every enabled rule that matches the
+// job's db it runs, concurrently and independently, the changes after the rule's checkpoint
+// (see runRule). A missing db acks the job with a warning. The result is:
+//   - nil when every rule caught up (or stopped for a reason only a rule edit can fix), after
+//     job.Reached was told a seq up to which every rule has processed the db;
+//   - worker.RetryAfter when a rule deferred a request whose retry is due later (capped at
+//     maxDefer, so the other rules are not held back long);
+//   - a transient error when CouchDB, the checkpoint store or the dead-letter stream failed.
+func (h *handler) handle(ctx context.Context, job *worker.Job) error {
+	log := h.log.WithField("db", job.DB)
+	info, err := h.couch.DBInfo(ctx, job.DB)
+	if errors.Is(err, couch.ErrNotFound) {
+		log.Warn("db does not exist: job dropped (it is enqueued again when the db is recreated)")
+		return nil
+	}
+	if err != nil {
+		return err
+	}
+	rs := h.rules.OnChanges(job.DB)
+	if len(rs) == 0 {
+		return nil
+	}
+	results := make([]ruleResult, len(rs))
+	var wg sync.WaitGroup
+	for i, r := range rs {
+		wg.Go(func() { results[i] = h.runRule(ctx, job.DB, info, r) })
+	}
+	wg.Wait()
+
+	var errs []error
+	var retryIn time.Duration
+	var deferErr error
+	for _, res := range results {
+		switch {
+		case res.err != nil:
+			errs = append(errs, res.err)
+		case res.retryIn > 0 && (retryIn == 0 || res.retryIn < retryIn):
+			retryIn, deferErr = res.retryIn, res.deferErr
+		}
+	}
+	if len(errs) > 0 {
+		return errors.Join(errs...)
+	}
+	if retryIn > 0 {
+		return worker.RetryAfter(min(retryIn, h.maxDefer), deferErr)
+	}
+	// Seqs are opaque, so the least of several rules' checkpoints cannot be computed. The db's
+	// update_seq read before any rule ran is at or before every rule's position: changes after
+	// it wake the db up again. With one rule its own checkpoint is exact.
+	if len(rs) == 1 && results[0].caughtUp {
+		job.Reached(results[0].seq)
+	} else {
+		job.Reached(info.UpdateSeq)
+	}
+	return nil
+}
+
+// runRule acts on the changes of db after rule's checkpoint, one page of at most batchSize at a
+// time, until a page is empty. After each page the checkpoint moves past the changes whose
+// actions all succeeded or were dead-lettered, and never past one that is still due (feed
+// order, at-least-once). The rule is looked up again before every page: an edit applies from
+// the next page, a deleted or disabled rule stops.
+func (h *handler) runRule(ctx context.Context, db string, info couch.DBInfo, rule *rules.OnChange) ruleResult {
+	log := h.log.WithFields(logrus.Fields{"db": db, "rule": rule.ID()})
+	since, err := h.start(ctx, db, info, rule, log)
+	if err != nil {
+		return ruleResult{err: err}
+	}
+	for {
+		cur, ok := h.current(rule.ID(), db)
+		if !ok {
+			log.Info("rule deleted, disabled or no longer matching the db: stopped")
+			return ruleResult{seq: since}
+		}
+		rule = cur
+		if rule.Subject != "" {
+			usable, err := h.publisher.check(ctx, db, rule, h.dead, log)
+			if err != nil || !usable {
+				return ruleResult{seq: since, err: err}
+			}
+		}
+		page, err := h.couch.Changes(ctx, db, couch.ChangesOptions{Since: since, Limit: h.batchSize, IncludeDocs: true})
+		if errors.Is(err, couch.ErrNotFound) {
+			log.Warn("db deleted while its changes were read: stopped")
+			return ruleResult{seq: since}
+		}
+		if err != nil {
+			return ruleResult{seq: since, err: fmt.Errorf("rule %s: %w", rule.ID(), err)}
+		}
+		if len(page.Results) == 0 {
+			return ruleResult{seq: since, caughtUp: true}
+		}
+		b := h.processBatch(ctx, db, rule, page.Results, log)
+		next := since
+		switch {
+		case b.done == len(page.Results) && page.LastSeq != "":
+			next = page.LastSeq
+		case b.done > 0:
+			next = page.Results[b.done-1].Seq
+		}
+		if next != since {
+			cp := checkpoint.OnChange{Rule: rule.ID(), DB: db, LastSeq: next, DBInstance: info.InstanceStartTime}
+			if err := h.store.SaveOnChange(ctx, cp); err != nil {
+				return ruleResult{seq: since, err: fmt.Errorf("save checkpoint of rule %s in %s: %w", rule.ID(), db, err)}
+			}
+			since = next
+		}
+		if b.err != nil || b.retryIn > 0 {
+			return ruleResult{seq: since, err: b.err, retryIn: b.retryIn, deferErr: b.deferErr}
+		}
+	}
+}
+
+// start returns the seq rule starts after in db: its checkpoint; the beginning when the
+// checkpoint belongs to an earlier db of the same name (deleted and recreated); without a
+// checkpoint, per the rule's since: the beginning, or the db's current update_seq, saved at
+// once so that "now" keeps meaning the moment the rule first saw the db.
+func (h *handler) start(ctx context.Context, db string, info couch.DBInfo, rule *rules.OnChange, log logrus.FieldLogger) (string, error) {
+	cp, err := h.store.OnChange(ctx, rule.ID(), db)
+	switch {
+	case err == nil:
+		if cp.DBInstance != "" && info.InstanceStartTime != "" && cp.DBInstance != info.InstanceStartTime {
+			log.Info("db was recreated after the checkpoint was taken: starting from its beginning")
+			return "", nil
+		}
+		return cp.LastSeq, nil
+	case !errors.Is(err, checkpoint.ErrNotFound):
+		return "", fmt.Errorf("read checkpoint of rule %s in %s: %w", rule.ID(), db, err)
+	case rule.Since != rules.SinceNow:
+		return "", nil
+	}
+	cp = checkpoint.OnChange{Rule: rule.ID(), DB: db, LastSeq: info.UpdateSeq, DBInstance: info.InstanceStartTime}
+	if err := h.store.SaveOnChange(ctx, cp); err != nil {
+		return "", fmt.Errorf("save first checkpoint of rule %s in %s: %w", rule.ID(), db, err)
+	}
+	return info.UpdateSeq, nil
+}
+
+// current returns the live version of rule id if it is still enabled and matches db.
+func (h *handler) current(id, db string) (*rules.OnChange, bool) {
+	r, ok := h.rules.Rule(id)
+	if !ok {
+		return nil, false
+	}
+	oc, ok := r.(*rules.OnChange)
+	return oc, ok && oc.Enabled() && oc.MatchesDB(db)
+}

@@ -1,0 +1,40 @@
+// Command onchange is the on_change consumer of Spiegel for NATS (SPEC §5.3): for every db with
+// new changes it runs each matching on_change rule over the changes after the rule's checkpoint,
+// calling its webhook or publishing each change to NATS, with retries, dead letters and
+// at-least-once checkpoints.
+package main
+
+import (
+	"context"
+	"os"
+	"os/signal"
+	"syscall"
+
+	"github.com/sirupsen/logrus"
+
+	"github.com/spiegel-nats/spiegel/pkg/config"
+	"github.com/spiegel-nats/spiegel/pkg/consumer"
+	"github.com/spiegel-nats/spiegel/pkg/events"
+)
+
+const usage = `onchange runs the on_change rules of the spiegel db: for every changed database it calls
+each matching rule's webhook (or publishes the change to NATS) for every change, in feed order,
+with per-(rule, db) checkpoints. Configuration is read from the environment:`
+
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
+	var cfg config.OnChange
+	code := consumer.Main(ctx, "onchange", usage, os.Args[1:], os.Stdout, os.Stderr, &cfg,
+		func(ctx context.Context, log *logrus.Logger) error { return run(ctx, &cfg, log) })
+	stop()
+	os.Exit(code)
+}
+
+// run connects, then runs the onchange jobs until ctx ends.
+func run(ctx context.Context, cfg *config.OnChange, log logrus.FieldLogger) error {
+	app, err := consumer.Open(ctx, &cfg.Consumer, events.GroupOnChange, log)
+	if err != nil {
+		return err
+	}
+	return app.Run(ctx, cfg.HTTPAddr, newHandler(app, cfg).handle)
+}

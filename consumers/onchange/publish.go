@@ -1,0 +1,132 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/sirupsen/logrus"
+
+	"github.com/spiegel-nats/spiegel/pkg/events"
+	"github.com/spiegel-nats/spiegel/pkg/metrics"
+	"github.com/spiegel-nats/spiegel/pkg/rules"
+	"github.com/spiegel-nats/spiegel/pkg/webhook"
+	"github.com/spiegel-nats/spiegel/pkg/worker"
+)
+
+// subjectCheckTTL is how long the answer "a stream captures this subject" is reused.
+const subjectCheckTTL = 30 * time.Second
+
+// streamPublisher is the part of jetstream.JetStream that subject rules use.
+type streamPublisher interface {
+	Publish(ctx context.Context, subject string, data []byte, opts ...jetstream.PublishOpt) (*jetstream.PubAck, error)
+	StreamNameBySubject(ctx context.Context, subject string) (string, error)
+}
+
+// changePublisher publishes changes for `subject` rules (SPEC §3): the change JSON with message
+// id <db>/<doc id>/<rev>, so that replays are deduplicated by the stream. Safe for concurrent use.
+type changePublisher struct {
+	js      streamPublisher
+	metrics *metrics.Consumer
+
+	mu       sync.Mutex
+	checked  map[string]time.Time // subjects found captured by a stream, and when
+	reported map[string]bool      // rule id, rev and subject already dead-lettered as unusable
+}
+
+func newChangePublisher(js streamPublisher, m *metrics.Consumer) *changePublisher {
+	return &changePublisher{js: js, metrics: m, checked: map[string]time.Time{}, reported: map[string]bool{}}
+}
+
+// subject returns rule's subject for db: ${db_name} becomes the db's subject token
+// (events.EncodeDBName), so any db name gives one valid token.
+func subjectFor(rule *rules.OnChange, db string) string {
+	return rules.Interpolate(rule.Subject, rules.Vars{DBName: events.EncodeDBName(db)}, false)
+}
+
+// check reports whether some stream captures rule's subject for db. When none does, the rule
+// cannot run in db: the first time per rule revision and subject a dead-letter record naming the
+// rule is stored and an error logged; the rule's checkpoint stays where it is, so its changes
+// flow once a stream captures the subject or the rule is fixed. Other rules are not affected.
+// err is a failure to ask NATS or to store the record (transient).
+func (p *changePublisher) check(ctx context.Context, db string, rule *rules.OnChange, dead deadLetterer, log logrus.FieldLogger) (bool, error) {
+	subject := subjectFor(rule, db)
+	p.mu.Lock()
+	at, ok := p.checked[subject]
+	p.mu.Unlock()
+	if ok && time.Since(at) < subjectCheckTTL {
+		return true, nil
+	}
+	_, err := p.js.StreamNameBySubject(ctx, subject)
+	if err == nil {
+		p.mu.Lock()
+		p.checked[subject] = time.Now()
+		p.mu.Unlock()
+		return true, nil
+	}
+	if !errors.Is(err, jetstream.ErrStreamNotFound) {
+		return false, fmt.Errorf("rule %s: look up the stream of subject %s: %w", rule.ID(), subject, err)
+	}
+	key := rule.ID() + "\x00" + rule.Rev() + "\x00" + subject
+	p.mu.Lock()
+	done := p.reported[key]
+	p.mu.Unlock()
+	if done {
+		return false, nil
+	}
+	msg := fmt.Sprintf("rule %s is unusable: no stream captures subject %s", rule.ID(), subject)
+	rec := worker.DeadLetter{Group: events.GroupOnChange, DB: db, Rule: rule.ID(), Error: msg,
+		Details: map[string]any{"subject": subject, "rule_rev": rule.Rev()}}
+	if err := dead.Publish(ctx, rec); err != nil {
+		return false, err
+	}
+	p.metrics.DeadLetter(events.GroupOnChange)
+	p.mu.Lock()
+	p.reported[key] = true
+	p.mu.Unlock()
+	log.WithField("subject", subject).Error(msg + "; its changes wait until a stream captures the subject (dead letter recorded)")
+	return false, nil
+}
+
+// changeMessage is the JSON published for one change.
+type changeMessage struct {
+	DB      string          `json:"db"`
+	Seq     string          `json:"seq"`
+	ID      string          `json:"id"`
+	Changes []revEntry      `json:"changes"`
+	Deleted bool            `json:"deleted,omitempty"`
+	Doc     json.RawMessage `json:"doc,omitempty"`
+}
+
+type revEntry struct {
+	Rev string `json:"rev"`
+}
+
+// attempt returns the publish of one change as a retryable action, and its message id.
+func (p *changePublisher) attempt(db string, rule *rules.OnChange, c change) (string, webhook.Attempt, error) {
+	msg := changeMessage{DB: db, Seq: c.Seq, ID: c.ID, Deleted: c.Deleted, Doc: c.Doc}
+	for _, r := range c.Revs {
+		msg.Changes = append(msg.Changes, revEntry{Rev: r})
+	}
+	data, err := json.Marshal(msg)
+	if err != nil {
+		return "", nil, fmt.Errorf("%w: encode change %s: %v", webhook.ErrBadRequest, c.ID, err)
+	}
+	subject, id := subjectFor(rule, db), events.ChangeMsgID(db, c.ID, c.rev())
+	timeout := rule.Timeout
+	return id, func(ctx context.Context) (int, error) {
+		ctx, cancel := context.WithTimeout(ctx, timeout)
+		defer cancel()
+		if _, err := p.js.Publish(ctx, subject, data, jetstream.WithMsgID(id)); err != nil {
+			return 0, fmt.Errorf("publish change %s to %s: %w", id, subject, err)
+		}
+		if p.metrics != nil {
+			p.metrics.ChangesPublished.Inc()
+		}
+		return 0, nil
+	}, nil
+}

@@ -1,0 +1,71 @@
+package main
+
+import (
+	"sync"
+	"time"
+)
+
+// bookTTL is how long a deferred request's attempt count is remembered without being touched
+// (its rule was deleted, its db deleted, or another process finished it).
+const bookTTL = 24 * time.Hour
+
+// retryBook remembers, per deferred request, how many attempts were made and when the next is
+// due, so that a job that deferred a request and runs again continues its backoff and counts
+// towards its retry limit instead of starting over.
+//
+// It is in-process memory: when the job runs again in another process the count starts over
+// there, which may mean more attempts than the limit, never fewer (at-least-once). Safe for
+// concurrent use.
+type retryBook struct {
+	mu      sync.Mutex
+	entries map[string]retryEntry
+	now     func() time.Time
+}
+
+type retryEntry struct {
+	attempts  int
+	notBefore time.Time
+	touched   time.Time
+}
+
+func newRetryBook() *retryBook {
+	return &retryBook{entries: map[string]retryEntry{}, now: time.Now}
+}
+
+// bookKey identifies one request of one change of one rule in one db.
+func bookKey(rule, db, seq, requestKey string) string {
+	return rule + "\x00" + db + "\x00" + seq + "\x00" + requestKey
+}
+
+// get returns the attempts made so far and how long until the next one is due (≤ 0: now).
+func (b *retryBook) get(key string) (attempts int, wait time.Duration) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	e, ok := b.entries[key]
+	if !ok {
+		return 0, 0
+	}
+	return e.attempts, e.notBefore.Sub(b.now())
+}
+
+// defer records that key was attempted attempts times and is due again after wait.
+func (b *retryBook) defer_(key string, attempts int, wait time.Duration) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	now := b.now()
+	if len(b.entries) > 0 && len(b.entries)%1024 == 0 {
+		for k, e := range b.entries {
+			if now.Sub(e.touched) > bookTTL {
+				delete(b.entries, k)
+			}
+		}
+	}
+	b.entries[key] = retryEntry{attempts: attempts, notBefore: now.Add(wait), touched: now}
+}
+
+// forget drops key: its request succeeded or was given up.
+func (b *retryBook) forget(key string) {
+	b.mu.Lock()
+	delete(b.entries, key)
+	b.mu.Unlock()
+}

@@ -1,0 +1,204 @@
+// Package consumer wires what both consumer binaries share: connections to CouchDB and NATS, the
+// passwords file (reloaded on SIGHUP), the live rule set, health and metrics, and the job runner.
+// A consumer binary supplies only its handler.
+package consumer
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"os/signal"
+	"sync"
+	"syscall"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/sirupsen/logrus"
+
+	"github.com/spiegel-nats/spiegel/pkg/backoff"
+	"github.com/spiegel-nats/spiegel/pkg/checkpoint"
+	"github.com/spiegel-nats/spiegel/pkg/config"
+	"github.com/spiegel-nats/spiegel/pkg/couch"
+	"github.com/spiegel-nats/spiegel/pkg/events"
+	"github.com/spiegel-nats/spiegel/pkg/health"
+	"github.com/spiegel-nats/spiegel/pkg/metrics"
+	"github.com/spiegel-nats/spiegel/pkg/natsjs"
+	"github.com/spiegel-nats/spiegel/pkg/passwords"
+	"github.com/spiegel-nats/spiegel/pkg/rulefeed"
+	"github.com/spiegel-nats/spiegel/pkg/rules"
+	"github.com/spiegel-nats/spiegel/pkg/worker"
+)
+
+// App is one consumer process's shared state. Build it with Open, then call Run.
+type App struct {
+	Log         logrus.FieldLogger
+	Couch       *couch.Client
+	NC          *nats.Conn
+	JS          jetstream.JetStream
+	Topology    natsjs.Topology
+	Subjects    events.Subjects
+	Passwords   *passwords.File
+	Rules       *rules.Set
+	Store       *checkpoint.Store
+	DeadLetters *worker.DeadLetters
+	Registry    *prometheus.Registry
+	Metrics     *metrics.Consumer
+	SpiegelDB   string
+
+	cfg      *config.Consumer
+	group    events.Group
+	follower *rulefeed.Follower
+	rulesSeq string
+}
+
+// Open connects to CouchDB and NATS, checks that install has run, loads the passwords file and
+// the rules. A missing installation is an error wrapping natsjs.ErrNotInstalled.
+func Open(ctx context.Context, cfg *config.Consumer, group events.Group, log logrus.FieldLogger) (*App, error) {
+	cc, err := couch.New(couch.Config{
+		URL: cfg.CouchDBURL, CAFile: cfg.CouchDBCAFile, InsecureSkipVerify: cfg.CouchDBInsecureTLS, RequestTimeout: cfg.CouchDBTimeout,
+	}, log.WithField("component", "couch"))
+	if err != nil {
+		return nil, err
+	}
+	pw, err := passwords.Load(cfg.PasswordsFile)
+	if err != nil {
+		return nil, err
+	}
+	nc, err := natsjs.Connect(ctx, natsOptions(cfg.NATS, "spiegel-"+group.ConsumerName()), log.WithField("component", "nats"))
+	if err != nil {
+		return nil, err
+	}
+	js, err := jetstream.New(nc)
+	if err != nil {
+		nc.Close()
+		return nil, fmt.Errorf("open JetStream: %w", err)
+	}
+	topo := natsjs.DefaultTopology(cfg.SubjectPrefix)
+	topo.Replicas, topo.AckWait = cfg.StreamReplicas, cfg.AckWait
+	fail := func(err error) (*App, error) { nc.Close(); return nil, err }
+	if err := natsjs.CheckInstalled(ctx, js, topo, group); err != nil {
+		return fail(err)
+	}
+	if _, err := cc.DBInfo(ctx, cfg.DBName); errors.Is(err, couch.ErrNotFound) {
+		return fail(fmt.Errorf("the spiegel db %q does not exist: %w", cfg.DBName, natsjs.ErrNotInstalled))
+	}
+	reg := metrics.NewRegistry(group.ConsumerName())
+	m := metrics.NewConsumer(reg)
+	metrics.RegisterJobGauges(reg, js, topo.Subjects.WorkStream())
+	a := &App{
+		Log: log, Couch: cc, NC: nc, JS: js, Topology: topo, Subjects: topo.Subjects, Passwords: pw,
+		Rules: rules.NewSet(), Store: checkpoint.NewStore(cc.Kivik().DB(cfg.DBName)),
+		DeadLetters: worker.NewDeadLetters(js, topo.Subjects), Registry: reg, Metrics: m, SpiegelDB: cfg.DBName,
+		cfg: cfg, group: group,
+	}
+	a.follower = &rulefeed.Follower{Couch: cc, DB: cfg.DBName, Set: a.Rules, Log: log.WithField("component", "rules"), Metrics: m}
+	if a.rulesSeq, err = a.follower.Load(ctx); err != nil {
+		return fail(err)
+	}
+	st := a.Rules.Stats()
+	log.WithFields(logrus.Fields{"replicators": st.Replicators, "on_changes": st.OnChanges, "rejected": st.Rejected}).Info("rules loaded")
+	return a, nil
+}
+
+func natsOptions(c config.NATS, name string) natsjs.Options {
+	return natsjs.Options{
+		URLs: c.NATSURL, Name: name, CredsFile: c.NATSCredsFile, NKeySeedFile: c.NATSNKeySeedFile,
+		User: c.NATSUser, Password: c.NATSPassword, Token: c.NATSToken,
+		CAFile: c.NATSCAFile, CertFile: c.NATSCertFile, KeyFile: c.NATSKeyFile,
+	}
+}
+
+// ChangedSince implements worker.WakeupChecker: db has a change after seq. A missing db has none.
+func (a *App) ChangedSince(ctx context.Context, db, seq string) (bool, error) {
+	page, err := a.Couch.Changes(ctx, db, couch.ChangesOptions{Since: seq, Limit: 1})
+	if errors.Is(err, couch.ErrNotFound) {
+		return false, nil
+	}
+	if err != nil {
+		return false, err
+	}
+	return len(page.Results) > 0, nil
+}
+
+// Run follows the rules, serves health and metrics on httpAddr, reloads the passwords file on
+// SIGHUP, and runs h on the group's jobs until ctx ends; then it lets running jobs finish within
+// the grace period, naks the rest and drains NATS.
+func (a *App) Run(ctx context.Context, httpAddr string, h worker.Handler) error {
+	defer func() { _ = a.NC.Drain() }()
+	var wg sync.WaitGroup
+	defer wg.Wait()
+	bgCtx, stopBG := context.WithCancel(context.WithoutCancel(ctx))
+	defer stopBG()
+
+	wg.Add(3)
+	go func() { defer wg.Done(); a.follower.Follow(bgCtx, a.rulesSeq) }()
+	go func() { defer wg.Done(); a.reloadOnHUP(bgCtx) }()
+	srv := health.New(httpAddr, a.Registry, a.readiness(), a.Log.WithField("component", "http"))
+	go func() {
+		defer wg.Done()
+		if err := srv.Run(bgCtx); err != nil {
+			a.Log.WithError(err).Error("health and metrics listener failed")
+		}
+	}()
+
+	runner, err := worker.New(a.JS, a.Subjects, worker.Config{
+		Group: a.group, Concurrency: a.cfg.Concurrency, AckWait: a.cfg.AckWait, Grace: a.cfg.ShutdownGrace,
+		Retry:    backoff.Policy{Initial: a.cfg.RetryInitial, Max: a.cfg.RetryMax, Multiplier: 2, Jitter: 0.2},
+		Observer: a.Metrics,
+	}, h, a, a.Log.WithField("component", "worker"))
+	if err != nil {
+		return err
+	}
+	a.Log.WithFields(logrus.Fields{"group": a.group, "concurrency": a.cfg.Concurrency}).Info("consumer running")
+	err = runner.Run(ctx)
+	a.Log.WithField("group", a.group).Info("consumer stopped")
+	return err
+}
+
+// reloadOnHUP reloads the passwords file on SIGHUP; a broken file keeps the old passwords.
+func (a *App) reloadOnHUP(ctx context.Context) {
+	hup := make(chan os.Signal, 1)
+	signal.Notify(hup, syscall.SIGHUP)
+	defer signal.Stop(hup)
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-hup:
+			if err := a.Passwords.Reload(); err != nil {
+				a.Log.WithError(err).Error("reload passwords file; keeping the previous passwords")
+				continue
+			}
+			a.Log.Info("passwords file reloaded")
+		}
+	}
+}
+
+func (a *App) readiness() map[string]health.Check {
+	return map[string]health.Check{
+		"couchdb": func(ctx context.Context) error {
+			_, err := a.Couch.DBInfo(ctx, a.SpiegelDB)
+			return err
+		},
+		"nats": func(context.Context) error {
+			if !a.NC.IsConnected() {
+				return errors.New("not connected")
+			}
+			return nil
+		},
+		"consumer": func(ctx context.Context) error {
+			return natsjs.CheckInstalled(ctx, a.JS, a.Topology, a.group)
+		},
+	}
+}
+
+// Timeout returns the smaller positive of a and b.
+func Timeout(a, b time.Duration) time.Duration {
+	if a <= 0 || b > 0 && b < a {
+		return b
+	}
+	return a
+}
