@@ -1,0 +1,54 @@
+// Command replicator runs the replicate jobs of the work queue: for each db with changes, a
+// one-shot replication per matching replicator rule (SPEC §2.1, §5.2).
+package main
+
+import (
+	"context"
+	"errors"
+	"os"
+	"os/signal"
+	"syscall"
+
+	"github.com/sirupsen/logrus"
+
+	"github.com/spiegel-nats/spiegel/pkg/config"
+	"github.com/spiegel-nats/spiegel/pkg/consumer"
+	"github.com/spiegel-nats/spiegel/pkg/events"
+	"github.com/spiegel-nats/spiegel/pkg/rules"
+)
+
+const usage = `replicator — Spiegel for NATS: replicate each changed db with its replicator rules
+
+Usage:
+  replicator               run the consumer (configuration from the environment below)`
+
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
+	var cfg config.Replicator
+	code := consumer.Main(ctx, "replicator", usage, os.Args[1:], os.Stdout, os.Stderr, &cfg,
+		func(ctx context.Context, log *logrus.Logger) error { return run(ctx, &cfg, log) })
+	stop()
+	os.Exit(code)
+}
+
+// run opens the consumer app and runs the replicate handler until ctx ends.
+func run(ctx context.Context, cfg *config.Replicator, log *logrus.Logger) error {
+	if cfg.Engine == rules.EngineNative {
+		return errors.New("SPIEGEL_REPLICATION_ENGINE=native: engine native is not available yet")
+	}
+	app, err := consumer.Open(ctx, &cfg.Consumer, events.GroupReplicate, log.WithField("component", "replicator"))
+	if err != nil {
+		return err
+	}
+	return app.Run(ctx, cfg.HTTPAddr, newHandler(app, cfg).handle)
+}
+
+// newHandler wires the handler to the app's connections. Only the CouchDB engine exists yet.
+func newHandler(app *consumer.App, cfg *config.Replicator) *replicator {
+	return &replicator{
+		dbs: app.Couch, rules: app.Rules, deadLetters: app.DeadLetters, metrics: app.Metrics,
+		log: app.Log.WithField("component", "replicator"), base: app.Couch.BaseURL(), passwords: app.Passwords,
+		engines:       map[string]engine{rules.EngineCouchDB: couchEngine{server: app.Couch}},
+		defaultEngine: cfg.Engine, timeout: cfg.ReplicationTimeout,
+	}
+}

@@ -1,0 +1,171 @@
+package main
+
+import (
+	"fmt"
+	"net/http"
+	"sort"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+// These tests run the real producer binary (polling every 200ms) with the replicator, so jobs
+// come from writes, as in production.
+
+// A pattern rule serves many dbs: after the pipeline settles, writes to 10 of 50 user dbs are
+// all replicated into one target, and the 40 idle dbs get no job.
+func TestPatternRuleReplicatesOnlyWrittenDBs(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 10*time.Second)
+	target := e.prefix + "all_posts"
+	e.couch.CreateDB(t, target)
+	var users []string
+	for i := range 50 {
+		db := fmt.Sprintf("%suser_%02d", e.prefix, i)
+		e.couch.CreateDB(t, db)
+		users = append(users, db)
+	}
+	e.couch.Put(t, e.cfg.DBName, "users", map[string]any{"type": "replicator", "db_name": "^" + e.prefix + "user_", "source": "$db_name", "target": target})
+	p := e.startReplicator(t, nil)
+	e.startProducer(t)
+	time.Sleep(time.Second) // let the producer take its first look at the dbs
+	e.waitQuiet(t, p, 60*time.Second)
+	p.reset()
+
+	written := map[string]bool{}
+	for i := 0; i < 50; i += 5 {
+		db := users[i]
+		written[db] = true
+		e.couch.Put(t, db, db+"_post", map[string]any{"by": db})
+	}
+	require.Eventually(t, func() bool { return len(revs(t, e.couch, target)) == 10 }, 30*time.Second, 100*time.Millisecond)
+	time.Sleep(2 * time.Second) // ten poll intervals: any job for an idle db would show
+	e.waitQuiet(t, p, 30*time.Second)
+	got := p.jobDBs()
+	for db := range written {
+		assert.GreaterOrEqual(t, got[db], 1, "no job for written db %s", db)
+	}
+	for db, n := range got {
+		assert.True(t, written[db], "idle db %s got %d job(s)", db, n)
+	}
+	got10 := revs(t, e.couch, target)
+	for db := range written {
+		assert.Contains(t, got10, db+"_post")
+	}
+}
+
+// A burst of 1,000 writes to one db runs far fewer than 100 replications, and the target ends
+// with the source's docs and revs.
+func TestBurstCollapsesReplications(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 10*time.Second)
+	src, tgt := e.prefix+"hot", e.prefix+"hot_copy"
+	e.couch.CreateDB(t, src)
+	e.couch.CreateDB(t, tgt)
+	e.couch.Put(t, e.cfg.DBName, "hot", map[string]any{"type": "replicator", "source": src, "target": tgt})
+	p := e.startReplicator(t, nil)
+	e.startProducer(t)
+	time.Sleep(time.Second)
+	e.waitQuiet(t, p, 30*time.Second)
+	p.reset()
+
+	writeDocs(t, e, src, 1000, 8)
+	waitConverged(t, e.couch, src, tgt, 60*time.Second)
+	e.waitQuiet(t, p, 30*time.Second)
+	waitConverged(t, e.couch, src, tgt, 10*time.Second)
+	n := len(p.replications(src))
+	t.Logf("1,000 writes → %d replications", n)
+	assert.GreaterOrEqual(t, n, 1)
+	assert.Less(t, n, 100)
+	assert.Len(t, revs(t, e.couch, tgt), 1000)
+}
+
+// dirty_after_milliseconds: 2000 turns 50 writes within a second into exactly one replication,
+// started no earlier than 2s after the first write.
+func TestDirtyAfterAbsorbsBurst(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 10*time.Second)
+	src, tgt := e.prefix+"lazy", e.prefix+"lazy_copy"
+	e.couch.CreateDB(t, src)
+	e.couch.CreateDB(t, tgt)
+	e.couch.Put(t, e.cfg.DBName, "lazy", map[string]any{"type": "replicator", "source": src, "target": tgt, "dirty_after_milliseconds": 2000})
+	p := e.startReplicator(t, nil)
+	e.startProducer(t)
+	time.Sleep(time.Second)
+	e.waitQuiet(t, p, 30*time.Second)
+	p.reset()
+
+	first := time.Now()
+	writeDocs(t, e, src, 50, 4)
+	// The premise: every write lands before the delay ends (they take ~0.1s).
+	require.Less(t, time.Since(first), 1800*time.Millisecond, "the writes took too long for this test's premise")
+	waitConverged(t, e.couch, src, tgt, 20*time.Second)
+	time.Sleep(2 * time.Second)
+	e.waitQuiet(t, p, 20*time.Second)
+	reps := p.replications(src)
+	require.Len(t, reps, 1, "exactly one replication")
+	assert.GreaterOrEqual(t, reps[0].Sub(first), 2*time.Second)
+}
+
+// A deleted source db is not retried in a loop; once recreated and written, it replicates again.
+func TestDeletedSourceNoLoopThenResumes(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 10*time.Second)
+	src, tgt := e.prefix+"gone", e.prefix+"gone_copy"
+	e.couch.CreateDB(t, src)
+	e.couch.CreateDB(t, tgt)
+	e.couch.Put(t, src, "before", map[string]any{"x": 1})
+	e.couch.Put(t, e.cfg.DBName, "gone", map[string]any{"type": "replicator", "source": src, "target": tgt})
+	p := e.startReplicator(t, nil)
+	e.startProducer(t)
+	waitConverged(t, e.couch, src, tgt, 30*time.Second)
+	e.waitQuiet(t, p, 30*time.Second)
+	p.reset()
+
+	require.NoError(t, e.couch.Do(t, http.MethodDelete, "/"+escapeDBName(src), nil, nil))
+	e.publish(t, src) // as the producer does for a deleted db, in case it did not see it
+	time.Sleep(8 * time.Second)
+	jobs := p.jobCount(src)
+	t.Logf("jobs for the deleted db in 8s: %d, attempts %v", jobs, p.attemptsOf(src))
+	assert.GreaterOrEqual(t, jobs, 1)
+	assert.LessOrEqual(t, jobs, 2, "a missing source must not loop")
+	assert.Empty(t, p.replications(src), "no _replicate for a missing source (PouchDB would recreate it)")
+	assert.Equal(t, uint64(0), e.workMsgs(t))
+	assert.Contains(t, e.logs.String(), "source db does not exist")
+
+	e.couch.CreateDB(t, src)
+	e.couch.Put(t, src, "after", map[string]any{"x": 2})
+	require.Eventually(t, func() bool { _, ok := revs(t, e.couch, tgt)["after"]; return ok }, 30*time.Second, 100*time.Millisecond)
+}
+
+// writeDocs writes n docs to db with `workers` parallel writers.
+func writeDocs(t *testing.T, e *env, db string, n, workers int) {
+	t.Helper()
+	var wg sync.WaitGroup
+	ch := make(chan int)
+	var mu sync.Mutex
+	var errs []string
+	for range workers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := range ch {
+				if err := e.couch.Do(t, http.MethodPut, fmt.Sprintf("/%s/doc%05d", escapeDBName(db), i), map[string]any{"n": i}, nil); err != nil {
+					mu.Lock()
+					errs = append(errs, err.Error())
+					mu.Unlock()
+				}
+			}
+		}()
+	}
+	for i := range n {
+		ch <- i
+	}
+	close(ch)
+	wg.Wait()
+	sort.Strings(errs)
+	require.Empty(t, errs)
+}

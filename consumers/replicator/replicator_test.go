@@ -1,0 +1,225 @@
+package main
+
+import (
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"net/http/httputil"
+	"net/url"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+// ruleURL returns the URL of db on the test server for a rule: with the server's user but never
+// its password (rules may not hold one), and a passwords file content supplying it.
+func (e *env) ruleURL(t *testing.T, db string) (string, string) {
+	t.Helper()
+	u, err := url.Parse(e.couch.URL)
+	require.NoError(t, err)
+	file := "{}"
+	if u.User != nil {
+		pw, _ := u.User.Password()
+		file = fmt.Sprintf(`{%q: {%q: %q}}`, u.Host, u.User.Username(), pw)
+		u.User = url.User(u.User.Username())
+	}
+	return strings.TrimRight(u.String(), "/") + "/" + escapeDBName(db), file
+}
+
+func writePasswords(t *testing.T, content string) string {
+	t.Helper()
+	path := filepath.Join(t.TempDir(), "passwords.json")
+	require.NoError(t, os.WriteFile(path, []byte(content), 0o600))
+	return path
+}
+
+// An exact rule added to a running replicator replicates the data already in the source when
+// its job comes (the producer enqueues every matching db of a new rule); later writes follow.
+func TestExactRuleReplicatesExistingDataThenWrites(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 10*time.Second)
+	db1, db2 := e.prefix+"db1", e.prefix+"db2"
+	e.couch.CreateDB(t, db1)
+	e.couch.CreateDB(t, db2)
+	for i := range 3 {
+		e.couch.Put(t, db1, fmt.Sprintf("old%d", i), map[string]any{"i": i})
+	}
+	p := e.startReplicator(t, nil)
+	e.couch.Put(t, e.cfg.DBName, "exact", map[string]any{"type": "replicator", "source": db1, "target": db2})
+	p.waitRule(t, db1)
+	e.publish(t, db1)
+	waitConverged(t, e.couch, db1, db2, 20*time.Second)
+
+	e.couch.Put(t, db1, "new", map[string]any{"fresh": true})
+	e.publish(t, db1)
+	waitConverged(t, e.couch, db1, db2, 20*time.Second)
+	assert.Len(t, revs(t, e.couch, db2), 4)
+	assert.Contains(t, e.logs.String(), `"rule":"exact"`)
+	assert.Contains(t, e.logs.String(), `"docs_written":1`)
+}
+
+// Names with '+', '$', '(', ')' (and '/' on CouchDB) replicate, through bare-name and URL rules.
+func TestSpecialDBNames(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 10*time.Second)
+	names := []string{e.prefix + "ab+c$d(e)-f_g"}
+	if !e.couch.PouchDB { // PouchDB Server cannot serve names with '/'
+		names = append(names, e.prefix+"a/b+c$d")
+	}
+	var files []string
+	for i, db := range names {
+		e.couch.CreateDB(t, db)
+		e.couch.CreateDB(t, db+"_copy")
+		e.couch.Put(t, db, "doc", map[string]any{"i": i})
+		e.couch.Put(t, e.cfg.DBName, fmt.Sprintf("bare%d", i), map[string]any{
+			"type": "replicator", "db_name": "^" + strings.NewReplacer("+", `\+`, "$", `\$`, "(", `\(`, ")", `\)`).Replace(db) + "$",
+			"source": "$db_name", "target": "${db_name}_copy",
+		})
+		src, file := e.ruleURL(t, db)
+		tgt, _ := e.ruleURL(t, db+"_url")
+		files = append(files, file)
+		e.couch.CreateDB(t, db+"_url")
+		e.couch.Put(t, e.cfg.DBName, fmt.Sprintf("url%d", i), map[string]any{"type": "replicator", "source": src, "target": tgt})
+	}
+	cfg := e.cfg
+	cfg.PasswordsFile = writePasswords(t, files[0])
+	p := e.startReplicator(t, &cfg)
+	for _, db := range names {
+		p.waitRule(t, db)
+		require.Eventually(t, func() bool { return len(p.app.Rules.Replicators(db)) == 2 }, 10*time.Second, 20*time.Millisecond)
+		e.publish(t, db)
+	}
+	for _, db := range names {
+		waitConverged(t, e.couch, db, db+"_copy", 20*time.Second)
+		waitConverged(t, e.couch, db, db+"_url", 20*time.Second)
+	}
+}
+
+// recorder is an HTTP proxy in front of the test server that keeps the bodies of
+// POST /_replicate.
+type recorder struct {
+	mu     sync.Mutex
+	bodies []map[string]any
+}
+
+func (e *env) recordingProxy(t *testing.T) (*recorder, string) {
+	t.Helper()
+	target, err := url.Parse(e.couch.URL)
+	require.NoError(t, err)
+	rec := &recorder{}
+	rp := httputil.NewSingleHostReverseProxy(&url.URL{Scheme: target.Scheme, Host: target.Host, Path: target.Path})
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.Method == http.MethodPost && r.URL.Path == "/_replicate" {
+			data, _ := io.ReadAll(r.Body)
+			var body map[string]any
+			_ = json.Unmarshal(data, &body)
+			rec.mu.Lock()
+			rec.bodies = append(rec.bodies, body)
+			rec.mu.Unlock()
+			r.Body = io.NopCloser(bytes.NewReader(data))
+		}
+		rp.ServeHTTP(w, r)
+	}))
+	t.Cleanup(srv.Close)
+	u, _ := url.Parse(srv.URL)
+	u.User = target.User
+	return rec, u.String()
+}
+
+// The passwords file supplies the password of a source URL's user: the request carries it, the
+// server accepts it, a wrong one is dead-lettered naming the rule, and no log line, error or
+// dead letter holds a password.
+func TestPasswordsInjectedNeverLogged(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 10*time.Second)
+	const user, secret, wrong = "alice", "Sup3r-S3cret-Pw", "Wr0ng-S3cret-Pw"
+	userName := e.prefix + user
+	require.NoError(t, e.couch.Do(t, http.MethodPut, "/_users/org.couchdb.user:"+userName,
+		map[string]any{"name": userName, "password": secret, "roles": []string{}, "type": "user"}, nil))
+	t.Cleanup(func() {
+		var doc struct {
+			Rev string `json:"_rev"`
+		}
+		if e.couch.Do(t, http.MethodGet, "/_users/org.couchdb.user:"+userName, nil, &doc) == nil {
+			_ = e.couch.Do(t, http.MethodDelete, "/_users/org.couchdb.user:"+userName+"?rev="+doc.Rev, nil, nil)
+		}
+	})
+	src, tgt, bad := e.prefix+"src", e.prefix+"tgt", e.prefix+"bad_tgt"
+	for _, db := range []string{src, tgt, bad} {
+		e.couch.CreateDB(t, db)
+	}
+	if !e.couch.PouchDB {
+		require.NoError(t, e.couch.Do(t, http.MethodPut, "/"+escapeDBName(src)+"/_security",
+			map[string]any{"members": map[string]any{"names": []string{userName}}}, nil))
+	}
+	e.couch.Put(t, src, "doc", map[string]any{"x": 1})
+
+	srv, _ := url.Parse(e.couch.URL)
+	userURL := fmt.Sprintf("%s://%s@%s/%s", srv.Scheme, userName, srv.Host, escapeDBName(src))
+	otherUser := e.prefix + "mallory"
+	badURL := fmt.Sprintf("%s://%s@%s/%s", srv.Scheme, otherUser, srv.Host, escapeDBName(src))
+	e.couch.Put(t, e.cfg.DBName, "good", map[string]any{"type": "replicator", "source": userURL, "target": tgt})
+	e.couch.Put(t, e.cfg.DBName, "wrongpw", map[string]any{"type": "replicator", "source": badURL, "target": bad, "db_name": "^" + src + "$"})
+
+	rec, proxyURL := e.recordingProxy(t)
+	cfg := e.cfg
+	cfg.CouchDBURL = proxyURL
+	cfg.PasswordsFile = writePasswords(t, fmt.Sprintf(`{%q: {%q: %q, %q: %q}}`, srv.Hostname(), userName, secret, otherUser, wrong))
+	p := e.startReplicator(t, &cfg)
+	require.Eventually(t, func() bool { return len(p.app.Rules.Replicators(src)) == 2 }, 15*time.Second, 20*time.Millisecond)
+	e.publish(t, src)
+	waitConverged(t, e.couch, src, tgt, 20*time.Second)
+	var dead []string
+	require.Eventually(t, func() bool { dead = e.deadLetters(t); return len(dead) == 1 }, 15*time.Second, 100*time.Millisecond)
+
+	rec.mu.Lock()
+	var sources []string
+	for _, b := range rec.bodies {
+		sources = append(sources, fmt.Sprint(b["source"]))
+	}
+	rec.mu.Unlock()
+	assert.Contains(t, sources, fmt.Sprintf("%s://%s:%s@%s/%s", srv.Scheme, userName, secret, srv.Host, escapeDBName(src)))
+	assert.Contains(t, dead[0], `"rule":"wrongpw"`)
+	assert.Contains(t, dead[0], `"status":401`)
+
+	e.waitQuiet(t, p, 10*time.Second)
+	logs := e.logs.String()
+	assert.Contains(t, logs, `"rule":"wrongpw"`)
+	secrets := []string{secret, wrong}
+	if pw, ok := srv.User.Password(); ok {
+		secrets = append(secrets, pw)
+	}
+	for _, s := range secrets {
+		assert.NotContains(t, logs, s, "a log line holds a password")
+		assert.NotContains(t, dead[0], s, "the dead letter holds a password")
+	}
+}
+
+// An unreachable target is retried with backoff, never in a tight loop, and not dead-lettered.
+func TestUnreachableTargetBacksOff(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 10*time.Second)
+	src := e.prefix + "src"
+	e.couch.CreateDB(t, src)
+	e.couch.Put(t, src, "doc", map[string]any{"x": 1})
+	e.couch.Put(t, e.cfg.DBName, "down", map[string]any{"type": "replicator", "source": src, "target": "http://127.0.0.1:1/nowhere"})
+	p := e.startReplicator(t, nil)
+	p.waitRule(t, src)
+	e.publish(t, src)
+	time.Sleep(6 * time.Second)
+	// Backoff 1s, 2s, 4s (±20%): 3 or 4 runs in 6s; a tight loop would make hundreds.
+	n := len(p.replications(src))
+	assert.GreaterOrEqual(t, n, 2)
+	assert.LessOrEqual(t, n, 4)
+	assert.Empty(t, e.deadLetters(t))
+	assert.Equal(t, uint64(1), e.workMsgs(t), "the job is kept for a retry")
+}

@@ -1,0 +1,119 @@
+package main
+
+import (
+	"bufio"
+	"bytes"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+const fixtureDir = "../../../shared/fixtures/couchdb-3.3"
+
+// fixture reads a recorded exchange: the status code of the answer and its body.
+func fixture(t *testing.T, name string) (int, []byte) {
+	t.Helper()
+	data, err := os.ReadFile(filepath.Join(fixtureDir, name))
+	if os.IsNotExist(err) {
+		t.Skipf("fixture %s not present", name)
+	}
+	require.NoError(t, err)
+	status := 0
+	sc := bufio.NewScanner(bytes.NewReader(data))
+	sc.Buffer(make([]byte, 1<<20), 1<<20)
+	var body []string
+	inBody := false
+	for sc.Scan() {
+		line := sc.Text()
+		switch {
+		case inBody:
+			body = append(body, line)
+		case strings.HasPrefix(line, "< HTTP/"):
+			f := strings.Fields(line)
+			status, err = strconv.Atoi(f[2])
+			require.NoError(t, err)
+		case line == "":
+			inBody = true
+		}
+	}
+	require.NotZero(t, status, "no status line in %s", name)
+	return status, []byte(strings.Join(body, "\n"))
+}
+
+func TestParseResultCouchDBFixtures(t *testing.T) {
+	t.Parallel()
+	cases := []struct {
+		file      string
+		written   int64
+		noChanges bool
+	}{
+		{"replicate-oneshot.http", 4, false},
+		{"replicate-no-changes.http", 0, true},
+		{"replicate-create-target.http", 4, false},
+		{"replicate-selector.http", 2, false},
+	}
+	for _, c := range cases {
+		t.Run(c.file, func(t *testing.T) {
+			t.Parallel()
+			status, body := fixture(t, c.file)
+			require.Equal(t, 200, status)
+			res, err := parseResult(body)
+			require.NoError(t, err)
+			assert.Equal(t, c.written, res.DocsWritten)
+			assert.Equal(t, c.noChanges, res.NoChanges)
+			assert.NotEmpty(t, res.SessionID)
+		})
+	}
+}
+
+func TestParseResultPouchDBAndBadAnswers(t *testing.T) {
+	t.Parallel()
+	pouch := `{"ok":true,"start_time":"2026-11-22T05:09:07.483Z","docs_read":3,"docs_written":3,"doc_write_failures":1,"errors":[],"last_seq":1,"status":"complete","history":[{"docs_written":99}]}`
+	res, err := parseResult([]byte(pouch))
+	require.NoError(t, err)
+	assert.Equal(t, int64(3), res.DocsWritten)
+	assert.Equal(t, int64(1), res.DocWriteFailures)
+
+	for _, bad := range []string{`{"ok":false}`, `{}`, `<html>`, `{"ok":true,"status":"aborted","docs_written":1}`} {
+		_, err := parseResult([]byte(bad))
+		assert.Error(t, err, bad)
+	}
+}
+
+func TestErrorFixturesClassify(t *testing.T) {
+	t.Parallel()
+	cases := []struct {
+		file string
+		want failureKind
+	}{
+		{"replicate-bad-auth.http", permanent},
+		{"replicate-missing-source.http", dbNotFound},
+		{"replicate-missing-target.http", dbNotFound},
+	}
+	for _, c := range cases {
+		t.Run(c.file, func(t *testing.T) {
+			t.Parallel()
+			status, body := fixture(t, c.file)
+			err := newReplicateError(status, body, []string{"PASS"})
+			assert.Equal(t, c.want, classify(err))
+			assert.NotEmpty(t, err.ErrorName)
+		})
+	}
+}
+
+func FuzzParseResult(f *testing.F) {
+	f.Add([]byte(`{"ok":true,"no_changes":true}`))
+	f.Add([]byte(`{"ok":true,"session_id":"a","history":[{"session_id":"a","docs_written":4}]}`))
+	f.Add([]byte(`{"ok":true,"docs_written":-3,"status":"complete"}`))
+	f.Fuzz(func(t *testing.T, body []byte) {
+		res, err := parseResult(body)
+		if err == nil && (res.DocsWritten < 0 || res.DocWriteFailures < 0) {
+			t.Fatalf("negative count from %q", body)
+		}
+	})
+}
