@@ -1,0 +1,185 @@
+package deployments
+
+import (
+	"context"
+	"net/url"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+
+	"github.com/compose-spec/compose-go/v2/loader"
+	"github.com/compose-spec/compose-go/v2/types"
+	"github.com/spiegel-nats/spiegel/pkg/passwords"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+// loadCompose loads docker-compose.yml with the compose-spec loader (schema validation,
+// interpolation, normalization, consistency checks), as `docker compose config` would.
+func loadCompose(t *testing.T, env map[string]string) (*types.Project, error) {
+	t.Helper()
+	wd, err := filepath.Abs(".")
+	require.NoError(t, err)
+	return loader.LoadWithContext(context.Background(), types.ConfigDetails{
+		WorkingDir:  wd,
+		ConfigFiles: []types.ConfigFile{{Filename: filepath.Join(wd, "docker-compose.yml")}},
+		Environment: env,
+	}, func(o *loader.Options) {
+		o.SetProjectName("spiegel", true)
+		o.ResolvePaths = true
+	})
+}
+
+func TestComposeNeedsAPassword(t *testing.T) {
+	t.Parallel()
+	_, err := loadCompose(t, map[string]string{})
+	require.Error(t, err, "COUCHDB_PASSWORD has no default")
+	assert.Contains(t, err.Error(), "COUCHDB_PASSWORD")
+}
+
+func TestCompose(t *testing.T) { // not parallel: checkEnv sets the environment
+	const password = "pw-for-the-test"
+	p, err := loadCompose(t, map[string]string{"COUCHDB_PASSWORD": password})
+	require.NoError(t, err)
+	repoRoot, err := filepath.Abs("..")
+	require.NoError(t, err)
+
+	want := []string{"couchdb", "couchdb-init", "nats-1", "nats-2", "nats-3", "install",
+		"producer-1", "producer-2", "replicator-1", "replicator-2", "onchange-1", "onchange-2", "webhook-echo"}
+	for _, name := range want {
+		require.Contains(t, p.Services, name)
+	}
+
+	// CouchDB 3, single node, with its system dbs created by the one-shot init service.
+	couch := p.Services["couchdb"]
+	assert.Regexp(t, `^couchdb:3(\.\d+)*$`, couch.Image)
+	assert.Equal(t, password, deref(couch.Environment["COUCHDB_PASSWORD"]))
+	require.NotNil(t, couch.HealthCheck)
+	assert.Contains(t, strings.Join(couch.HealthCheck.Test, " "), "/_up")
+	initCmd := strings.Join(p.Services["couchdb-init"].Command, " ")
+	for _, db := range []string{"_users", "_replicator", "_global_changes"} {
+		assert.Contains(t, initCmd, db)
+	}
+	assert.Equal(t, types.ServiceConditionHealthy, p.Services["couchdb-init"].DependsOn["couchdb"].Condition)
+
+	// A three-node JetStream cluster: unique names, JetStream on with a volume, routes to the others.
+	natsNames := []string{"nats-1", "nats-2", "nats-3"}
+	for _, name := range natsNames {
+		s := p.Services[name]
+		assert.Regexp(t, `^nats:2(\.\d+)*(-alpine)?$`, s.Image, name)
+		cmd := strings.Join(s.Command, " ")
+		assert.Contains(t, cmd, "--js", name)
+		assert.Contains(t, cmd, "--server_name "+name, name)
+		assert.Contains(t, cmd, "--cluster_name spiegel", name)
+		assert.Contains(t, cmd, "--store_dir /data", name)
+		for _, other := range natsNames {
+			if other != name {
+				assert.Contains(t, cmd, "nats://"+other+":6222", "%s routes to %s", name, other)
+			}
+		}
+		require.Len(t, s.Volumes, 1, name)
+		assert.Equal(t, "/data", s.Volumes[0].Target, name)
+		assert.Equal(t, types.VolumeTypeVolume, s.Volumes[0].Type, name)
+		require.NotNil(t, s.HealthCheck, name)
+	}
+
+	// The passwords file: a file-based secret, the example parses as a passwords file.
+	secret, ok := p.Secrets["spiegel-passwords"]
+	require.True(t, ok)
+	assert.Equal(t, filepath.Join(repoRoot, "deployments", "passwords.example.json"), secret.File)
+	_, err = passwords.Load(secret.File)
+	require.NoError(t, err, "passwords.example.json")
+
+	// Every Spiegel service: the one image built from deployments/Dockerfile, hardened, configured
+	// with real variables (config.Load accepts them).
+	var spiegel []string
+	count := map[string]int{}
+	for name, s := range p.Services {
+		if s.Build == nil {
+			continue
+		}
+		spiegel = append(spiegel, name)
+		assert.Equal(t, p.Services["install"].Image, s.Image, "%s: one image for every binary", name)
+		assert.Equal(t, repoRoot, s.Build.Context, "%s: build context is the repository root", name)
+		assert.Equal(t, "deployments/Dockerfile", s.Build.Dockerfile, name)
+		_, err := os.Stat(filepath.Join(s.Build.Context, s.Build.Dockerfile))
+		require.NoError(t, err)
+		assert.True(t, s.ReadOnly, "%s: read-only root filesystem", name)
+		assert.Contains(t, s.CapDrop, "ALL", name)
+		assert.Contains(t, s.SecurityOpt, "no-new-privileges:true", name)
+		assert.Empty(t, s.User, "%s: runs as the image's non-root user", name)
+
+		bin := binaryOf(t, s.Command)
+		count[strings.Join(s.Command, " ")]++
+		env := map[string]string{}
+		for k, v := range s.Environment {
+			env[k] = deref(v)
+		}
+		cu, err := url.Parse(env["SPIEGEL_COUCHDB_URL"])
+		require.NoError(t, err, name)
+		assert.Equal(t, "couchdb:5984", cu.Host, name)
+		pw, _ := cu.User.Password()
+		assert.Equal(t, password, pw, "%s: the CouchDB password comes from COUCHDB_PASSWORD", name)
+		var natsHosts []string
+		for _, u := range strings.Split(env["SPIEGEL_NATS_URL"], ",") {
+			nu, err := url.Parse(u)
+			require.NoError(t, err, name)
+			natsHosts = append(natsHosts, nu.Hostname())
+		}
+		slices.Sort(natsHosts)
+		assert.Equal(t, natsNames, natsHosts, "%s: SPIEGEL_NATS_URL lists the cluster", name)
+		assert.Equal(t, "3", env["SPIEGEL_STREAM_REPLICAS"], "%s: replicated streams", name)
+
+		files := map[string]string{}
+		for _, sec := range s.Secrets {
+			target := sec.Target
+			if !strings.HasPrefix(target, "/") {
+				target = "/run/secrets/" + target
+			}
+			files[target] = p.Secrets[sec.Source].File
+		}
+		if f, ok := env["SPIEGEL_PASSWORDS_FILE"]; ok {
+			require.Contains(t, files, f, "%s: SPIEGEL_PASSWORDS_FILE is a mounted secret", name)
+		}
+		checkEnv(t, name, bin, env, files)
+
+		if name == "install" {
+			assert.Equal(t, []string{"/usr/local/bin/producer", "install"}, []string(s.Command))
+			assert.Equal(t, "no", s.Restart)
+			assert.Equal(t, types.ServiceConditionCompletedSuccessfully, s.DependsOn["couchdb-init"].Condition)
+			for _, n := range natsNames {
+				assert.Equal(t, types.ServiceConditionHealthy, s.DependsOn[n].Condition, "install waits for %s", n)
+			}
+			continue
+		}
+		assert.Equal(t, types.ServiceConditionCompletedSuccessfully, s.DependsOn["install"].Condition,
+			"%s starts after install", name)
+		port := defaultPort(t, bin)
+		if a, ok := env["SPIEGEL_HTTP_ADDR"]; ok {
+			port = portOf(t, a)
+		}
+		require.NotNil(t, s.HealthCheck, name)
+		assert.Equal(t, []string{"CMD", "/usr/local/bin/healthcheck", "http://127.0.0.1:" + itoa(port) + "/healthz"},
+			[]string(s.HealthCheck.Test), "%s: healthcheck on its own /healthz", name)
+		if bin == "onchange" {
+			assert.Contains(t, strings.Split(env["SPIEGEL_WEBHOOK_ALLOWED_HOSTS"], ","), "webhook-echo")
+		}
+	}
+	assert.Len(t, spiegel, 7, "install, two producers, two replicators, two onchange: %v", spiegel)
+	assert.Equal(t, 2, count["/usr/local/bin/producer"])
+	assert.Equal(t, 2, count["/usr/local/bin/replicator"])
+	assert.Equal(t, 2, count["/usr/local/bin/onchange"])
+
+	echo := p.Services["webhook-echo"]
+	assert.NotEmpty(t, echo.Image)
+	assert.Equal(t, "8080", deref(echo.Environment["HTTP_PORT"]))
+}
+
+func deref(s *string) string {
+	if s == nil {
+		return ""
+	}
+	return *s
+}
