@@ -46,9 +46,9 @@ start_bg() {
   STARTED_PIDS+=("$!")
   log "$name started (pid $!, logs in .run/$name.log, metrics on http://$addr/metrics)"
 }
-start_bg producer 127.0.0.1:8080 bin/producer
-start_bg replicator 127.0.0.1:8081 bin/replicator
-start_bg onchange 127.0.0.1:8082 bin/onchange
+start_bg producer "${SPIEGEL_RUN_PRODUCER_ADDR:-127.0.0.1:8080}" bin/producer
+start_bg replicator "${SPIEGEL_RUN_REPLICATOR_ADDR:-127.0.0.1:8081}" bin/replicator
+start_bg onchange "${SPIEGEL_RUN_ONCHANGE_ADDR:-127.0.0.1:8082}" bin/onchange
 
 demo_args=()
 [ -n "${SPIEGEL_DEMO_DURATION:-}" ] && demo_args+=(-duration "$SPIEGEL_DEMO_DURATION")
