@@ -79,6 +79,7 @@ func (e *transportError) Unwrap() error { return e.err }
 // replicateError is a refusal of POST /_replicate: its status and CouchDB's error and reason,
 // already scrubbed of passwords.
 type replicateError struct {
+	Op        string // what was refused: "" means POST /_replicate
 	Status    int
 	ErrorName string
 	Reason    string
@@ -107,7 +108,11 @@ func newReplicateError(status int, answer []byte, secrets []string) *replicateEr
 
 func (e *replicateError) Error() string {
 	var b strings.Builder
-	fmt.Fprintf(&b, "POST /_replicate: %d", e.Status)
+	op := e.Op
+	if op == "" {
+		op = "POST /_replicate"
+	}
+	fmt.Fprintf(&b, "%s: %d", op, e.Status)
 	if e.ErrorName != "" {
 		b.WriteString(" " + e.ErrorName)
 	} else if t := http.StatusText(e.Status); t != "" {

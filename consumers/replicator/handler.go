@@ -128,7 +128,7 @@ func (h *replicator) runRule(ctx context.Context, job *worker.Job, r *rules.Repl
 	log = log.WithField("engine", engineName)
 	eng, ok := h.engines[engineName]
 	if !ok {
-		return h.giveUp(ctx, job, r, engineName, request{}, fmt.Errorf("engine %s is not available yet", engineName), log)
+		return h.giveUp(ctx, job, r, engineName, request{}, fmt.Errorf("engine %s is not available in this process", engineName), log)
 	}
 	req, err := buildRequest(r, job.DB, h.base, h.passwords)
 	if err != nil {

@@ -210,7 +210,7 @@ func TestHandlerUnavailableEngineAndNoRules(t *testing.T) {
 	assert.Equal(t, []string{tgt("b")}, eng.targets())
 	require.Len(t, dl.recs, 1)
 	assert.Equal(t, "ra", dl.recs[0].Rule)
-	assert.Equal(t, "engine native is not available yet", dl.recs[0].Error)
+	assert.Equal(t, "engine native is not available in this process", dl.recs[0].Error)
 
 	job := &worker.Job{DB: "other", Attempt: 1}
 	require.NoError(t, h.handle(t.Context(), job))

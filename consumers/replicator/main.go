@@ -4,7 +4,6 @@ package main
 
 import (
 	"context"
-	"errors"
 	"os"
 	"os/signal"
 	"syscall"
@@ -33,9 +32,6 @@ func main() {
 
 // run opens the consumer app and runs the replicate handler until ctx ends.
 func run(ctx context.Context, cfg *config.Replicator, log *logrus.Logger) error {
-	if cfg.Engine == rules.EngineNative {
-		return errors.New("SPIEGEL_REPLICATION_ENGINE=native: engine native is not available yet")
-	}
 	app, err := consumer.Open(ctx, &cfg.Consumer, events.GroupReplicate, log.WithField("component", "replicator"))
 	if err != nil {
 		return err
@@ -43,12 +39,16 @@ func run(ctx context.Context, cfg *config.Replicator, log *logrus.Logger) error 
 	return app.Run(ctx, cfg.HTTPAddr, newHandler(app, cfg).handle)
 }
 
-// newHandler wires the handler to the app's connections. Only the CouchDB engine exists yet.
+// newHandler wires the handler to the app's connections: both engines share the CouchDB
+// client's transport (TLS settings, connection pool).
 func newHandler(app *consumer.App, cfg *config.Replicator) *replicator {
 	return &replicator{
 		dbs: app.Couch, rules: app.Rules, deadLetters: app.DeadLetters, metrics: app.Metrics,
 		log: app.Log.WithField("component", "replicator"), base: app.Couch.BaseURL(), passwords: app.Passwords,
-		engines:       map[string]engine{rules.EngineCouchDB: couchEngine{server: app.Couch}},
+		engines: map[string]engine{
+			rules.EngineCouchDB: couchEngine{server: app.Couch},
+			rules.EngineNative:  nativeEngine{hc: app.Couch.HTTPClient(), log: app.Log.WithField("component", "replicate")},
+		},
 		defaultEngine: cfg.Engine, timeout: cfg.ReplicationTimeout,
 	}
 }

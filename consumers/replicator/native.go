@@ -1,0 +1,166 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net/http"
+	"time"
+
+	"github.com/sirupsen/logrus"
+
+	"github.com/spiegel-nats/spiegel/pkg/couch"
+	"github.com/spiegel-nats/spiegel/pkg/replicate"
+)
+
+// nativeEngine replicates in this process with pkg/replicate (rules with "engine": "native",
+// or every rule with SPIEGEL_REPLICATION_ENGINE=native). Checkpoints live in _local docs on
+// source and target as with CouchDB's replicator, so an incremental run of a db with a few new
+// docs costs a handful of requests, and a killed run resumes from its last checkpoint.
+type nativeEngine struct {
+	hc  *http.Client // shared by every run, so connections are reused
+	log logrus.FieldLogger
+}
+
+// nativeOp names the native engine in its errors.
+const nativeOp = "native replication"
+
+// nativeOptions reads a _replicate body into the native engine's options. Besides source and
+// target it understands the fields below; others (e.g. CouchDB's http_connections or
+// use_checkpoints) tune CouchDB's replicator, have no meaning here and are ignored.
+//
+//   - create_target: bool
+//   - filter, query_params, doc_ids, selector: as for POST /_replicate
+//   - worker_batch_size: changes per batch; worker_processes: batches in flight
+//   - checkpoint_interval: milliseconds between checkpoints
+//
+// since_seq is refused: the engine always starts from its checkpoint.
+func nativeOptions(body map[string]any) (replicate.Options, error) {
+	var opt replicate.Options
+	bad := func(field, why string) (replicate.Options, error) {
+		return opt, &replicateError{Op: nativeOp, Status: http.StatusBadRequest, ErrorName: "bad_request",
+			Reason: fmt.Sprintf("rule field %s: %s", field, why)}
+	}
+	var ok bool
+	if opt.Source, ok = body["source"].(string); !ok {
+		return bad("source", "must be a URL string")
+	}
+	if opt.Target, ok = body["target"].(string); !ok {
+		return bad("target", "must be a URL string")
+	}
+	if v, present := body["create_target"]; present {
+		if opt.CreateTarget, ok = v.(bool); !ok {
+			return bad("create_target", "must be true or false")
+		}
+	}
+	if v, present := body["filter"]; present {
+		if opt.Filter, ok = v.(string); !ok {
+			return bad("filter", "must be a string")
+		}
+	}
+	if v, present := body["query_params"]; present {
+		if opt.QueryParams, ok = v.(map[string]any); !ok {
+			return bad("query_params", "must be an object")
+		}
+	}
+	if v, present := body["doc_ids"]; present {
+		list, isList := v.([]any)
+		if !isList {
+			return bad("doc_ids", "must be an array of strings")
+		}
+		for _, id := range list {
+			s, isStr := id.(string)
+			if !isStr {
+				return bad("doc_ids", "must be an array of strings")
+			}
+			opt.DocIDs = append(opt.DocIDs, s)
+		}
+	}
+	if v, present := body["selector"]; present {
+		if opt.Selector, ok = v.(map[string]any); !ok {
+			return bad("selector", "must be an object")
+		}
+	}
+	if _, present := body["since_seq"]; present {
+		return bad("since_seq", "not supported: the engine starts from its checkpoint")
+	}
+	n := 0
+	for _, set := range []bool{len(opt.DocIDs) > 0, opt.Selector != nil,
+		opt.Filter != "" && opt.Filter != "_doc_ids" && opt.Filter != "_selector"} {
+		if set {
+			n++
+		}
+	}
+	switch {
+	case n > 1:
+		return bad("filter", "filter, doc_ids and selector exclude each other")
+	case opt.Filter == "_doc_ids" && len(opt.DocIDs) == 0:
+		return bad("doc_ids", "filter _doc_ids needs doc_ids")
+	case opt.Filter == "_selector" && opt.Selector == nil:
+		return bad("selector", "filter _selector needs a selector")
+	}
+	for field, dst := range map[string]*int{"worker_batch_size": &opt.BatchSize, "worker_processes": &opt.Workers} {
+		if v, present := body[field]; present {
+			n, isNum := positiveInt(v)
+			if !isNum {
+				return bad(field, "must be a positive integer")
+			}
+			*dst = n
+		}
+	}
+	if v, present := body["checkpoint_interval"]; present {
+		ms, isNum := positiveInt(v)
+		if !isNum {
+			return bad("checkpoint_interval", "must be a positive number of milliseconds")
+		}
+		opt.CheckpointInterval = time.Duration(ms) * time.Millisecond
+	}
+	return opt, nil
+}
+
+// positiveInt reads a JSON number (float64 from encoding/json, or an int) that is a positive
+// integer.
+func positiveInt(v any) (int, bool) {
+	switch n := v.(type) {
+	case float64:
+		if n >= 1 && n == float64(int(n)) {
+			return int(n), true
+		}
+	case int:
+		if n >= 1 {
+			return n, true
+		}
+	case json.Number:
+		if i, err := n.Int64(); err == nil && i >= 1 {
+			return int(i), true
+		}
+	}
+	return 0, false
+}
+
+// Replicate runs one native replication of body's source to its target. Errors are mapped to
+// what classify understands: a missing source or target is db_not_found, refused credentials
+// are permanent, a bad rule field is a 400; anything else (network, 5xx, timeouts) is
+// transient. No returned error holds a password.
+func (e nativeEngine) Replicate(ctx context.Context, body map[string]any, secrets []string) (result, error) {
+	opt, err := nativeOptions(body)
+	if err != nil {
+		return result{}, err
+	}
+	opt.HTTPClient = e.hc
+	res, err := replicate.Run(ctx, opt, e.log)
+	if err == nil {
+		return result{DocsWritten: res.DocsWritten, DocWriteFailures: res.DocWriteFailures,
+			NoChanges: res.NoChanges, SessionID: res.SessionID}, nil
+	}
+	msg := scrub(err.Error(), secrets)
+	var he *couch.HTTPError
+	switch {
+	case errors.Is(err, replicate.ErrSourceNotFound), errors.Is(err, replicate.ErrTargetNotFound):
+		return result{}, &replicateError{Op: nativeOp, Status: http.StatusNotFound, ErrorName: "db_not_found", Reason: msg}
+	case errors.As(err, &he) && he.Status < 500 && he.Status != http.StatusTooManyRequests && he.Status != http.StatusRequestTimeout:
+		return result{}, &replicateError{Op: nativeOp, Status: he.Status, ErrorName: he.ErrorName, Reason: msg}
+	}
+	return result{}, &transportError{msg: msg, err: err}
+}
