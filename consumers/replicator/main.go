@@ -47,7 +47,7 @@ func newHandler(app *consumer.App, cfg *config.Replicator) *replicator {
 		log: app.Log.WithField("component", "replicator"), base: app.Couch.BaseURL(), passwords: app.Passwords,
 		engines: map[string]engine{
 			rules.EngineCouchDB: couchEngine{server: app.Couch},
-			rules.EngineNative:  nativeEngine{hc: app.Couch.HTTPClient(), log: app.Log.WithField("component", "replicate")},
+			rules.EngineNative:  nativeEngine{hc: app.Couch.HTTPClient(), log: app.Log.WithField("component", "replicate"), checkpointDefer: nativeCheckpointDefer},
 		},
 		defaultEngine: cfg.Engine, timeout: cfg.ReplicationTimeout,
 	}

@@ -21,7 +21,14 @@ import (
 type nativeEngine struct {
 	hc  *http.Client // shared by every run, so connections are reused
 	log logrus.FieldLogger
+	// checkpointDefer batches the checkpoints of a burst of small runs of one replication
+	// (replicate.Options.CheckpointDefer).
+	checkpointDefer time.Duration
 }
+
+// nativeCheckpointDefer is the checkpoint batching window of the consumer's native runs: a db
+// written every few seconds gets a checkpoint pair at most every 10 s instead of every run.
+const nativeCheckpointDefer = 10 * time.Second
 
 // nativeOp names the native engine in its errors.
 const nativeOp = "native replication"
@@ -148,7 +155,7 @@ func (e nativeEngine) Replicate(ctx context.Context, body map[string]any, secret
 	if err != nil {
 		return result{}, err
 	}
-	opt.HTTPClient = e.hc
+	opt.HTTPClient, opt.CheckpointDefer = e.hc, e.checkpointDefer
 	res, err := replicate.Run(ctx, opt, e.log)
 	if err == nil {
 		return result{DocsWritten: res.DocsWritten, DocWriteFailures: res.DocWriteFailures,

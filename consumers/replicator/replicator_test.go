@@ -64,7 +64,9 @@ func TestExactRuleReplicatesExistingDataThenWrites(t *testing.T) {
 	waitConverged(t, e.couch, db1, db2, 20*time.Second)
 	assert.Len(t, revs(t, e.couch, db2), 4)
 	assert.Contains(t, e.logs.String(), `"rule":"exact"`)
-	assert.Contains(t, e.logs.String(), `"docs_written":1`)
+	// The target holds the doc before the server answers _replicate: wait for the log line.
+	require.Eventually(t, func() bool { return strings.Contains(e.logs.String(), `"docs_written":1`) },
+		10*time.Second, 20*time.Millisecond, "the run that wrote the new doc logs docs_written 1")
 }
 
 // Names with '+', '$', '(', ')' (and '/' on CouchDB) replicate, through bare-name and URL rules.

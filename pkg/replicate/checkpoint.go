@@ -96,6 +96,23 @@ type checkpointer struct {
 	srcRev   string
 	tgtRev   string
 	written  couch.Seq // the last seq written to both sides
+	deferred bool      // the final checkpoint was left to a later run
+	// lastSession is the session of the checkpoint both sides hold alike ("" if they differ)
+	lastSession string
+}
+
+// recent reports whether the checkpoint this run started from was written by an earlier run
+// less than d ago, on both sides (same session), according to its history's end time.
+func (c *checkpointer) recent(d time.Duration) bool {
+	if d <= 0 || c.startSeq == "" || len(c.history) == 0 || c.lastSession == "" || c.history[0].SessionID != c.lastSession {
+		return false
+	}
+	end, err := time.Parse(time.RFC1123, c.history[0].EndTime)
+	if err != nil {
+		return false
+	}
+	age := time.Since(end)
+	return age >= -time.Minute && age < d // a clock far ahead is not trusted
 }
 
 func (c *checkpointer) path(e *endpoint) string { return e.dbPath + "/_local/" + url.PathEscape(c.id) }

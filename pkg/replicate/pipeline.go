@@ -139,6 +139,11 @@ func (r *run) pipeline(parent context.Context, reader *changesReader, first chan
 	if recorded == cp.written {
 		return err
 	}
+	if err == nil && next == 1 && cp.recent(r.opt.CheckpointDefer) {
+		cp.deferred = true
+		r.log.WithField("seq", string(recorded)).Debug("checkpoint deferred: the last one is recent and this run was small")
+		return nil
+	}
 	wctx := ctx
 	if err != nil {
 		var stop context.CancelFunc

@@ -69,6 +69,14 @@ type Options struct {
 	// CheckpointInterval is the least time between two checkpoints (default 5s); a run always
 	// checkpoints at its end, and on cancellation records what was completed.
 	CheckpointInterval time.Duration
+	// CheckpointDefer batches the checkpoints of a burst of small runs: a run that completes
+	// within one batch of changes, less than CheckpointDefer after the previous checkpoint of
+	// the same replication, skips its final checkpoint (two PUTs). The next run then starts at
+	// that older checkpoint and re-reads the skipped changes, which _revs_diff finds present:
+	// a few rows of extra reading, nothing written twice. So a replication writes at most one
+	// checkpoint per CheckpointDefer while its runs stay small. 0 (the default) checkpoints
+	// at the end of every run that replicated something.
+	CheckpointDefer time.Duration
 	// HTTPClient is used for every request when set (share it between runs to reuse
 	// connections; keep compression off for PouchDB Server). Its transport is wrapped, not
 	// modified, to count requests.
@@ -121,6 +129,9 @@ type Result struct {
 	ReplicationID string
 	StartSeq      string // where the run started ("" = the beginning)
 	EndSeq        string // source_last_seq of the last checkpoint written (StartSeq if none)
+	// CheckpointDeferred is true when the run replicated changes but left its final
+	// checkpoint to a later run (Options.CheckpointDefer).
+	CheckpointDeferred bool
 	// DocsRead counts revisions fetched from the source, DocsWritten those the target stored,
 	// DocWriteFailures those it refused; MissingChecked the leaf revs sent to _revs_diff,
 	// MissingFound those the target lacked.
@@ -197,6 +208,9 @@ func (r *run) run(ctx context.Context) (Result, error) {
 	}
 	cp.startSeq, cp.history = findStartSeq(srcDoc, tgtDoc)
 	cp.written = cp.startSeq
+	if srcDoc != nil && tgtDoc != nil && srcDoc.SessionID == tgtDoc.SessionID {
+		cp.lastSession = srcDoc.SessionID
+	}
 	if srcDoc != nil {
 		cp.srcRev = srcDoc.Rev
 	}
@@ -230,7 +244,7 @@ func (r *run) run(ctx context.Context) (Result, error) {
 		return res, nil
 	}
 	err = r.pipeline(ctx, reader, first, raw, cp)
-	res.EndSeq = string(cp.written)
+	res.EndSeq, res.CheckpointDeferred = string(cp.written), cp.deferred
 	res.OK = err == nil
 	if err != nil {
 		return res, err // the caller logs it

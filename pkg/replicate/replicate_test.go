@@ -128,6 +128,44 @@ func TestIncrementalRequests(t *testing.T) {
 	requireSameLeaves(t, s, source, target)
 }
 
+// TestCheckpointDefer: a burst of small runs on one db writes one checkpoint, not one per run;
+// each deferred run costs two requests less, later runs re-read the skipped changes without
+// writing them twice, and a run past the window checkpoints again.
+func TestCheckpointDefer(t *testing.T) {
+	s := couchtest.Get(t)
+	source, target := s.NewDB(t, "dsrc_"), s.NewDB(t, "dtgt_")
+	createDocs(t, s, source, "base", 10)
+	opt := Options{Source: dbURL(s, source), Target: dbURL(s, target), CheckpointDefer: time.Hour}
+	first, err := Run(t.Context(), opt, testLog(t))
+	require.NoError(t, err)
+	require.False(t, first.CheckpointDeferred, "the first run has no checkpoint to lean on")
+	checkpoint := first.EndSeq
+
+	for i := 1; i <= 3; i++ {
+		s.Put(t, source, fmt.Sprintf("burst-%d", i), map[string]any{"i": i})
+		res, err := Run(t.Context(), opt, testLog(t))
+		require.NoError(t, err)
+		assert.True(t, res.CheckpointDeferred, "run %d", i)
+		assert.Equal(t, checkpoint, res.StartSeq, "run %d starts at the one checkpoint", i)
+		assert.Equal(t, checkpoint, res.EndSeq)
+		assert.EqualValues(t, 1, res.DocsWritten, "run %d writes only its new doc", i)
+		assert.EqualValues(t, i, res.MissingChecked, "run %d re-checks the skipped changes", i)
+		assert.LessOrEqual(t, res.Requests, int64(6), "no checkpoint PUTs")
+	}
+	requireSameLeaves(t, s, source, target)
+
+	opt.CheckpointDefer = 0
+	s.Put(t, source, "after", map[string]any{})
+	res, err := Run(t.Context(), opt, testLog(t))
+	require.NoError(t, err)
+	assert.False(t, res.CheckpointDeferred)
+	assert.NotEqual(t, checkpoint, res.EndSeq)
+	again, err := Run(t.Context(), opt, testLog(t))
+	require.NoError(t, err)
+	assert.True(t, again.NoChanges, "the checkpoint covers the whole burst")
+	requireSameLeaves(t, s, source, target)
+}
+
 // TestMissingDBs: a missing source is ErrSourceNotFound naming it; a missing target is
 // ErrTargetNotFound without CreateTarget and is created with it. Neither is created by a
 // failed run.
