@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strconv"
 	"sync"
 	"time"
 
@@ -207,7 +208,7 @@ func (h *handler) start(ctx context.Context, db string, info couch.DBInfo, rule 
 	cp, err := h.store.OnChange(ctx, rule.ID(), db)
 	switch {
 	case err == nil:
-		if cp.DBInstance != "" && info.InstanceStartTime != "" && cp.DBInstance != info.InstanceStartTime {
+		if recreated(cp, info) {
 			log.Info("db was recreated after the checkpoint was taken: starting from its beginning")
 			return "", nil
 		}
@@ -222,6 +223,20 @@ func (h *handler) start(ctx context.Context, db string, info couch.DBInfo, rule 
 		return "", fmt.Errorf("save first checkpoint of rule %s in %s: %w", rule.ID(), db, err)
 	}
 	return info.UpdateSeq, nil
+}
+
+// recreated reports whether the checkpoint cp was taken in an earlier db of the same name.
+// CouchDB gives every db its creation time as instance_start_time, so a different one means a
+// new db. PouchDB Server answers its own start time for every db: there, a db whose integer
+// update_seq is below the checkpoint's integer seq must be a new one (seqs never go back). Seqs
+// are compared only when both are plain integers; CouchDB's opaque seqs never are.
+func recreated(cp checkpoint.OnChange, info couch.DBInfo) bool {
+	if cp.DBInstance != "" && info.InstanceStartTime != "" && cp.DBInstance != info.InstanceStartTime {
+		return true
+	}
+	old, err1 := strconv.ParseUint(cp.LastSeq, 10, 64)
+	cur, err2 := strconv.ParseUint(info.UpdateSeq, 10, 64)
+	return err1 == nil && err2 == nil && cur < old
 }
 
 // current returns the live version of rule id if it is still enabled and matches db.

@@ -6,6 +6,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io/fs"
+	"net"
 	"strings"
 	"time"
 
@@ -28,7 +30,7 @@ type Options struct {
 	CAFile       string
 	CertFile     string
 	KeyFile      string
-	// ConnectTimeout bounds the first connection; 0 → 10s.
+	// ConnectTimeout bounds one connection attempt (dial and handshake); 0 → nats.go's 2s.
 	ConnectTimeout time.Duration
 }
 
@@ -62,7 +64,11 @@ func Connect(ctx context.Context, o Options, log logrus.FieldLogger) (*nats.Conn
 		opts = append(opts, nats.Timeout(o.ConnectTimeout))
 	}
 	if o.CredsFile != "" {
-		opts = append(opts, nats.UserCredentials(o.CredsFile))
+		opt := nats.UserCredentials(o.CredsFile)
+		if err := checkOption(opt); err != nil {
+			return nil, fmt.Errorf("read NATS creds file %s: %w", o.CredsFile, err)
+		}
+		opts = append(opts, opt)
 	}
 	if o.NKeySeedFile != "" {
 		opt, err := nats.NkeyOptionFromSeed(o.NKeySeedFile)
@@ -78,13 +84,21 @@ func Connect(ctx context.Context, o Options, log logrus.FieldLogger) (*nats.Conn
 		opts = append(opts, nats.Token(o.Token))
 	}
 	if o.CAFile != "" {
-		opts = append(opts, nats.RootCAs(o.CAFile))
+		opt := nats.RootCAs(o.CAFile)
+		if err := checkOption(opt); err != nil {
+			return nil, fmt.Errorf("read NATS CA file %s: %w", o.CAFile, err)
+		}
+		opts = append(opts, opt)
 	}
 	if o.CertFile != "" || o.KeyFile != "" {
 		if o.CertFile == "" || o.KeyFile == "" {
 			return nil, errors.New("connect to NATS: a client certificate needs both the cert and the key file")
 		}
-		opts = append(opts, nats.ClientCert(o.CertFile, o.KeyFile))
+		opt := nats.ClientCert(o.CertFile, o.KeyFile)
+		if err := checkOption(opt); err != nil {
+			return nil, fmt.Errorf("read NATS client certificate %s and key %s: %w", o.CertFile, o.KeyFile, err)
+		}
+		opts = append(opts, opt)
 	}
 	attempt := 0
 	for {
@@ -104,10 +118,45 @@ func Connect(ctx context.Context, o Options, log logrus.FieldLogger) (*nats.Conn
 	}
 }
 
+// checkOption applies opt to scratch options and, for credentials, reads the JWT and signs a
+// nonce, so that a missing or unparsable file is reported at once instead of at every connection
+// attempt, where it would be retried as if NATS were down.
+func checkOption(opt nats.Option) error {
+	scratch := nats.GetDefaultOptions()
+	if err := opt(&scratch); err != nil {
+		return err
+	}
+	if scratch.UserJWT != nil {
+		if _, err := scratch.UserJWT(); err != nil {
+			return err
+		}
+	}
+	if scratch.SignatureCB != nil {
+		if _, err := scratch.SignatureCB([]byte("nonce")); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// isPermanentConnectError tells a misconfiguration (credentials, TLS setup) from NATS not being
+// reachable yet: the first is reported, the second retried. A TLS handshake that times out counts
+// as not reachable.
 func isPermanentConnectError(err error) bool {
-	return errors.Is(err, nats.ErrAuthorization) || errors.Is(err, nats.ErrAuthExpired) ||
-		errors.Is(err, nats.ErrNkeysNotSupported) || strings.Contains(err.Error(), "tls:") ||
-		strings.Contains(err.Error(), "no such file")
+	var netErr net.Error
+	if errors.As(err, &netErr) && netErr.Timeout() {
+		return false
+	}
+	for _, permanent := range []error{
+		nats.ErrAuthorization, nats.ErrAuthExpired, nats.ErrAuthRevoked, nats.ErrAccountAuthExpired,
+		nats.ErrNkeysNotSupported, nats.ErrTLS, nats.ErrSecureConnWanted, nats.ErrSecureConnRequired,
+		fs.ErrNotExist, fs.ErrPermission,
+	} {
+		if errors.Is(err, permanent) {
+			return true
+		}
+	}
+	return strings.Contains(err.Error(), "tls:")
 }
 
 func sleep(ctx context.Context, attempt int) error {

@@ -1,0 +1,119 @@
+package main
+
+import (
+	"net/http"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/spiegel-nats/spiegel/pkg/checkpoint"
+	"github.com/spiegel-nats/spiegel/pkg/couch"
+	"github.com/spiegel-nats/spiegel/pkg/couchtest"
+)
+
+// TestSinceNow: a rule with since "now" ignores what a db held when the rule first saw it, and
+// delivers everything written after; since "beginning" (the default) delivers the history too.
+func TestSinceNow(t *testing.T) {
+	e := newEnv(t, 60*time.Second)
+	app := e.start(t)
+	db := e.couch.NewDB(t, e.prefix)
+	e.couch.Put(t, db, "old1", map[string]any{})
+	e.couch.Put(t, db, "old2", map[string]any{})
+
+	now, all := newSink(t, nil), newSink(t, nil)
+	e.ruleIn(t, app, "now_"+db, db, map[string]any{"url": now.URL + "/now", "since": "now", "block": true,
+		"params": map[string]any{"id": "$change.id"}})
+	waitRule(t, "all_"+db, e.putRule(t, "all_"+db, map[string]any{"db_name": only(db), "url": all.URL + "/all",
+		"block": true, "params": map[string]any{"id": "$change.id"}}), app)
+
+	// The first job: the since-now rule records the db's current seq and delivers nothing.
+	e.enqueue(t, db)
+	all.waitHits(t, 20*time.Second, hasID("old2"), "the since-beginning rule delivers the history")
+	require.Eventually(t, func() bool { _, ok := e.checkpoint(t, "now_"+db, db); return ok }, 10*time.Second, 20*time.Millisecond,
+		"the since-now rule saves its starting point at once")
+
+	e.couch.Put(t, db, "new1", map[string]any{})
+	e.enqueue(t, db)
+	now.waitHits(t, 20*time.Second, hasID("new1"), "a change after the rule saw the db is delivered")
+	all.waitHits(t, 20*time.Second, hasID("new1"), "new1 to the other rule")
+	assert.Equal(t, []string{"new1"}, ids(now.all()), "nothing written before the rule saw the db")
+	assert.Equal(t, []string{"old1", "old2", "new1"}, ids(all.all()))
+}
+
+// TestRecreatedDB: a db deleted and created again under the same name starts over from its
+// beginning, although the rule's checkpoint points into the old db's history.
+func TestRecreatedDB(t *testing.T) {
+	e := newEnv(t, 60*time.Second)
+	app := e.start(t)
+	db := couchtest.UniqueName(t, e.prefix)
+	e.couch.CreateDB(t, db)
+	t.Cleanup(func() { _ = e.couch.Do(t, http.MethodDelete, "/"+couchtest.PathDB(db), nil, nil) })
+	for _, id := range []string{"a1", "a2", "a3", "a4"} {
+		e.couch.Put(t, db, id, map[string]any{})
+	}
+	s := newSink(t, nil)
+	e.ruleIn(t, app, "r", db, map[string]any{"url": s.URL + "/r", "block": true, "params": map[string]any{"id": "$change.id"}})
+	e.enqueue(t, db)
+	s.waitHits(t, 20*time.Second, hasID("a4"), "first incarnation delivered")
+	require.Eventually(t, func() bool { cp, _ := e.checkpoint(t, "r", db); return cp == e.seqs(t, db)["a4"] }, 10*time.Second, 20*time.Millisecond)
+
+	oldInstance := instance(t, e.couch, db)
+
+	// Delete; the job for the missing db is dropped, not retried.
+	require.NoError(t, e.couch.Do(t, http.MethodDelete, "/"+couchtest.PathDB(db), nil, nil))
+	e.enqueue(t, db)
+	require.Eventually(t, func() bool { return e.pendingJobs(t) == 0 }, 10*time.Second, 20*time.Millisecond)
+
+	// Recreate with fewer changes than the old checkpoint's seq: every one of them is delivered.
+	// CouchDB's instance_start_time is the db's creation time, to the second: recreate until it
+	// differs. (PouchDB Server answers its own start time for every db; there the consumer
+	// tells a new db by its update_seq, below the checkpoint's.)
+	require.Eventually(t, func() bool {
+		if err := e.couch.Do(t, http.MethodPut, "/"+couchtest.PathDB(db), nil, nil); err != nil {
+			return false
+		}
+		if e.couch.PouchDB || instance(t, e.couch, db) != oldInstance {
+			return true
+		}
+		_ = e.couch.Do(t, http.MethodDelete, "/"+couchtest.PathDB(db), nil, nil)
+		return false
+	}, 10*time.Second, 100*time.Millisecond)
+	e.couch.Put(t, db, "b1", map[string]any{})
+	e.enqueue(t, db)
+	s.waitHits(t, 20*time.Second, hasID("b1"), "the recreated db's change is delivered")
+	assert.Equal(t, []string{"a1", "a2", "a3", "a4", "b1"}, ids(s.all()))
+	assert.Contains(t, e.logs.String(), "db was recreated after the checkpoint was taken")
+}
+
+// instance returns db's instance_start_time.
+func instance(t *testing.T, cs *couchtest.Server, db string) string {
+	t.Helper()
+	var info struct {
+		Instance string `json:"instance_start_time"`
+	}
+	require.NoError(t, cs.Do(t, http.MethodGet, "/"+couchtest.PathDB(db), nil, &info))
+	return info.Instance
+}
+
+func TestRecreatedRule(t *testing.T) {
+	t.Parallel()
+	cp := func(seq, inst string) checkpoint.OnChange { return checkpoint.OnChange{LastSeq: seq, DBInstance: inst} }
+	info := func(seq, inst string) couch.DBInfo { return couch.DBInfo{UpdateSeq: seq, InstanceStartTime: inst} }
+	for _, c := range []struct {
+		cp   checkpoint.OnChange
+		info couch.DBInfo
+		want bool
+	}{
+		{cp("12-g1AAAA", "1795316723"), info("15-g1BBBB", "1795316723"), false},
+		{cp("12-g1AAAA", "1795316723"), info("3-g1CCCC", "1795316999"), true},  // CouchDB: new creation time
+		{cp("12-g1AAAA", "1795316723"), info("3-g1CCCC", "1795316723"), false}, // opaque seqs are never compared
+		{cp("12", "1795439822793"), info("3", "1795439822793"), true},          // PouchDB: the seq went back
+		{cp("12", "1795439822793"), info("12", "1795439822793"), false},
+		{cp("12", ""), info("40", ""), false},
+		{cp("", ""), info("0", ""), false},
+	} {
+		assert.Equal(t, c.want, recreated(c.cp, c.info), "%+v %+v", c.cp, c.info)
+	}
+}
