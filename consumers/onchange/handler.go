@@ -145,39 +145,63 @@ func (h *handler) handle(ctx context.Context, job *worker.Job) error {
 }
 
 // runRule acts on the changes of db after rule's checkpoint, one page of at most batchSize at a
-// time, until a page is empty. After each page the checkpoint moves past the changes whose
-// actions all succeeded or were dead-lettered, and never past one that is still due (feed
-// order, at-least-once). The rule is looked up again before every page: an edit applies from
-// the next page, a deleted or disabled rule stops.
+// time, until a page is empty or short. After each page the checkpoint moves past the changes
+// whose actions all succeeded or were dead-lettered, and never past one that is still due
+// (feed order, at-least-once). The rule is looked up again before every page: an edit applies
+// from the next page, a deleted or disabled rule stops.
+//
+// Page boundaries cost no waiting: while a full page is acted on, the next one is already being
+// read, and a checkpoint is written while the next page is acted on. Only one checkpoint write
+// is in flight at a time, and runRule returns only once the last one is stored (or failed: the
+// result then names the last stored seq and the error).
 func (h *handler) runRule(ctx context.Context, db string, info couch.DBInfo, rule *rules.OnChange) ruleResult {
 	log := h.log.WithFields(logrus.Fields{"db": db, "rule": rule.ID()})
 	since, err := h.start(ctx, db, info, rule, log)
 	if err != nil {
 		return ruleResult{err: err}
 	}
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel() // stops a page read ahead that is not needed
+	cps := &checkpointWriter{h: h, rule: rule.ID(), db: db, instance: info.InstanceStartTime, stored: since}
+	finish := func(r ruleResult) ruleResult {
+		if err := cps.wait(); err != nil {
+			return ruleResult{seq: cps.stored, err: errors.Join(r.err, err)}
+		}
+		r.seq = cps.stored
+		return r
+	}
+	readFrom, pending := since, h.readPage(ctx, db, since)
 	for {
 		cur, ok := h.current(rule.ID(), db)
 		if !ok {
 			log.Info("rule deleted, disabled or no longer matching the db: stopped")
-			return ruleResult{seq: since}
+			return finish(ruleResult{})
 		}
 		rule = cur
 		if rule.Subject != "" {
 			usable, err := h.publisher.check(ctx, db, rule, h.dead, log)
 			if err != nil || !usable {
-				return ruleResult{seq: since, err: err}
+				return finish(ruleResult{err: err})
 			}
 		}
-		page, err := h.couch.Changes(ctx, db, couch.ChangesOptions{Since: since, Limit: h.batchSize, IncludeDocs: true})
+		if readFrom != since { // the page read ahead starts elsewhere
+			readFrom, pending = since, h.readPage(ctx, db, since)
+		}
+		got := <-pending
+		page, err := got.page, got.err
 		if errors.Is(err, couch.ErrNotFound) {
 			log.Warn("db deleted while its changes were read: stopped")
-			return ruleResult{seq: since}
+			return finish(ruleResult{})
 		}
 		if err != nil {
-			return ruleResult{seq: since, err: fmt.Errorf("rule %s: %w", rule.ID(), err)}
+			return finish(ruleResult{err: fmt.Errorf("rule %s: %w", rule.ID(), err)})
 		}
 		if len(page.Results) == 0 {
-			return ruleResult{seq: since, caughtUp: true}
+			return finish(ruleResult{caughtUp: true})
+		}
+		full := h.batchSize <= 0 || len(page.Results) >= h.batchSize
+		if full && page.LastSeq != "" {
+			readFrom, pending = page.LastSeq, h.readPage(ctx, db, page.LastSeq)
 		}
 		b := h.processBatch(ctx, db, rule, page.Results, log)
 		next := since
@@ -188,16 +212,78 @@ func (h *handler) runRule(ctx context.Context, db string, info couch.DBInfo, rul
 			next = page.Results[b.done-1].Seq
 		}
 		if next != since {
-			cp := checkpoint.OnChange{Rule: rule.ID(), DB: db, LastSeq: next, DBInstance: info.InstanceStartTime}
-			if err := h.store.SaveOnChange(ctx, cp); err != nil {
-				return ruleResult{seq: since, err: fmt.Errorf("save checkpoint of rule %s in %s: %w", rule.ID(), db, err)}
+			if err := cps.save(ctx, next); err != nil {
+				return finish(ruleResult{err: err})
 			}
 			since = next
 		}
 		if b.err != nil || b.retryIn > 0 {
-			return ruleResult{seq: since, err: b.err, retryIn: b.retryIn, deferErr: b.deferErr}
+			return finish(ruleResult{err: b.err, retryIn: b.retryIn, deferErr: b.deferErr})
+		}
+		if !full && next == page.LastSeq {
+			// A short page is the end of the feed as it was read: no need to ask again for an
+			// empty one. A change landing after it is the lost-wakeup check's (job.Reached).
+			return finish(ruleResult{caughtUp: true})
 		}
 	}
+}
+
+// pageRead is the outcome of one _changes page read.
+type pageRead struct {
+	page couch.ChangesPage
+	err  error
+}
+
+// readPage reads the page of db's changes after since in the background.
+func (h *handler) readPage(ctx context.Context, db, since string) <-chan pageRead {
+	out := make(chan pageRead, 1)
+	go func() {
+		page, err := h.couch.Changes(ctx, db, couch.ChangesOptions{Since: since, Limit: h.batchSize, IncludeDocs: true})
+		out <- pageRead{page, err}
+	}()
+	return out
+}
+
+// checkpointWriter writes one rule's checkpoints in a db in the background, one at a time and in
+// order.
+type checkpointWriter struct {
+	h           *handler
+	rule, db    string
+	instance    string
+	stored      string     // the last seq known stored
+	inFlight    chan error // the write under way (nil: none)
+	inFlightSeq string
+}
+
+// save waits for the previous write (returning its error) and starts writing seq.
+func (w *checkpointWriter) save(ctx context.Context, seq string) error {
+	if err := w.wait(); err != nil {
+		return err
+	}
+	done := make(chan error, 1)
+	w.inFlight, w.inFlightSeq = done, seq
+	cp := checkpoint.OnChange{Rule: w.rule, DB: w.db, LastSeq: seq, DBInstance: w.instance}
+	go func() {
+		if err := w.h.store.SaveOnChange(ctx, cp); err != nil {
+			done <- fmt.Errorf("save checkpoint of rule %s in %s: %w", w.rule, w.db, err)
+			return
+		}
+		done <- nil
+	}()
+	return nil
+}
+
+// wait waits for the write under way, if any.
+func (w *checkpointWriter) wait() error {
+	if w.inFlight == nil {
+		return nil
+	}
+	err := <-w.inFlight
+	w.inFlight = nil
+	if err == nil {
+		w.stored = w.inFlightSeq
+	}
+	return err
 }
 
 // start returns the seq rule starts after in db: its checkpoint; the beginning when the
