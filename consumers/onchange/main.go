@@ -32,7 +32,7 @@ func main() {
 
 // run connects, then runs the onchange jobs until ctx ends.
 func run(ctx context.Context, cfg *config.OnChange, log logrus.FieldLogger) error {
-	app, err := consumer.Open(ctx, &cfg.Consumer, events.GroupOnChange, log)
+	app, err := consumer.Open(ctx, &cfg.Consumer, events.GroupOnChange, log.WithField("component", "onchange"))
 	if err != nil {
 		return err
 	}

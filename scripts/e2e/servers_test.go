@@ -1,0 +1,166 @@
+package e2e
+
+import (
+	"bytes"
+	"crypto/hmac"
+	"crypto/sha256"
+	"encoding/hex"
+	"io"
+	"log"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"net/http/httputil"
+	"net/url"
+	"sync"
+	"testing"
+)
+
+// authProxy is a reverse proxy in front of the test CouchDB (PouchDB Server runs in admin
+// party) that answers 401 unless the request carries Basic auth user:password, and strips the
+// Authorization header before forwarding. It counts the requests it let through and refused.
+type authProxy struct {
+	*httptest.Server
+	mu                 sync.Mutex
+	passed, refused    int
+	refusedCredentials []string // "user:password" of refused requests that had Basic auth
+}
+
+func newAuthProxy(t testing.TB, couchURL, user, password string) *authProxy {
+	t.Helper()
+	target, err := url.Parse(couchURL)
+	if err != nil {
+		t.Fatalf("parse COUCHDB_URL: %v", err)
+	}
+	target.User = nil
+	rp := httputil.NewSingleHostReverseProxy(target)
+	rp.ErrorLog = log.New(io.Discard, "", 0) // requests cut by stopping processes are expected
+	p := &authProxy{}
+	p.Server = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		u, pw, ok := r.BasicAuth()
+		if !ok || u != user || pw != password {
+			p.mu.Lock()
+			p.refused++
+			if ok {
+				p.refusedCredentials = append(p.refusedCredentials, u+":"+pw)
+			}
+			p.mu.Unlock()
+			w.Header().Set("Content-Type", "application/json")
+			w.Header().Set("WWW-Authenticate", `Basic realm="couchdb"`)
+			w.WriteHeader(http.StatusUnauthorized)
+			_, _ = io.WriteString(w, `{"error":"unauthorized","reason":"Name or password is incorrect."}`+"\n")
+			return
+		}
+		p.mu.Lock()
+		p.passed++
+		p.mu.Unlock()
+		r.Header.Del("Authorization")
+		rp.ServeHTTP(w, r)
+	}))
+	t.Cleanup(p.Close)
+	return p
+}
+
+// counts returns the requests let through and refused so far.
+func (p *authProxy) counts() (passed, refused int) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.passed, p.refused
+}
+
+// sawRefused reports whether a refused request carried Basic auth user:password.
+func (p *authProxy) sawRefused(userPassword string) bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for _, c := range p.refusedCredentials {
+		if c == userPassword {
+			return true
+		}
+	}
+	return false
+}
+
+// hostPort is the proxy's "127.0.0.1:port".
+func hostPort(s *httptest.Server) string {
+	u, _ := url.Parse(s.URL)
+	return u.Host
+}
+
+// hookCall is one request the webhook sink received.
+type hookCall struct {
+	Path, User, Password, Signature string
+	Body                            []byte
+}
+
+// hookSink is the webhook receiver: it answers 200 to requests with Basic auth user and one of
+// the accepted passwords, 401 to the rest, and records every request.
+type hookSink struct {
+	*httptest.Server
+	user string
+
+	mu       sync.Mutex
+	accepted map[string]bool
+	calls    []hookCall
+}
+
+func newHookSink(t testing.TB, user string, passwords ...string) *hookSink {
+	t.Helper()
+	s := &hookSink{user: user, accepted: map[string]bool{}}
+	for _, p := range passwords {
+		s.accepted[p] = true
+	}
+	s.Server = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		c := hookCall{Path: r.URL.Path, Signature: r.Header.Get("X-Spiegel-Signature")}
+		c.User, c.Password, _ = r.BasicAuth()
+		c.Body, _ = io.ReadAll(r.Body)
+		s.mu.Lock()
+		s.calls = append(s.calls, c)
+		ok := c.User == s.user && s.accepted[c.Password]
+		s.mu.Unlock()
+		if !ok {
+			w.WriteHeader(http.StatusUnauthorized)
+			return
+		}
+		w.WriteHeader(http.StatusOK)
+	}))
+	t.Cleanup(s.Close)
+	return s
+}
+
+// accept adds a password the sink accepts.
+func (s *hookSink) accept(password string) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.accepted[password] = true
+}
+
+// all returns the calls received so far.
+func (s *hookSink) all() []hookCall {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return append([]hookCall(nil), s.calls...)
+}
+
+// signedWith reports whether c carries the X-Spiegel-Signature of its body under key.
+func (c hookCall) signedWith(key string) bool {
+	m := hmac.New(sha256.New, []byte(key))
+	m.Write(c.Body)
+	want := "sha256=" + hex.EncodeToString(m.Sum(nil))
+	return hmac.Equal([]byte(want), []byte(c.Signature))
+}
+
+// bodyHas reports whether the call's body contains s.
+func (c hookCall) bodyHas(s string) bool { return bytes.Contains(c.Body, []byte(s)) }
+
+// freeAddr returns a loopback address that was free a moment ago: for listeners of child
+// processes (which do not report the port they chose), and as an address where nothing listens.
+func freeAddr(t testing.TB) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatalf("listen: %v", err)
+	}
+	addr := ln.Addr().String()
+	_ = ln.Close()
+	return addr
+}
