@@ -3,8 +3,8 @@ package main
 import (
 	"bufio"
 	"context"
-	"encoding/json"
 	_ "embed"
+	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"

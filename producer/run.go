@@ -174,6 +174,10 @@ func readiness(d *deps, spiegelDB string) map[string]health.Check {
 			return nil
 		},
 		"stream": func(ctx context.Context) error {
+			if !d.nc.IsConnected() {
+				// A JetStream request would wait for a reconnect until the probe times out.
+				return errors.New("not checked: NATS not connected")
+			}
 			return natsjs.CheckInstalled(ctx, d.js, d.topo, events.Groups...)
 		},
 	}

@@ -177,6 +177,9 @@ func (a *App) reloadOnHUP(ctx context.Context) {
 	}
 }
 
+// errNATSDown is the readiness of a check that needs NATS while the connection is down.
+var errNATSDown = errors.New("not checked: NATS not connected")
+
 func (a *App) readiness() map[string]health.Check {
 	return map[string]health.Check{
 		"couchdb": func(ctx context.Context) error {
@@ -190,6 +193,10 @@ func (a *App) readiness() map[string]health.Check {
 			return nil
 		},
 		"consumer": func(ctx context.Context) error {
+			if !a.NC.IsConnected() {
+				// A JetStream request would wait for a reconnect until the probe times out.
+				return errNATSDown
+			}
 			return natsjs.CheckInstalled(ctx, a.JS, a.Topology, a.group)
 		},
 	}

@@ -58,11 +58,24 @@ func (s *Server) URL() string { return s.ClientURL() }
 // streams and consumers survive, as a NATS restart in production would.
 func (s *Server) Restart(t testing.TB) {
 	t.Helper()
+	s.Stop()
+	s.StartAgain(t)
+}
+
+// Stop shuts the server down and waits until it is gone, keeping its port and store for
+// StartAgain: clients see NATS down until then. Stopping a stopped server does nothing.
+func (s *Server) Stop() {
 	if addr, ok := s.Server.Addr().(*net.TCPAddr); ok {
 		s.opts.Port = addr.Port
 	}
 	s.Shutdown()
 	s.WaitForShutdown()
+}
+
+// StartAgain starts a server stopped by Stop on the same port with the same store, so that
+// streams and consumers survive and clients reconnect to the same URL.
+func (s *Server) StartAgain(t testing.TB) {
+	t.Helper()
 	s.start(t)
 }
 

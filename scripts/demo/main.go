@@ -29,10 +29,10 @@ import (
 
 type demo struct {
 	couch, spiegelDB string
-	hc                *http.Client
-	webhookCalls      atomic.Int64
-	replicated        atomic.Int64
-	published         atomic.Int64
+	hc               *http.Client
+	webhookCalls     atomic.Int64
+	replicated       atomic.Int64
+	published        atomic.Int64
 }
 
 func main() {

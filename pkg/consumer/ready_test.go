@@ -1,0 +1,142 @@
+package consumer_test
+
+import (
+	"bytes"
+	"context"
+	"net/http"
+	"net/url"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/sirupsen/logrus"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/spiegel-nats/spiegel/pkg/config"
+	"github.com/spiegel-nats/spiegel/pkg/consumer"
+	"github.com/spiegel-nats/spiegel/pkg/couchtest"
+	"github.com/spiegel-nats/spiegel/pkg/events"
+	"github.com/spiegel-nats/spiegel/pkg/healthtest"
+	"github.com/spiegel-nats/spiegel/pkg/natsjs"
+	"github.com/spiegel-nats/spiegel/pkg/natstest"
+	"github.com/spiegel-nats/spiegel/pkg/worker"
+)
+
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}
+
+// A consumer's /readyz turns 503 while CouchDB or NATS is down, naming the failing dependency
+// (and only it), and 200 again once it is back, without a restart; /healthz stays 200 all along,
+// so an orchestrator stops routing to the process but does not kill it.
+func TestReadyzFollowsDependencies(t *testing.T) {
+	t.Parallel()
+	cs := couchtest.Get(t)
+	ns := natstest.Start(t)
+	_, js := ns.Connect(t)
+	topo := natsjs.DefaultTopology("spiegel")
+	require.NoError(t, natsjs.Ensure(t.Context(), js, topo))
+	spiegelDB := couchtest.UniqueName(t, "c") + "_spiegel"
+	cs.CreateDB(t, spiegelDB)
+	proxy := cs.NewProxy(t)
+
+	addr := healthtest.FreeAddr(t)
+	cfg := config.Consumer{
+		CouchDB:     config.CouchDB{CouchDBURL: proxy.URL(cs.URL), DBName: spiegelDB, CouchDBTimeout: 2 * time.Second},
+		NATS:        config.NATS{NATSURL: ns.URL(), SubjectPrefix: "spiegel", StreamReplicas: 1, AckWait: 30 * time.Second},
+		Concurrency: 2, ShutdownGrace: 2 * time.Second, RetryInitial: 100 * time.Millisecond, RetryMax: time.Second,
+	}
+	logs := &syncBuffer{}
+	log := logrus.New()
+	log.SetOutput(logs)
+	log.SetLevel(logrus.DebugLevel)
+	t.Cleanup(func() {
+		if t.Failed() {
+			t.Logf("consumer logs:\n%s", logs.String())
+		}
+	})
+	ctx, cancel := context.WithCancel(context.Background())
+	app, err := consumer.Open(ctx, &cfg, events.GroupOnChange, log)
+	require.NoError(t, err)
+	done := make(chan error, 1)
+	go func() { done <- app.Run(ctx, addr, func(context.Context, *worker.Job) error { return nil }) }()
+	t.Cleanup(func() {
+		cancel()
+		select {
+		case err := <-done:
+			assert.NoError(t, err)
+		case <-time.After(20 * time.Second):
+			t.Error("consumer did not stop within 20s")
+		}
+	})
+
+	allOK := func(r healthtest.Ready) {
+		t.Helper()
+		assert.True(t, r.Ready)
+		assert.Equal(t, map[string]string{"couchdb": "ok", "nats": "ok", "consumer": "ok"}, r.Checks)
+	}
+	live := func() {
+		t.Helper()
+		status, err := healthtest.GetStatus(addr, "/healthz")
+		require.NoError(t, err)
+		assert.Equal(t, http.StatusOK, status, "/healthz must not depend on CouchDB or NATS")
+	}
+	allOK(healthtest.WaitReady(t, addr, http.StatusOK, 10*time.Second))
+
+	t.Log("CouchDB down")
+	proxy.Cut()
+	r := healthtest.WaitReady(t, addr, http.StatusServiceUnavailable, 10*time.Second)
+	assert.False(t, r.Ready)
+	assert.NotEqual(t, "ok", r.Checks["couchdb"], "the body names CouchDB as failing")
+	assert.Contains(t, r.Checks["couchdb"], spiegelDB, "the error says what was asked of CouchDB")
+	assert.Equal(t, "ok", r.Checks["nats"])
+	assert.Equal(t, "ok", r.Checks["consumer"])
+	if pw := couchPassword(cs.URL); pw != "" {
+		assert.NotContains(t, r.Checks["couchdb"], pw, "no secret in the body")
+	}
+	t.Logf("503 body while CouchDB is down: %+v", r)
+	live()
+	proxy.Restore(t)
+	allOK(healthtest.WaitReady(t, addr, http.StatusOK, 15*time.Second))
+
+	t.Log("NATS down")
+	ns.Stop()
+	// The first 503 may come from the consumer lookup timing out before the client has noticed
+	// the lost connection. Once it has, both NATS checks say so at once (no JetStream request
+	// that would wait for a reconnect until the probe times out).
+	r = healthtest.WaitReadyWhen(t, addr, 10*time.Second, "503 naming NATS in both NATS checks", func(status int, r healthtest.Ready) bool {
+		return status == http.StatusServiceUnavailable && strings.Contains(r.Checks["nats"], "not connected") &&
+			strings.Contains(r.Checks["consumer"], "NATS not connected")
+	})
+	assert.False(t, r.Ready)
+	t.Logf("503 body while NATS is down: %+v", r)
+	assert.Equal(t, "ok", r.Checks["couchdb"])
+	live()
+	ns.StartAgain(t)
+	allOK(healthtest.WaitReady(t, addr, http.StatusOK, 15*time.Second))
+}
+
+// couchPassword returns the password of a URL with credentials ("" without one).
+func couchPassword(raw string) string {
+	u, err := url.Parse(raw)
+	if err != nil || u.User == nil {
+		return ""
+	}
+	pw, _ := u.User.Password()
+	return pw
+}
