@@ -30,7 +30,20 @@ import (
 // whatever b.N is.
 //
 //	go test -run x -bench ReplicationLatency -benchtime 1x ./consumers/replicator
+//
+// It runs once per engine of SPIEGEL_BENCH_ENGINES (default "couchdb,native"), each with its
+// own dbs, so the two are measured on the same server in the same run.
 func BenchmarkReplicationLatency(b *testing.B) {
+	engines := strings.Split(os.Getenv("SPIEGEL_BENCH_ENGINES"), ",")
+	if os.Getenv("SPIEGEL_BENCH_ENGINES") == "" {
+		engines = []string{"couchdb", "native"}
+	}
+	for _, engine := range engines {
+		b.Run("engine="+engine, func(b *testing.B) { benchLatency(b, strings.TrimSpace(engine)) })
+	}
+}
+
+func benchLatency(b *testing.B, engine string) {
 	dbs, rate, secs := envInt("SPIEGEL_BENCH_DBS", 100), envInt("SPIEGEL_BENCH_RATE", 20), envInt("SPIEGEL_BENCH_SECONDS", 20)
 	e := newEnv(b, 30*time.Second)
 	target := e.prefix + "all"
@@ -46,7 +59,8 @@ func BenchmarkReplicationLatency(b *testing.B) {
 	if os.Getenv("SPIEGEL_BENCH_LOG") != "" {
 		level = "info"
 	}
-	repl := e.startProcess(b, e.couch.URL, replLogs, "SPIEGEL_HTTP_ADDR="+metricsAddr, "SPIEGEL_LOG_LEVEL="+level, "SPIEGEL_CONCURRENCY=20")
+	repl := e.startProcess(b, e.couch.URL, replLogs, "SPIEGEL_HTTP_ADDR="+metricsAddr, "SPIEGEL_LOG_LEVEL="+level,
+		"SPIEGEL_CONCURRENCY=20", "SPIEGEL_REPLICATION_ENGINE="+engine)
 	prod := e.startProducer(b)
 	serverPort := portOf(b, e.couch.URL)
 	pids := []int{repl.Process.Pid, prod.Process.Pid}
@@ -89,8 +103,8 @@ func BenchmarkReplicationLatency(b *testing.B) {
 	b.ReportMetric(reps/float64(len(written)), "replications/write")
 	b.ReportMetric(float64(maxConns), "max-conns")
 	b.ReportMetric(meanConns, "mean-conns")
-	report := fmt.Sprintf("| %d dbs | %d active | %d writes/s × %ds | p50 %s | p95 %s | p99 %s | %.0f replications, %.3f per write | conns max %d, mean %.1f |\n",
-		dbs, len(active), rate, secs, p50.Round(time.Millisecond), p95.Round(time.Millisecond), p99.Round(time.Millisecond), reps, reps/float64(len(written)), maxConns, meanConns)
+	report := fmt.Sprintf("| %s | %d dbs | %d active | %d writes/s × %ds | p50 %s | p95 %s | p99 %s | %.0f replications, %.3f per write | conns max %d, mean %.1f |\n",
+		engine, dbs, len(active), rate, secs, p50.Round(time.Millisecond), p95.Round(time.Millisecond), p99.Round(time.Millisecond), reps, reps/float64(len(written)), maxConns, meanConns)
 	b.Log(report)
 	if path := os.Getenv("SPIEGEL_BENCH_LOG"); path != "" {
 		require.NoError(b, os.WriteFile(path, []byte(replLogs.String()), 0o644))
@@ -125,7 +139,7 @@ func portOf(t testing.TB, raw string) int {
 	return p
 }
 
-var replicationsRE = regexp.MustCompile(`(?m)^spiegel_replications_total\{engine="couchdb",result="ok"\} (\S+)$`)
+var replicationsRE = regexp.MustCompile(`(?m)^spiegel_replications_total\{engine="[a-z]+",result="ok"\} (\S+)$`)
 
 // replications reads the replicator process's count of successful replications.
 func replications(addr string) float64 {
