@@ -124,12 +124,9 @@ func runResync(ctx context.Context, cfg *config.Producer, log *logrus.Logger, ci
 	if err := fs.Parse(cio.args); err != nil {
 		return usageError{err}
 	}
-	var re *regexp.Regexp
-	if *dbRE != "" {
-		var err error
-		if re, err = regexp.Compile(*dbRE); err != nil {
-			return usageError{fmt.Errorf("--db %q: %w", *dbRE, err)}
-		}
+	re, err := dbFlagRegexp(*dbRE)
+	if err != nil {
+		return err
 	}
 	d, err := connect(ctx, cfg, log, 1024)
 	if err != nil {
@@ -165,12 +162,9 @@ func runReplay(ctx context.Context, cfg *config.Producer, log *logrus.Logger, ci
 	if *ruleID == "" {
 		return usageError{errors.New("--rule is required")}
 	}
-	var re *regexp.Regexp
-	if *dbRE != "" {
-		var err error
-		if re, err = regexp.Compile(*dbRE); err != nil {
-			return usageError{fmt.Errorf("--db %q: %w", *dbRE, err)}
-		}
+	re, err := dbFlagRegexp(*dbRE)
+	if err != nil {
+		return err
 	}
 	d, err := connect(ctx, cfg, log, 1024)
 	if err != nil {
@@ -303,4 +297,16 @@ func discardLogger() *logrus.Logger {
 	l := logrus.New()
 	l.SetLevel(logrus.PanicLevel)
 	return l
+}
+
+// dbFlagRegexp compiles the --db flag (nil when empty); a bad regex is a usage error.
+func dbFlagRegexp(expr string) (*regexp.Regexp, error) {
+	if expr == "" {
+		return nil, nil
+	}
+	re, err := regexp.Compile(expr)
+	if err != nil {
+		return nil, usageError{fmt.Errorf("--db %q: %w", expr, err)}
+	}
+	return re, nil
 }

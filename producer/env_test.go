@@ -17,6 +17,7 @@ import (
 	"github.com/spiegel-nats/spiegel/pkg/config"
 	"github.com/spiegel-nats/spiegel/pkg/couchtest"
 	"github.com/spiegel-nats/spiegel/pkg/events"
+	"github.com/spiegel-nats/spiegel/pkg/logtest"
 	"github.com/spiegel-nats/spiegel/pkg/natstest"
 )
 
@@ -41,23 +42,8 @@ type env struct {
 	logs   *syncBuffer
 }
 
-// syncBuffer collects log output from several goroutines.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
-}
+// syncBuffer captures logs while they are written.
+type syncBuffer = logtest.Buffer
 
 func newEnv(t *testing.T) *env {
 	t.Helper()

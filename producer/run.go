@@ -162,23 +162,10 @@ func runProducer(ctx context.Context, cfg *config.Producer, log *logrus.Logger) 
 
 // readiness checks CouchDB, NATS and the work stream.
 func readiness(d *deps, spiegelDB string) map[string]health.Check {
-	return map[string]health.Check{
-		"couchdb": func(ctx context.Context) error {
-			_, err := d.couch.DBInfo(ctx, spiegelDB)
-			return err
-		},
-		"nats": func(context.Context) error {
-			if !d.nc.IsConnected() {
-				return errors.New("not connected")
-			}
-			return nil
-		},
-		"stream": func(ctx context.Context) error {
-			if !d.nc.IsConnected() {
-				// A JetStream request would wait for a reconnect until the probe times out.
-				return errors.New("not checked: NATS not connected")
-			}
-			return natsjs.CheckInstalled(ctx, d.js, d.topo, events.Groups...)
-		},
-	}
+	return health.Dependencies(func(ctx context.Context) error {
+		_, err := d.couch.DBInfo(ctx, spiegelDB)
+		return err
+	}, d.nc, "stream", func(ctx context.Context) error {
+		return natsjs.CheckInstalled(ctx, d.js, d.topo, events.Groups...)
+	})
 }

@@ -24,6 +24,7 @@ import (
 	"github.com/spiegel-nats/spiegel/pkg/consumer"
 	"github.com/spiegel-nats/spiegel/pkg/couchtest"
 	"github.com/spiegel-nats/spiegel/pkg/events"
+	"github.com/spiegel-nats/spiegel/pkg/logtest"
 	"github.com/spiegel-nats/spiegel/pkg/natsjs"
 	"github.com/spiegel-nats/spiegel/pkg/natstest"
 	"github.com/spiegel-nats/spiegel/pkg/worker"
@@ -50,22 +51,8 @@ type env struct {
 	logs   *syncBuffer
 }
 
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
-}
+// syncBuffer captures logs while they are written.
+type syncBuffer = logtest.Buffer
 
 func newEnv(t testing.TB, ackWait time.Duration) *env {
 	t.Helper()

@@ -177,29 +177,13 @@ func (a *App) reloadOnHUP(ctx context.Context) {
 	}
 }
 
-// errNATSDown is the readiness of a check that needs NATS while the connection is down.
-var errNATSDown = errors.New("not checked: NATS not connected")
-
 func (a *App) readiness() map[string]health.Check {
-	return map[string]health.Check{
-		"couchdb": func(ctx context.Context) error {
-			_, err := a.Couch.DBInfo(ctx, a.SpiegelDB)
-			return err
-		},
-		"nats": func(context.Context) error {
-			if !a.NC.IsConnected() {
-				return errors.New("not connected")
-			}
-			return nil
-		},
-		"consumer": func(ctx context.Context) error {
-			if !a.NC.IsConnected() {
-				// A JetStream request would wait for a reconnect until the probe times out.
-				return errNATSDown
-			}
-			return natsjs.CheckInstalled(ctx, a.JS, a.Topology, a.group)
-		},
-	}
+	return health.Dependencies(func(ctx context.Context) error {
+		_, err := a.Couch.DBInfo(ctx, a.SpiegelDB)
+		return err
+	}, a.NC, "consumer", func(ctx context.Context) error {
+		return natsjs.CheckInstalled(ctx, a.JS, a.Topology, a.group)
+	})
 }
 
 // Timeout returns the smaller positive of a and b.

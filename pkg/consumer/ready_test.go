@@ -1,12 +1,10 @@
 package consumer_test
 
 import (
-	"bytes"
 	"context"
 	"net/http"
 	"net/url"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -19,27 +17,14 @@ import (
 	"github.com/spiegel-nats/spiegel/pkg/couchtest"
 	"github.com/spiegel-nats/spiegel/pkg/events"
 	"github.com/spiegel-nats/spiegel/pkg/healthtest"
+	"github.com/spiegel-nats/spiegel/pkg/logtest"
 	"github.com/spiegel-nats/spiegel/pkg/natsjs"
 	"github.com/spiegel-nats/spiegel/pkg/natstest"
 	"github.com/spiegel-nats/spiegel/pkg/worker"
 )
 
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
-}
+// syncBuffer captures logs while they are written.
+type syncBuffer = logtest.Buffer
 
 // A consumer's /readyz turns 503 while CouchDB or NATS is down, naming the failing dependency
 // (and only it), and 200 again once it is back, without a restart; /healthz stays 200 all along,

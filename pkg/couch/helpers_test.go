@@ -17,28 +17,14 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/spiegel-nats/spiegel/pkg/backoff"
+	"github.com/spiegel-nats/spiegel/pkg/logtest"
 )
 
 // fastRetry keeps reconnect tests quick; the policy's shape (capped, jittered) is unchanged.
 var fastRetry = backoff.Policy{Initial: 5 * time.Millisecond, Max: 50 * time.Millisecond, Multiplier: 2, Jitter: 0.2}
 
-// syncBuffer is a goroutine-safe log sink.
-type syncBuffer struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (b *syncBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.Write(p)
-}
-
-func (b *syncBuffer) String() string {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.String()
-}
+// syncBuffer captures logs while they are written.
+type syncBuffer = logtest.Buffer
 
 func testLogger() (*logrus.Logger, *syncBuffer) {
 	buf := &syncBuffer{}

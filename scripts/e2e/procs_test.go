@@ -1,7 +1,6 @@
 package e2e
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"io"
@@ -10,10 +9,11 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
-	"sync"
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/spiegel-nats/spiegel/pkg/logtest"
 )
 
 // repoRoot returns the repository root (this package is scripts/e2e) and skips the test when a
@@ -43,23 +43,8 @@ func baseEnv(extra ...string) []string {
 	return append(env, extra...)
 }
 
-// syncBuffer collects a process's stdout and stderr.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
-}
+// syncBuffer captures logs while they are written.
+type syncBuffer = logtest.Buffer
 
 // proc is a long-running binary started by the test.
 type proc struct {
