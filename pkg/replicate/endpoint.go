@@ -128,10 +128,7 @@ func (e *endpoint) once(ctx context.Context, method, path string, query url.Valu
 	if err != nil {
 		return false, fmt.Errorf("build request %s %s: %s", method, path, logging.RedactText(err.Error()))
 	}
-	if e.user != nil {
-		pw, _ := e.user.Password()
-		req.SetBasicAuth(e.user.Username(), pw)
-	}
+	e.authorize(req)
 	req.Header.Set("Accept", "application/json")
 	if hasBody {
 		req.Header.Set("Content-Type", "application/json")
@@ -172,6 +169,14 @@ func (e *endpoint) once(ctx context.Context, method, path string, query url.Valu
 		return true, &transportError{msg: fmt.Sprintf("decode answer of %s %s: %v", method, path, err), err: err}
 	}
 	return false, nil
+}
+
+// authorize sets the request's Basic Authorization from the URL's credentials, if any.
+func (e *endpoint) authorize(req *http.Request) {
+	if e.user != nil {
+		pw, _ := e.user.Password()
+		req.SetBasicAuth(e.user.Username(), pw)
+	}
 }
 
 // responseDecoder is an answer that decodes itself from its content type and body (an out

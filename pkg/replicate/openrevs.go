@@ -13,7 +13,7 @@ import (
 // {"missing": rev} (asked with Accept: application/json; PouchDB Server only sends that), or a
 // multipart/mixed body of application/json parts, one doc each, from a server that ignores the
 // Accept header. A part that is itself multipart (a doc with attachments sent as "follows") is
-// an error: ask with attachments=true, which inlines them.
+// an error: ask with attachments=true, which inlines them, or false, which sends stubs.
 type openRevsAnswer []bulkGetResult
 
 func (a *openRevsAnswer) decodeResponse(contentType string, body io.Reader) error {

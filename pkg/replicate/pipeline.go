@@ -156,8 +156,9 @@ func (r *run) pipeline(parent context.Context, reader *changesReader, first chan
 	return err
 }
 
-// process replicates one batch: _revs_diff, fetch, _bulk_docs. It returns only when every
-// fetched doc was written or refused by the target, or with an error.
+// process replicates one batch: _revs_diff, fetch (attachments as stubs), _bulk_docs for the
+// docs without attachments, then transferAttachments for the others. It returns only when
+// every fetched doc was written or refused by the target, or with an error.
 func (r *run) process(ctx context.Context, b batch) error {
 	if len(b.rows) == 0 {
 		return nil
@@ -186,11 +187,24 @@ func (r *run) process(ctx context.Context, b batch) error {
 	if found == 0 {
 		return nil
 	}
-	docs, skipped, err := r.fetch(ctx, missing)
+	docs, skipped, err := r.fetch(ctx, missing, false)
 	if err != nil {
 		return err
 	}
 	r.counters.docsRead.Add(int64(len(docs)))
+	plain, withAtts := splitAttachments(docs)
+	failed, err := bulkDocs(ctx, r.tgt, plain)
+	if err != nil {
+		return err
+	}
+	written := len(plain) - len(failed)
+	if len(withAtts) > 0 {
+		w, f, s, err := r.transferAttachments(ctx, withAtts, missing)
+		if err != nil {
+			return err
+		}
+		written, failed, skipped = written+w, append(failed, f...), append(skipped, s...)
+	}
 	for i, s := range skipped {
 		if i == maxLoggedPerBatch {
 			r.log.WithField("count", len(skipped)).Warn("more revisions skipped in this batch")
@@ -199,11 +213,7 @@ func (r *run) process(ctx context.Context, b batch) error {
 		r.log.WithFields(map[string]any{"doc": s.ID, "rev": s.Rev, "reason": s.Reason}).
 			Warn("source could not return a missing revision; skipped")
 	}
-	failed, err := bulkDocs(ctx, r.tgt, docs)
-	if err != nil {
-		return err
-	}
-	r.counters.docsWritten.Add(int64(len(docs) - len(failed)))
+	r.counters.docsWritten.Add(int64(written))
 	r.counters.docWriteFailures.Add(int64(len(failed)))
 	for i, f := range failed {
 		if i == maxLoggedPerBatch {
@@ -217,15 +227,15 @@ func (r *run) process(ctx context.Context, b batch) error {
 }
 
 // fetch reads the missing revs from the source with _bulk_get, or with open_revs once the
-// source turned out to lack _bulk_get.
-func (r *run) fetch(ctx context.Context, missing map[string]revsDiff) ([]fetchedDoc, []skippedRev, error) {
+// source turned out to lack _bulk_get; attachments inline with withAttachments, else as stubs.
+func (r *run) fetch(ctx context.Context, missing map[string]revsDiff, withAttachments bool) ([]fetchedDoc, []skippedRev, error) {
 	if !r.noBulkGet.Load() {
-		docs, skipped, unsupported, err := bulkGet(ctx, r.src, missing)
+		docs, skipped, unsupported, err := bulkGet(ctx, r.src, missing, withAttachments)
 		if !unsupported {
 			return docs, skipped, err
 		}
 		r.noBulkGet.Store(true)
 		r.log.Info("source lacks _bulk_get: fetching with open_revs")
 	}
-	return openRevs(ctx, r.src, missing, r.opt.Workers)
+	return openRevs(ctx, r.src, missing, withAttachments, r.opt.Workers)
 }

@@ -5,14 +5,23 @@
 //
 // One run: read both checkpoints and find the latest common session; read the source's
 // _changes (style=all_docs) from there in batches; ask the target which leaf revs it lacks
-// (_revs_diff); fetch them with their revision history and attachments (inline base64) through
-// _bulk_get (or GET ?open_revs= where _bulk_get is missing); write them with _bulk_docs and
+// (_revs_diff); fetch them with their revision history and attachment stubs through _bulk_get
+// (or GET ?open_revs= where _bulk_get is missing); write them with _bulk_docs and
 // new_edits=false. Deletions and conflicts replicate: afterwards the target holds every leaf
 // revision the source held when its change was read.
 //
-// Not done: multipart attachment transfer (attachments travel inline, base64, which costs a
-// third more bytes and memory for large ones), atts_since (attachments already on the target
-// are sent again), continuous replication, and JS filter functions evaluated locally.
+// Attachments: a revision with attachments keeps as stubs those the target already holds (in
+// a possible ancestor named by _revs_diff, or, for a large revision on a server that names
+// none, such as PouchDB Server, in one of the target's leaves: the atts_since rule applied
+// here). If it needs at most 256 KiB of attachments, it is fetched again with them inline
+// (base64) in a batched _bulk_get; a larger one is streamed from GETs of its attachments to a
+// multipart/related PUT with new_edits=false, one revision at a time, without holding an
+// attachment in memory. A target that refuses the multipart PUT (415) or a stub (412) gets the
+// revision inline instead.
+//
+// Not done: continuous replication, JS filter functions evaluated locally, and atts_since
+// sent to the source (PouchDB Server ignores it; the inline refetch carries every attachment
+// of the revision).
 package replicate
 
 import (

@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"net/http"
 	"net/url"
+	"strconv"
 	"sync"
 
 	"github.com/spiegel-nats/spiegel/pkg/couch"
@@ -101,15 +102,16 @@ func (d bulkGetResult) decode(id string) (fetchedDoc, skippedRev, bool) {
 }
 
 // fetchQuery is the query of both fetch methods: the revision history, the latest leaf
-// descending from a requested rev, attachments inline (base64).
-func fetchQuery() url.Values {
-	return url.Values{"revs": {"true"}, "latest": {"true"}, "attachments": {"true"}}
+// descending from a requested rev, and attachments inline (base64) with withAttachments, else
+// as stubs that carry their length, digest and revpos.
+func fetchQuery(withAttachments bool) url.Values {
+	return url.Values{"revs": {"true"}, "latest": {"true"}, "attachments": {strconv.FormatBool(withAttachments)}}
 }
 
-// bulkGet fetches the missing revs with one _bulk_get. unsupported is true when the server
+// bulkGet fetches the missing revs with one _bulk_get (see fetchQuery). unsupported is true when the server
 // lacks _bulk_get (CouchDB 1.x: 400, 405 or 501), so the caller falls back to openRevs; a 404
 // is a missing db, an error.
-func bulkGet(ctx context.Context, src *endpoint, missing map[string]revsDiff) (docs []fetchedDoc, skipped []skippedRev, unsupported bool, err error) {
+func bulkGet(ctx context.Context, src *endpoint, missing map[string]revsDiff, withAttachments bool) (docs []fetchedDoc, skipped []skippedRev, unsupported bool, err error) {
 	type ref struct {
 		ID  string `json:"id"`
 		Rev string `json:"rev"`
@@ -123,7 +125,7 @@ func bulkGet(ctx context.Context, src *endpoint, missing map[string]revsDiff) (d
 		}
 	}
 	var ans bulkGetAnswer
-	err = src.do(ctx, http.MethodPost, src.dbPath+"/_bulk_get", fetchQuery(), req, &ans)
+	err = src.do(ctx, http.MethodPost, src.dbPath+"/_bulk_get", fetchQuery(withAttachments), req, &ans)
 	var he *couch.HTTPError
 	if errors.As(err, &he) {
 		switch he.Status {
@@ -140,7 +142,7 @@ func bulkGet(ctx context.Context, src *endpoint, missing map[string]revsDiff) (d
 
 // openRevs fetches the missing revs one doc at a time (GET ?open_revs=[...] with Accept JSON,
 // the only form PouchDB Server answers), at most workers requests at once.
-func openRevs(ctx context.Context, src *endpoint, missing map[string]revsDiff, workers int) ([]fetchedDoc, []skippedRev, error) {
+func openRevs(ctx context.Context, src *endpoint, missing map[string]revsDiff, withAttachments bool, workers int) ([]fetchedDoc, []skippedRev, error) {
 	var (
 		mu      sync.Mutex
 		docs    []fetchedDoc
@@ -154,7 +156,7 @@ func openRevs(ctx context.Context, src *endpoint, missing map[string]revsDiff, w
 		if err != nil {
 			return nil, nil, err
 		}
-		q := fetchQuery()
+		q := fetchQuery(withAttachments)
 		q.Set("open_revs", string(revs))
 		wg.Add(1)
 		sem <- struct{}{}
