@@ -59,55 +59,12 @@ func BenchmarkNativeVsServer(b *testing.B) {
 	hc := &http.Client{Transport: &http.Transport{DisableCompression: true, MaxIdleConnsPerHost: 32}}
 	b.Run("bulk", func(b *testing.B) {
 		n := benchDocs()
-		var native, server time.Duration
-		for i := 0; i < b.N; i++ {
-			b.StopTimer()
-			source := s.NewDB(b, "bsrc_")
-			createDocs(b, s, source, "b", n)
-			nt, st := s.NewDB(b, "bnat_"), s.NewDB(b, "bsrv_")
-			b.StartTimer()
-			start := time.Now()
-			res, err := Run(context.Background(), Options{Source: dbURL(s, source), Target: dbURL(s, nt), HTTPClient: hc}, nil)
-			native += time.Since(start)
-			require.NoError(b, err)
-			require.EqualValues(b, n, res.DocsWritten)
-			server += serverReplicate(b, s, source, st)
-			b.StopTimer()
-			require.Equal(b, n, docCount(b, s, st))
-			b.StartTimer()
-		}
-		nd := float64(n*b.N) / native.Seconds()
-		sd := float64(n*b.N) / server.Seconds()
-		b.ReportMetric(nd, "native_docs/s")
-		b.ReportMetric(sd, "server_docs/s")
-		b.ReportMetric(nd/sd, "native/server")
-		b.Logf("%d docs: native %.0f docs/s, server _replicate %.0f docs/s, ratio %.2f", n, nd, sd, nd/sd)
+		benchFull(b, s, hc, n, fmt.Sprintf("%d docs", n), func(db string) { createDocs(b, s, db, "b", n) })
 	})
 	b.Run("attachments", func(b *testing.B) {
 		n := max(benchDocs()/10, 1)
-		var native, server time.Duration
-		for i := 0; i < b.N; i++ {
-			b.StopTimer()
-			source := s.NewDB(b, "asrc_")
-			createDocsWithAttachment(b, s, source, n, 10<<10)
-			nt, st := s.NewDB(b, "anat_"), s.NewDB(b, "asrv_")
-			b.StartTimer()
-			start := time.Now()
-			res, err := Run(context.Background(), Options{Source: dbURL(s, source), Target: dbURL(s, nt), HTTPClient: hc}, nil)
-			native += time.Since(start)
-			require.NoError(b, err)
-			require.EqualValues(b, n, res.DocsWritten)
-			server += serverReplicate(b, s, source, st)
-			b.StopTimer()
-			require.Equal(b, n, docCount(b, s, st))
-			b.StartTimer()
-		}
-		nd := float64(n*b.N) / native.Seconds()
-		sd := float64(n*b.N) / server.Seconds()
-		b.ReportMetric(nd, "native_docs/s")
-		b.ReportMetric(sd, "server_docs/s")
-		b.ReportMetric(nd/sd, "native/server")
-		b.Logf("%d docs with a 10 KB attachment: native %.0f docs/s, server _replicate %.0f docs/s, ratio %.2f", n, nd, sd, nd/sd)
+		benchFull(b, s, hc, n, fmt.Sprintf("%d docs with a 10 KB attachment", n),
+			func(db string) { createDocsWithAttachment(b, s, db, n, 10<<10) })
 	})
 	b.Run("incremental", func(b *testing.B) {
 		source, nt, st := s.NewDB(b, "isrc_"), s.NewDB(b, "inat_"), s.NewDB(b, "isrv_")
@@ -160,4 +117,32 @@ func createDocsWithAttachment(b *testing.B, s *couchtest.Server, db string, n, s
 		}
 		require.NoError(b, s.Do(b, http.MethodPost, "/"+db+"/_bulk_docs", map[string]any{"docs": docs}, nil))
 	}
+}
+
+// benchFull replicates a source of n docs (written by fill) into an empty target, natively and
+// with the server's _replicate, b.N times, and reports docs/s of both and their ratio.
+func benchFull(b *testing.B, s *couchtest.Server, hc *http.Client, n int, what string, fill func(db string)) {
+	var native, server time.Duration
+	for i := 0; i < b.N; i++ {
+		b.StopTimer()
+		source := s.NewDB(b, "fsrc_")
+		fill(source)
+		nt, st := s.NewDB(b, "fnat_"), s.NewDB(b, "fsrv_")
+		b.StartTimer()
+		start := time.Now()
+		res, err := Run(context.Background(), Options{Source: dbURL(s, source), Target: dbURL(s, nt), HTTPClient: hc}, nil)
+		native += time.Since(start)
+		require.NoError(b, err)
+		require.EqualValues(b, n, res.DocsWritten)
+		server += serverReplicate(b, s, source, st)
+		b.StopTimer()
+		require.Equal(b, n, docCount(b, s, st))
+		b.StartTimer()
+	}
+	nd := float64(n*b.N) / native.Seconds()
+	sd := float64(n*b.N) / server.Seconds()
+	b.ReportMetric(nd, "native_docs/s")
+	b.ReportMetric(sd, "server_docs/s")
+	b.ReportMetric(nd/sd, "native/server")
+	b.Logf("%s: native %.0f docs/s, server _replicate %.0f docs/s, ratio %.2f", what, nd, sd, nd/sd)
 }
