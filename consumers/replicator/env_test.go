@@ -10,6 +10,7 @@ import (
 
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/sirupsen/logrus"
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
 	"github.com/spiegel-nats/spiegel/pkg/config"
@@ -158,6 +159,31 @@ func (e *env) startReplicator(t testing.TB, cfg *config.Replicator) *probe {
 		c := e.cfg
 		cfg = &c
 	}
+	var p *probe
+	e.runApp(t, cfg, "", func(app *consumer.App) worker.Handler {
+		p = &probe{app: app}
+		p.reset()
+		h := newHandler(app, cfg)
+		for name, eng := range h.engines {
+			h.engines[name] = countingEngine{next: eng, p: p}
+		}
+		return func(ctx context.Context, job *worker.Job) error {
+			p.mu.Lock()
+			p.jobs[job.DB]++
+			p.attempts[job.DB] = append(p.attempts[job.DB], job.Attempt)
+			p.inFlight++
+			p.mu.Unlock()
+			defer func() { p.mu.Lock(); p.inFlight--; p.mu.Unlock() }()
+			return h.handle(ctx, job)
+		}
+	})
+	return p
+}
+
+// runApp opens a replicator consumer app with cfg, logging into e.logs, and runs the handler
+// built by handler with the health listener on httpAddr ("" for none) until the test ends.
+func (e *env) runApp(t testing.TB, cfg *config.Replicator, httpAddr string, handler func(*consumer.App) worker.Handler) *consumer.App {
+	t.Helper()
 	log := logrus.New()
 	log.SetOutput(e.logs)
 	log.SetLevel(logrus.DebugLevel)
@@ -165,33 +191,19 @@ func (e *env) startReplicator(t testing.TB, cfg *config.Replicator) *probe {
 	ctx, cancel := context.WithCancel(context.Background())
 	app, err := consumer.Open(ctx, &cfg.Consumer, events.GroupReplicate, log.WithField("component", "replicator"))
 	require.NoError(t, err)
-	p := &probe{app: app}
-	p.reset()
-	h := newHandler(app, cfg)
-	for name, eng := range h.engines {
-		h.engines[name] = countingEngine{next: eng, p: p}
-	}
-	handler := func(ctx context.Context, job *worker.Job) error {
-		p.mu.Lock()
-		p.jobs[job.DB]++
-		p.attempts[job.DB] = append(p.attempts[job.DB], job.Attempt)
-		p.inFlight++
-		p.mu.Unlock()
-		defer func() { p.mu.Lock(); p.inFlight--; p.mu.Unlock() }()
-		return h.handle(ctx, job)
-	}
+	h := handler(app)
 	done := make(chan error, 1)
-	go func() { done <- app.Run(ctx, "", handler) }()
+	go func() { done <- app.Run(ctx, httpAddr, h) }()
 	t.Cleanup(func() {
 		cancel()
 		select {
 		case err := <-done:
-			require.NoError(t, err)
+			assert.NoError(t, err)
 		case <-time.After(30 * time.Second):
 			t.Error("replicator did not stop within 30s")
 		}
 	})
-	return p
+	return app
 }
 
 // waitRule waits until the running replicator knows a rule matching db.

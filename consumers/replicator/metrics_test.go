@@ -1,11 +1,9 @@
 package main
 
 import (
-	"context"
 	"testing"
 	"time"
 
-	"github.com/sirupsen/logrus"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
@@ -14,6 +12,7 @@ import (
 	"github.com/spiegel-nats/spiegel/pkg/events"
 	"github.com/spiegel-nats/spiegel/pkg/healthtest"
 	"github.com/spiegel-nats/spiegel/pkg/rules"
+	"github.com/spiegel-nats/spiegel/pkg/worker"
 )
 
 // startServing runs the replicator in-process, as main wires it, with its health and metrics
@@ -22,24 +21,7 @@ func (e *env) startServing(t testing.TB) (addr string, app *consumer.App) {
 	t.Helper()
 	cfg := e.cfg
 	cfg.HTTPAddr = healthtest.FreeAddr(t)
-	log := logrus.New()
-	log.SetOutput(e.logs)
-	log.SetLevel(logrus.DebugLevel)
-	log.SetFormatter(&logrus.JSONFormatter{})
-	ctx, cancel := context.WithCancel(context.Background())
-	app, err := consumer.Open(ctx, &cfg.Consumer, events.GroupReplicate, log.WithField("component", "replicator"))
-	require.NoError(t, err)
-	done := make(chan error, 1)
-	go func() { done <- app.Run(ctx, cfg.HTTPAddr, newHandler(app, &cfg).handle) }()
-	t.Cleanup(func() {
-		cancel()
-		select {
-		case err := <-done:
-			assert.NoError(t, err)
-		case <-time.After(30 * time.Second):
-			t.Error("replicator did not stop within 30s")
-		}
-	})
+	app = e.runApp(t, &cfg, cfg.HTTPAddr, func(app *consumer.App) worker.Handler { return newHandler(app, &cfg).handle })
 	return cfg.HTTPAddr, app
 }
 
