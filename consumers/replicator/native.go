@@ -92,20 +92,8 @@ func nativeOptions(body map[string]any) (replicate.Options, error) {
 	if _, present := body["since_seq"]; present {
 		return bad("since_seq", "not supported: the engine starts from its checkpoint")
 	}
-	n := 0
-	for _, set := range []bool{len(opt.DocIDs) > 0, opt.Selector != nil,
-		opt.Filter != "" && opt.Filter != "_doc_ids" && opt.Filter != "_selector"} {
-		if set {
-			n++
-		}
-	}
-	switch {
-	case n > 1:
-		return bad("filter", "filter, doc_ids and selector exclude each other")
-	case opt.Filter == "_doc_ids" && len(opt.DocIDs) == 0:
-		return bad("doc_ids", "filter _doc_ids needs doc_ids")
-	case opt.Filter == "_selector" && opt.Selector == nil:
-		return bad("selector", "filter _selector needs a selector")
+	if err := opt.Validate(); err != nil {
+		return opt, &replicateError{Op: nativeOp, Status: http.StatusBadRequest, ErrorName: "bad_request", Reason: err.Error()}
 	}
 	for field, dst := range map[string]*int{"worker_batch_size": &opt.BatchSize, "worker_processes": &opt.Workers} {
 		if v, present := body[field]; present {

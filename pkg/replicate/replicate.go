@@ -105,7 +105,9 @@ func (o Options) withDefaults() Options {
 	return o
 }
 
-func (o Options) validate() error {
+// Validate checks what Run checks before it starts: source and target given; filter, doc_ids
+// and selector not combined.
+func (o Options) Validate() error {
 	if o.Source == "" || o.Target == "" {
 		return errors.New("replicate: source and target are required")
 	}
@@ -166,7 +168,7 @@ func Run(ctx context.Context, opt Options, log logrus.FieldLogger) (Result, erro
 		log = l
 	}
 	opt = opt.withDefaults()
-	if err := opt.validate(); err != nil {
+	if err := opt.Validate(); err != nil {
 		return Result{}, err
 	}
 	var requests atomic.Int64
