@@ -85,7 +85,11 @@ func TestAtLeastOnce(t *testing.T) {
 	hs := s.waitHits(t, 20*time.Second, hasID("c"), "c not delivered")
 	assert.Equal(t, []string{"a", "b", "b", "b", "c"}, ids(hs))
 	mu.Lock()
-	assert.Equal(t, []string{seq["a"], seq["a"], seq["a"]}, cpAtB, "checkpoint stays at a while b fails")
+	// a's checkpoint is written in the background while b is first tried: at that moment it may
+	// still be the empty start; it never passes a while b fails.
+	require.Len(t, cpAtB, 3)
+	assert.Contains(t, []string{"", seq["a"]}, cpAtB[0], "checkpoint not past a at b's first try")
+	assert.Equal(t, []string{seq["a"], seq["a"]}, cpAtB[1:], "checkpoint stays at a while b fails")
 	mu.Unlock()
 	require.Eventually(t, func() bool { cp, _ := e.checkpoint(t, "r", db); return cp == seq["c"] }, 10*time.Second, 20*time.Millisecond)
 	assert.Empty(t, e.deadLetters(t))
