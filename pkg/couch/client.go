@@ -31,6 +31,7 @@ import (
 	"github.com/sirupsen/logrus"
 
 	"github.com/spiegel-nats/spiegel/pkg/backoff"
+	"github.com/spiegel-nats/spiegel/pkg/couchpath"
 	"github.com/spiegel-nats/spiegel/pkg/logging"
 )
 
@@ -101,19 +102,20 @@ func New(cfg Config, log logrus.FieldLogger) (*Client, error) {
 	if timeout <= 0 {
 		timeout = DefaultRequestTimeout
 	}
+	rt := couchpath.PlusSafe(tr) // kivik leaves '+' in db names unescaped
 	c := &Client{
 		log:      log.WithField("component", "couch"),
 		base:     base,
 		user:     user,
 		redacted: logging.RedactURL(cfg.URL),
 		timeout:  timeout,
-		http:     &http.Client{Transport: tr},
+		http:     &http.Client{Transport: rt},
 		retry:    backoff.Default,
 	}
 	// kivik gets its own http.Client over the same transport: its auth option wraps the
 	// client's transport, which must not leak into ours.
 	opts := []kivik.Option{
-		couchdb.OptionHTTPClient(&http.Client{Transport: tr}),
+		couchdb.OptionHTTPClient(&http.Client{Transport: rt}),
 		couchdb.OptionNoRequestCompression(),
 	}
 	if user != nil {
@@ -212,11 +214,9 @@ func (c *Client) Redacted() string { return c.redacted }
 // they did not decode.
 func (c *Client) MalformedLines() int64 { return c.malformed.Load() }
 
-// DBPath returns the request path of db: "/" and the name escaped as one path segment ('/'
-// becomes %2F; '+' becomes %2B so that no server reads it as a space).
-func (c *Client) DBPath(db string) string {
-	return "/" + strings.ReplaceAll(url.PathEscape(db), "+", "%2B")
-}
+// DBPath returns the request path of db: "/" and the name escaped as one path segment (see
+// couchpath.Segment).
+func (c *Client) DBPath(db string) string { return "/" + couchpath.Segment(db) }
 
 // NewRequest builds a request for path (already escaped, starting with "/") and query on the
 // server, with the credentials as a Basic Authorization header (never in the URL), Accept JSON,

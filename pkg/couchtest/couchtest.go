@@ -9,7 +9,6 @@ import (
 	"fmt"
 	"io"
 	"net/http"
-	"net/url"
 	"os"
 	"strings"
 	"sync/atomic"
@@ -18,6 +17,8 @@ import (
 
 	"github.com/go-kivik/kivik/v4"
 	"github.com/go-kivik/kivik/v4/couchdb"
+
+	"github.com/spiegel-nats/spiegel/pkg/couchpath"
 )
 
 // Server is the CouchDB server under test.
@@ -47,7 +48,9 @@ func Get(t testing.TB) *Server {
 		}
 		t.Skip("couchtest: COUCHDB_URL is unset; run `make test`, which starts PouchDB Server")
 	}
-	hc := &http.Client{Transport: &http.Transport{DisableCompression: true, MaxIdleConnsPerHost: 64}}
+	// PlusSafe: kivik escapes db names with url.PathEscape, which leaves '+' as is, and CouchDB 3
+	// reads a '+' in a path as a space.
+	hc := &http.Client{Transport: couchpath.PlusSafe(&http.Transport{DisableCompression: true, MaxIdleConnsPerHost: 64})}
 	c, err := kivik.New("couch", raw, couchdb.OptionHTTPClient(hc))
 	if err != nil {
 		t.Fatalf("couchtest: client: %v", err)
@@ -164,5 +167,6 @@ func (s *Server) Do(t testing.TB, method, path string, body, out any) error {
 	return nil
 }
 
-// PathDB escapes a db name as one path segment.
-func PathDB(name string) string { return url.PathEscape(name) }
+// PathDB escapes a db name (or a doc id) as one path segment, '+' included (see
+// couchpath.Segment).
+func PathDB(name string) string { return couchpath.Segment(name) }

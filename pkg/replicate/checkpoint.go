@@ -5,11 +5,11 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
-	"net/url"
 	"sync"
 	"time"
 
 	"github.com/spiegel-nats/spiegel/pkg/couch"
+	"github.com/spiegel-nats/spiegel/pkg/couchpath"
 )
 
 // maxHistory bounds the sessions a checkpoint doc keeps, as CouchDB does.
@@ -115,7 +115,9 @@ func (c *checkpointer) recent(d time.Duration) bool {
 	return age >= -time.Minute && age < d // a clock far ahead is not trusted
 }
 
-func (c *checkpointer) path(e *endpoint) string { return e.dbPath + "/_local/" + url.PathEscape(c.id) }
+func (c *checkpointer) path(e *endpoint) string {
+	return e.dbPath + "/_local/" + couchpath.Segment(c.id)
+}
 
 // read reads the checkpoint doc of e; a missing doc is (nil, nil), and so is a missing db: the
 // caller checks db existence (it costs a request that a present checkpoint makes unnecessary).

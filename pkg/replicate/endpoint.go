@@ -15,6 +15,7 @@ import (
 
 	"github.com/spiegel-nats/spiegel/pkg/backoff"
 	"github.com/spiegel-nats/spiegel/pkg/couch"
+	"github.com/spiegel-nats/spiegel/pkg/couchpath"
 	"github.com/spiegel-nats/spiegel/pkg/logging"
 )
 
@@ -69,7 +70,7 @@ func newEndpoint(raw string, hc *http.Client) (*endpoint, error) {
 		hc:     hc,
 		base:   base.String() + escaped[:i],
 		db:     db,
-		dbPath: "/" + strings.ReplaceAll(url.PathEscape(db), "+", "%2B"),
+		dbPath: "/" + couchpath.Segment(db),
 		user:   u.User,
 		shown:  shown,
 	}, nil
@@ -78,9 +79,9 @@ func newEndpoint(raw string, hc *http.Client) (*endpoint, error) {
 // docPath returns the escaped request path of a doc of the db; "_design/x" keeps its slash.
 func (e *endpoint) docPath(id string) string {
 	if rest, ok := strings.CutPrefix(id, "_design/"); ok {
-		return e.dbPath + "/_design/" + url.PathEscape(rest)
+		return e.dbPath + "/_design/" + couchpath.Segment(rest)
 	}
-	return e.dbPath + "/" + url.PathEscape(id)
+	return e.dbPath + "/" + couchpath.Segment(id)
 }
 
 // do sends one request to path (escaped, from the server root, see dbPath) and decodes a JSON

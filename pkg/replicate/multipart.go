@@ -14,6 +14,7 @@ import (
 	"net/url"
 
 	"github.com/spiegel-nats/spiegel/pkg/couch"
+	"github.com/spiegel-nats/spiegel/pkg/couchpath"
 	"github.com/spiegel-nats/spiegel/pkg/logging"
 )
 
@@ -176,7 +177,7 @@ func (r *run) writeParts(ctx context.Context, w io.Writer, boundary string, d at
 // copyAttachment copies attachment name of doc's revision from the source to w: exactly length
 // bytes, else an error.
 func (r *run) copyAttachment(ctx context.Context, w io.Writer, doc fetchedDoc, name string, length int64) error {
-	path := r.src.docPath(doc.ID) + "/" + url.PathEscape(name)
+	path := r.src.docPath(doc.ID) + "/" + couchpath.Segment(name)
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, r.src.base+path+"?"+url.Values{"rev": {doc.Rev}}.Encode(), nil)
 	if err != nil {
 		return &sourceError{err: fmt.Errorf("build attachment request: %s", logging.RedactText(err.Error()))}
