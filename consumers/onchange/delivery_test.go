@@ -6,7 +6,7 @@ import (
 	"net/url"
 	"os"
 	"path/filepath"
-	"strings"
+	"slices"
 	"sync"
 	"testing"
 	"time"
@@ -16,53 +16,20 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/spiegel-nats/spiegel/pkg/checkpoint"
+	"github.com/spiegel-nats/spiegel/pkg/config"
 	"github.com/spiegel-nats/spiegel/pkg/couchtest"
 )
 
-// feed returns the doc ids of db's _changes, in feed order.
-func (e *env) feed(t *testing.T, db string) []string {
-	t.Helper()
-	var body struct {
-		Results []struct {
-			ID string `json:"id"`
-		} `json:"results"`
-	}
-	require.NoError(t, e.couch.Do(t, "GET", "/"+couchtest.PathDB(db)+"/_changes", nil, &body))
-	var out []string
-	for _, r := range body.Results {
-		out = append(out, r.ID)
-	}
-	return out
-}
-
-// seqs returns each doc id's latest seq in db (opaque text).
-func (e *env) seqs(t *testing.T, db string) map[string]string {
-	t.Helper()
-	var body struct {
-		Results []struct {
-			Seq json.RawMessage `json:"seq"`
-			ID  string          `json:"id"`
-		} `json:"results"`
-	}
-	require.NoError(t, e.couch.Do(t, "GET", "/"+couchtest.PathDB(db)+"/_changes", nil, &body))
-	out := map[string]string{}
-	for _, r := range body.Results {
-		out[r.ID] = strings.Trim(string(r.Seq), `"`)
-	}
-	return out
-}
-
-// TestAtLeastOnce: the sink fails b twice; the checkpoint stays before b until b succeeds, and
-// nothing after b is skipped.
+// TestAtLeastOnce: the sink fails b twice; b is retried in place (block), the checkpoint never
+// passes b while it fails, nothing after b is skipped, and delivery follows the feed.
 func TestAtLeastOnce(t *testing.T) {
 	e := newEnv(t, 60*time.Second)
-	e.cfg.BatchSize = 1 // a checkpoint per change, so "moves only after the 200" is observable
+	e.cfg.BatchSize = 1 // a checkpoint per change, so "never past b while b fails" is observable
 	app := e.start(t)
 	db := e.couch.NewDB(t, e.prefix)
 	for _, id := range []string{"a", "b", "c"} {
 		e.couch.Put(t, db, id, map[string]any{})
 	}
-	seq := e.seqs(t, db)
 	var mu sync.Mutex
 	var cpAtB []string
 	bTries := 0
@@ -79,19 +46,29 @@ func TestAtLeastOnce(t *testing.T) {
 		}
 		return 200, 0
 	})
-	e.ruleIn(t, app, "r", db, map[string]any{"url": s.URL + "/x", "block": true, "params": map[string]any{"id": "$change.id"},
+	e.ruleIn(t, app, "r", db, map[string]any{"url": s.URL + "/x", "block": true, "params": map[string]any{"id": "$change.id", "seq": "$seq"},
 		"retry": map[string]any{"backoff": "linear", "delay_ms": 20, "limit": 5}})
 	e.enqueue(t, db)
-	hs := s.waitHits(t, 20*time.Second, hasID("c"), "c not delivered")
-	assert.Equal(t, []string{"a", "b", "b", "b", "c"}, ids(hs))
+	hs := s.waitHits(t, 20*time.Second, func(hs []hit) bool { return len(hs) >= 5 }, "not every change delivered")
+	got := ids(hs)
+	assert.Equal(t, map[string]int{"a": 1, "b": 3, "c": 1}, count(got))
+	first := slices.Index(got, "b")
+	assert.Equal(t, []string{"b", "b", "b"}, got[first:first+3], "b is retried before anything after it")
+	requireFeedOrder(t, seqParams(hs), "delivery in feed order")
+
+	// What came before b in the feed is done; b never is while it fails.
+	before := map[string]bool{"": true}
+	for _, h := range hs[:first] {
+		before[h.param("seq")] = true
+	}
 	mu.Lock()
-	// a's checkpoint is written in the background while b is first tried: at that moment it may
-	// still be the empty start; it never passes a while b fails.
 	require.Len(t, cpAtB, 3)
-	assert.Contains(t, []string{"", seq["a"]}, cpAtB[0], "checkpoint not past a at b's first try")
-	assert.Equal(t, []string{seq["a"], seq["a"]}, cpAtB[1:], "checkpoint stays at a while b fails")
+	for i, cp := range cpAtB {
+		assert.True(t, before[cp], "try %d of b: checkpoint %q is not a position before b", i+1, cp)
+		assert.Contains(t, e.changesSince(t, db, cp), "b", "try %d of b: the checkpoint passed b", i+1)
+	}
 	mu.Unlock()
-	require.Eventually(t, func() bool { cp, _ := e.checkpoint(t, "r", db); return cp == seq["c"] }, 10*time.Second, 20*time.Millisecond)
+	require.Eventually(t, func() bool { return e.caughtUp(t, "r", db) }, 10*time.Second, 20*time.Millisecond, "the checkpoint reaches the end")
 	assert.Empty(t, e.deadLetters(t))
 }
 
@@ -107,23 +84,26 @@ func TestRetryLimitDeadLetter(t *testing.T) {
 		}
 		return 200, 0
 	})
-	e.ruleIn(t, app, "r", db, map[string]any{"url": s.URL + "/x", "method": "PUT", "block": true, "params": map[string]any{"id": "$change.id"},
+	e.ruleIn(t, app, "r", db, map[string]any{"url": s.URL + "/x", "method": "PUT", "block": true, "params": map[string]any{"id": "$change.id", "seq": "$seq"},
 		"retry": map[string]any{"backoff": "exponential", "delay_ms": 10, "multiplier": 2, "limit": 2}})
 	for _, id := range []string{"ok1", "bad", "ok2"} {
 		e.couch.Put(t, db, id, map[string]any{})
 	}
-	seq := e.seqs(t, db)
 	e.enqueue(t, db)
-	s.waitHits(t, 20*time.Second, hasID("ok2"), "ok2 not delivered")
-	require.Eventually(t, func() bool { cp, _ := e.checkpoint(t, "r", db); return cp == seq["ok2"] }, 10*time.Second, 20*time.Millisecond)
-	assert.Equal(t, []string{"ok1", "bad", "bad", "bad", "ok2"}, ids(s.all()))
+	hs := s.waitHits(t, 20*time.Second, func(hs []hit) bool { return len(hs) >= 5 }, "not every change tried")
+	require.Eventually(t, func() bool { return e.caughtUp(t, "r", db) }, 10*time.Second, 20*time.Millisecond, "the checkpoint moves past the dead letter")
+	got := ids(hs)
+	assert.Equal(t, map[string]int{"ok1": 1, "bad": 3, "ok2": 1}, count(got))
+	first := slices.Index(got, "bad")
+	assert.Equal(t, []string{"bad", "bad", "bad"}, got[first:first+3])
+	requireFeedOrder(t, seqParams(hs), "delivery in feed order")
 	dls := e.deadLetters(t)
 	require.Len(t, dls, 1)
 	d := dls[0]
 	assert.Equal(t, "r", d.Rule)
 	assert.Equal(t, db, d.DB)
 	assert.Equal(t, "bad", d.DocID)
-	assert.Equal(t, seq["bad"], d.Seq)
+	assert.Equal(t, hs[first].param("seq"), d.Seq, "the record names the change's seq")
 	assert.Equal(t, 500, d.Status)
 	assert.Equal(t, 3, d.Attempts)
 	assert.Contains(t, d.Error, "500")
@@ -160,57 +140,48 @@ func TestPasswordsNeverLogged(t *testing.T) {
 	}
 }
 
-// TestSubjectRule: a plain JetStream consumer reads every change of the db in feed order;
-// replaying (checkpoint deleted) adds no duplicates; a subject no stream captures makes only
-// that rule fail, with a dead letter naming it.
+// TestSubjectRule: a plain JetStream consumer reads every change of the db in feed order,
+// with block unset and the default concurrency settings (500 changes, so that any reordering
+// shows); replaying (checkpoint deleted) adds no duplicates; a subject no stream captures makes
+// only that rule fail, with a dead letter naming it.
 func TestSubjectRule(t *testing.T) {
+	const docs, changes = 400, 520
 	e := newEnv(t, 60*time.Second)
+	var defaults config.OnChange // the concurrency settings at their defaults
+	t.Setenv("SPIEGEL_COUCHDB_URL", e.couch.URL)
+	require.NoError(t, config.Load(&defaults))
+	e.cfg.BatchSize, e.cfg.RequestConcurrency = defaults.BatchSize, defaults.RequestConcurrency
 	app := e.start(t)
 	db := e.couch.NewDB(t, e.prefix)
 	e.ruleIn(t, app, "pub", db, map[string]any{"subject": "spiegel.changes.${db_name}"})
 	e.ruleIn(t, app, "nostream", db, map[string]any{"subject": "nowhere.${db_name}"})
-	var want []string
-	for i := range 10 {
-		id := fmt.Sprintf("d%d", i%4)
-		var rev string
-		for _, w := range want {
-			if strings.HasPrefix(w, id+"/") {
-				rev = strings.TrimPrefix(w, id+"/")
-			}
-		}
-		doc := map[string]any{"i": i}
-		if rev != "" {
-			doc["_rev"] = rev
-		}
-		want = append(want, id+"/"+e.couch.Put(t, db, id, doc))
-	}
+	revs := e.writeChanges(t, db, docs, changes)
 	e.enqueue(t, db)
 	stream, err := e.js.Stream(t.Context(), "SPIEGEL_CHANGES")
 	require.NoError(t, err)
 	msgs := func() uint64 { info, err := stream.Info(t.Context()); require.NoError(t, err); return info.State.Msgs }
-	// CouchDB's feed lists each doc once, at its latest change.
-	require.Eventually(t, func() bool { return msgs() == 4 }, 20*time.Second, 20*time.Millisecond)
-	feed := e.feed(t, db)
-	require.Eventually(t, func() bool { cp, _ := e.checkpoint(t, "pub", db); return cp != "" }, 10*time.Second, 20*time.Millisecond)
+	// The feed lists each doc once, at its latest change.
+	require.Eventually(t, func() bool { return msgs() == docs }, 30*time.Second, 20*time.Millisecond)
+	require.Eventually(t, func() bool { return e.caughtUp(t, "pub", db) }, 10*time.Second, 20*time.Millisecond)
 
 	cons, err := stream.OrderedConsumer(t.Context(), jetstream.OrderedConsumerConfig{FilterSubjects: []string{"spiegel.changes.>"}})
 	require.NoError(t, err)
-	var got []changeMessage
-	for range 4 {
+	var seqs []string
+	seen := map[string]bool{}
+	for range docs {
 		m, err := cons.Next(jetstream.FetchMaxWait(5 * time.Second))
 		require.NoError(t, err)
 		var c changeMessage
 		require.NoError(t, json.Unmarshal(m.Data(), &c))
+		require.Equal(t, db, c.DB)
+		require.NotEmpty(t, c.Doc)
 		assert.Equal(t, db+"/"+c.ID+"/"+c.Changes[0].Rev, m.Headers().Get(jetstream.MsgIDHeader))
-		got = append(got, c)
+		assert.Equal(t, revs[c.ID], c.Changes[0].Rev, "the doc's latest rev")
+		seen[c.ID] = true
+		seqs = append(seqs, c.Seq)
 	}
-	var gotIDs []string
-	for _, c := range got {
-		gotIDs = append(gotIDs, c.ID)
-	}
-	assert.Equal(t, feed, gotIDs, "feed order")
-	assert.Equal(t, db, got[0].DB)
-	assert.NotEmpty(t, got[0].Doc)
+	assert.Len(t, seen, docs, "every doc once")
+	requireFeedOrder(t, seqs, "the stream holds the changes in feed order")
 
 	// Replay: delete the checkpoint and run again: the stream deduplicates every change.
 	var cp map[string]any
@@ -218,8 +189,8 @@ func TestSubjectRule(t *testing.T) {
 	require.NoError(t, e.couch.Do(t, "GET", "/"+couchtest.PathDB(e.cfg.DBName)+"/"+id, nil, &cp))
 	require.NoError(t, e.couch.Do(t, "DELETE", "/"+couchtest.PathDB(e.cfg.DBName)+"/"+id+"?rev="+cp["_rev"].(string), nil, nil))
 	e.enqueue(t, db)
-	require.Eventually(t, func() bool { _, ok := e.checkpoint(t, "pub", db); return ok }, 20*time.Second, 20*time.Millisecond)
-	assert.EqualValues(t, 4, msgs(), "replay added no duplicates")
+	require.Eventually(t, func() bool { return e.caughtUp(t, "pub", db) }, 20*time.Second, 20*time.Millisecond)
+	assert.EqualValues(t, docs, msgs(), "replay added no duplicates")
 
 	dls := e.deadLetters(t)
 	require.Len(t, dls, 1, "one dead letter for the unusable rule")
@@ -227,6 +198,40 @@ func TestSubjectRule(t *testing.T) {
 	assert.Contains(t, dls[0].Error, "no stream captures subject nowhere.")
 	_, ok := e.checkpoint(t, "nostream", db)
 	assert.False(t, ok, "the unusable rule did not move")
+}
+
+// writeChanges makes n changes to docs d000..d<docs-1> of db (updates after the first round) in
+// _bulk_docs requests of 100 and returns each doc's final rev.
+func (e *env) writeChanges(t testing.TB, db string, docs, n int) map[string]string {
+	t.Helper()
+	revs := map[string]string{}
+	for done := 0; done < n; {
+		var batch []map[string]any
+		for ; done < n && len(batch) < 100; done++ {
+			id := fmt.Sprintf("d%03d", done%docs)
+			doc := map[string]any{"_id": id, "i": done}
+			if r, ok := revs[id]; ok {
+				doc["_rev"] = r
+			}
+			batch = append(batch, doc)
+			if _, again := revs[id]; !again {
+				revs[id] = ""
+			}
+		}
+		// A doc updated twice in one batch would conflict: batches of 100 never repeat an id
+		// while docs >= 100.
+		var res []struct {
+			ID    string `json:"id"`
+			Rev   string `json:"rev"`
+			Error string `json:"error"`
+		}
+		require.NoError(t, e.couch.Do(t, "POST", "/"+couchtest.PathDB(db)+"/_bulk_docs", map[string]any{"docs": batch}, &res))
+		for _, r := range res {
+			require.Empty(t, r.Error, r.ID)
+			revs[r.ID] = r.Rev
+		}
+	}
+	return revs
 }
 
 // TestRuleEditedMidRun: an edit applies from the next batch, without losing or skipping changes.

@@ -56,8 +56,8 @@ func TestRecreatedDB(t *testing.T) {
 	s := newSink(t, nil)
 	e.ruleIn(t, app, "r", db, map[string]any{"url": s.URL + "/r", "block": true, "params": map[string]any{"id": "$change.id"}})
 	e.enqueue(t, db)
-	s.waitHits(t, 20*time.Second, hasID("a4"), "first incarnation delivered")
-	require.Eventually(t, func() bool { cp, _ := e.checkpoint(t, "r", db); return cp == e.seqs(t, db)["a4"] }, 10*time.Second, 20*time.Millisecond)
+	s.waitHits(t, 20*time.Second, func(hs []hit) bool { return len(hs) == 4 }, "first incarnation delivered")
+	require.Eventually(t, func() bool { return e.caughtUp(t, "r", db) }, 10*time.Second, 20*time.Millisecond)
 
 	oldInstance := instance(t, e.couch, db)
 
@@ -72,7 +72,12 @@ func TestRecreatedDB(t *testing.T) {
 	// tells a new db by its update_seq, below the checkpoint's.)
 	require.Eventually(t, func() bool {
 		if err := e.couch.Do(t, http.MethodPut, "/"+couchtest.PathDB(db), nil, nil); err != nil {
-			return false
+			// PouchDB Server brings a deleted db back, empty, when a read races the DELETE
+			// (here: the job for the missing db): that is a new db too.
+			var info struct {
+				Docs int `json:"doc_count"`
+			}
+			return e.couch.PouchDB && e.couch.Do(t, http.MethodGet, "/"+couchtest.PathDB(db), nil, &info) == nil && info.Docs == 0
 		}
 		if e.couch.PouchDB || instance(t, e.couch, db) != oldInstance {
 			return true
@@ -83,7 +88,10 @@ func TestRecreatedDB(t *testing.T) {
 	e.couch.Put(t, db, "b1", map[string]any{})
 	e.enqueue(t, db)
 	s.waitHits(t, 20*time.Second, hasID("b1"), "the recreated db's change is delivered")
-	assert.Equal(t, []string{"a1", "a2", "a3", "a4", "b1"}, ids(s.all()))
+	got := ids(s.all())
+	require.Len(t, got, 5)
+	assert.ElementsMatch(t, []string{"a1", "a2", "a3", "a4"}, got[:4])
+	assert.Equal(t, "b1", got[4])
 	assert.Contains(t, e.logs.String(), "db was recreated after the checkpoint was taken")
 }
 
