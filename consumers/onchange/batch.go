@@ -57,6 +57,7 @@ type action struct {
 	c       change
 	key     string // identity for debounce and the retry book
 	try     webhook.Attempt
+	msg     *changeMsg     // subject rules: the message to publish (nil if it could not be built)
 	details map[string]any // for a dead-letter record; never a password
 	owner   int            // index of the action that covers this one (debounce), or its own
 }
@@ -79,10 +80,10 @@ const (
 // processBatch acts on the changes of one page in feed order. Changes that fail the rule's `if`
 // or selector are done at once. With debounce, identical requests (same method, final URL and
 // body) are sent once: later ones are done when the first is. With block each request is sent
-// after the previous one finished; without it up to requestConcurrency run at once (subject
-// rules always publish one at a time: the stream keeps feed order). No request
-// is started after one has deferred or failed. The result's done counts the head of the batch
-// that is finished, the only part the checkpoint may pass.
+// after the previous one finished; without it up to requestConcurrency run at once. Subject
+// rules publish in feed order whatever block says (see publishBatch). No request is started
+// after one has deferred or failed. The result's done counts the head of the batch that is
+// finished, the only part the checkpoint may pass.
 func (h *handler) processBatch(ctx context.Context, db string, rule *rules.OnChange, rows []couch.Change, log logrus.FieldLogger) batchResult {
 	acts := make([]*action, len(rows))
 	seen := map[string]int{}
@@ -100,6 +101,10 @@ func (h *handler) processBatch(ctx context.Context, db string, rule *rules.OnCha
 			}
 		}
 		acts[i] = a
+	}
+
+	if rule.Subject != "" {
+		return h.publishBatch(ctx, db, rule, acts, log)
 	}
 
 	states := make([]int, len(rows))
@@ -125,8 +130,8 @@ func (h *handler) processBatch(ctx context.Context, db string, rule *rules.OnCha
 		}
 	}
 	limit := h.requestConcurrency
-	if rule.Block || rule.Subject != "" {
-		limit = 1 // subject rules publish in feed order, so that stream order is feed order
+	if rule.Block {
+		limit = 1
 	}
 	sem := make(chan struct{}, limit)
 	var wg sync.WaitGroup
@@ -155,6 +160,39 @@ func (h *handler) processBatch(ctx context.Context, db string, rule *rules.OnCha
 	return res
 }
 
+// publishBatch publishes the changes of a subject rule's page in feed order (SPEC §5.3):
+// pipelined on one connection, so that the stream stores them in feed order at the speed of
+// asynchronous publishes, and done only once every answer up to a change has come back. When
+// a publish fails, it is retried alone, synchronously, with the rule's retry policy (dead letter
+// at its limit, as for webhooks); the pipeline then resumes after it. Publishes after the failed
+// one may already be stored: publishing them again is deduplicated by their message ids.
+func (h *handler) publishBatch(ctx context.Context, db string, rule *rules.OnChange, acts []*action, log logrus.FieldLogger) batchResult {
+	var res batchResult
+	for from := 0; from < len(acts); {
+		failed, err := h.publisher.publishPipelined(ctx, acts, from, rule.Timeout)
+		if failed == len(acts) {
+			break
+		}
+		if ctx.Err() != nil {
+			res.done, res.err = failed, ctx.Err()
+			return res
+		}
+		log.WithError(err).WithField("seq", acts[failed].c.Seq).Debug("pipelined publish failed: retrying that change alone")
+		st, retryIn, aerr := h.act(ctx, db, rule, acts[failed], log)
+		switch st {
+		case stateDeferred:
+			res.done, res.retryIn, res.deferErr = failed, retryIn, aerr
+			return res
+		case stateFailed:
+			res.done, res.err = failed, aerr
+			return res
+		}
+		from = failed + 1
+	}
+	res.done = len(acts)
+	return res
+}
+
 // newAction builds what rule does for change c, or nil when the doc does not match. A request
 // that cannot be built becomes an action that fails permanently (and is dead-lettered).
 func (h *handler) newAction(db string, rule *rules.OnChange, c change) *action {
@@ -170,11 +208,13 @@ func (h *handler) newAction(db string, rule *rules.OnChange, c change) *action {
 	}
 	a := &action{c: c}
 	if rule.Subject != "" {
-		id, try, err := h.publisher.attempt(db, rule, c)
-		a.key, a.try, a.details = "publish "+id, try, map[string]any{"subject": subjectFor(rule, db)}
+		m, err := h.publisher.message(db, rule, c)
+		a.details = map[string]any{"subject": subjectFor(rule, db)}
 		if err != nil {
-			a.try = func(context.Context) (int, error) { return 0, err }
+			a.key, a.try = "unpublishable "+c.ID, func(context.Context) (int, error) { return 0, err }
+			return a
 		}
+		a.key, a.msg, a.try = "publish "+m.id, &m, h.publisher.attempt(m, rule.Timeout)
 		return a
 	}
 	req, err := webhook.Build(rule, vars)

@@ -8,6 +8,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/sirupsen/logrus"
 
@@ -23,7 +24,8 @@ const subjectCheckTTL = 30 * time.Second
 
 // streamPublisher is the part of jetstream.JetStream that subject rules use.
 type streamPublisher interface {
-	Publish(ctx context.Context, subject string, data []byte, opts ...jetstream.PublishOpt) (*jetstream.PubAck, error)
+	PublishMsg(ctx context.Context, msg *nats.Msg, opts ...jetstream.PublishOpt) (*jetstream.PubAck, error)
+	PublishMsgAsync(msg *nats.Msg, opts ...jetstream.PublishOpt) (jetstream.PubAckFuture, error)
 	StreamNameBySubject(ctx context.Context, subject string) (string, error)
 }
 
@@ -106,27 +108,104 @@ type revEntry struct {
 	Rev string `json:"rev"`
 }
 
-// attempt returns the publish of one change as a retryable action, and its message id.
-func (p *changePublisher) attempt(db string, rule *rules.OnChange, c change) (string, webhook.Attempt, error) {
+// changeMsg is the message of one change for a subject rule: subject, message id (for the
+// stream's deduplication) and the change JSON.
+type changeMsg struct {
+	subject, id string
+	data        []byte
+}
+
+// nats returns a new message for one publish, its id in the Nats-Msg-Id header.
+func (m changeMsg) nats() *nats.Msg {
+	msg := &nats.Msg{Subject: m.subject, Data: m.data, Header: nats.Header{}}
+	msg.Header.Set(jetstream.MsgIDHeader, m.id)
+	return msg
+}
+
+// message builds the message of change c of db for rule.
+func (p *changePublisher) message(db string, rule *rules.OnChange, c change) (changeMsg, error) {
 	msg := changeMessage{DB: db, Seq: c.Seq, ID: c.ID, Deleted: c.Deleted, Doc: c.Doc}
 	for _, r := range c.Revs {
 		msg.Changes = append(msg.Changes, revEntry{Rev: r})
 	}
 	data, err := json.Marshal(msg)
 	if err != nil {
-		return "", nil, fmt.Errorf("%w: encode change %s: %v", webhook.ErrBadRequest, c.ID, err)
+		return changeMsg{}, fmt.Errorf("%w: encode change %s: %v", webhook.ErrBadRequest, c.ID, err)
 	}
-	subject, id := subjectFor(rule, db), events.ChangeMsgID(db, c.ID, c.rev())
-	timeout := rule.Timeout
-	return id, func(ctx context.Context) (int, error) {
+	return changeMsg{subject: subjectFor(rule, db), id: events.ChangeMsgID(db, c.ID, c.rev()), data: data}, nil
+}
+
+// attempt returns the synchronous publish of m as a retryable action (the one that runs after
+// a pipelined publish failed).
+func (p *changePublisher) attempt(m changeMsg, timeout time.Duration) webhook.Attempt {
+	return func(ctx context.Context) (int, error) {
 		ctx, cancel := context.WithTimeout(ctx, timeout)
 		defer cancel()
-		if _, err := p.js.Publish(ctx, subject, data, jetstream.WithMsgID(id)); err != nil {
-			return 0, fmt.Errorf("publish change %s to %s: %w", id, subject, err)
+		if _, err := p.js.PublishMsg(ctx, m.nats()); err != nil {
+			return 0, fmt.Errorf("publish change %s to %s: %w", m.id, m.subject, err)
 		}
-		if p.metrics != nil {
-			p.metrics.ChangesPublished.Inc()
-		}
+		p.published(1)
 		return 0, nil
-	}, nil
+	}
 }
+
+func (p *changePublisher) published(n int) {
+	if p.metrics != nil {
+		p.metrics.ChangesPublished.Add(float64(n))
+	}
+}
+
+// pipelined is one publish of a pipeline: the action's index in its batch and its answer.
+type pipelined struct {
+	index  int
+	future jetstream.PubAckFuture
+	err    error // the publish could not even be sent
+}
+
+// publishPipelined publishes the changes of acts (nil entries are changes the rule skips) from
+// index from on, all at once and in feed order, on one connection, so that the stream stores
+// them in feed order; then it waits for every answer, in order, each for at most timeout. It
+// returns the index of the first publish that failed (len(acts) when all succeeded) and its
+// error. Publishes after a failed one may be stored already: publishing them again is
+// deduplicated by their message ids.
+func (p *changePublisher) publishPipelined(ctx context.Context, acts []*action, from int, timeout time.Duration) (int, error) {
+	sent := make([]pipelined, 0, len(acts)-from)
+	for i := from; i < len(acts); i++ {
+		if acts[i] == nil {
+			continue
+		}
+		if acts[i].msg == nil { // the change could not be encoded: the action reports why
+			sent = append(sent, pipelined{index: i, err: errUnpublishable})
+			break
+		}
+		m := *acts[i].msg
+		f, err := p.js.PublishMsgAsync(m.nats())
+		sent = append(sent, pipelined{index: i, future: f, err: err})
+		if err != nil {
+			break // e.g. too many publishes awaiting an answer: settle what was sent
+		}
+	}
+	timer := time.NewTimer(timeout)
+	defer timer.Stop()
+	ok := 0
+	defer func() { p.published(ok) }()
+	for _, s := range sent {
+		if s.err != nil {
+			return s.index, s.err
+		}
+		select {
+		case <-s.future.Ok():
+			ok++
+		case err := <-s.future.Err():
+			return s.index, err
+		case <-timer.C:
+			return s.index, fmt.Errorf("publish change to %s: no answer within %s", s.future.Msg().Subject, timeout)
+		case <-ctx.Done():
+			return s.index, ctx.Err()
+		}
+	}
+	return len(acts), nil
+}
+
+// errUnpublishable marks a change whose message could not be built.
+var errUnpublishable = errors.New("change cannot be published")

@@ -71,7 +71,9 @@ func Open(ctx context.Context, cfg *config.Consumer, group events.Group, log log
 	if err != nil {
 		return nil, err
 	}
-	js, err := jetstream.New(nc)
+	// Subject rules pipeline their publishes; an answer that never comes must not keep its
+	// future forever.
+	js, err := jetstream.New(nc, jetstream.WithPublishAsyncTimeout(time.Minute))
 	if err != nil {
 		nc.Close()
 		return nil, fmt.Errorf("open JetStream: %w", err)
