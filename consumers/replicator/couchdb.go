@@ -181,6 +181,23 @@ func classify(err error) failureKind {
 	return transient
 }
 
+// authStatus returns 401 or 403 when err says the credentials of a source or target were
+// refused, whatever status carried it (CouchDB 3 answers a wrong endpoint password with 500
+// replication_auth_error), and 0 otherwise.
+func authStatus(err error) int {
+	var re *replicateError
+	if !errors.As(err, &re) {
+		return 0
+	}
+	switch {
+	case re.ErrorName == "forbidden" || re.Status == http.StatusForbidden:
+		return http.StatusForbidden
+	case re.ErrorName == "unauthorized" || re.ErrorName == "replication_auth_error" || re.Status == http.StatusUnauthorized:
+		return http.StatusUnauthorized
+	}
+	return 0
+}
+
 // scrub returns s with URL passwords redacted and every secret (of at least 4 bytes, also in
 // its URL-escaped forms) replaced by "xxxxx".
 func scrub(s string, secrets []string) string {

@@ -93,6 +93,7 @@ type probe struct {
 	mu       sync.Mutex
 	jobs     map[string]int         // handler invocations by db
 	attempts map[string][]int       // delivery counts of the invocations, by db
+	runs     map[string][]handlerRun       // start and end of each handler invocation, by db
 	reps     map[string][]time.Time // start of each _replicate call, by db
 	inFlight int
 }
@@ -100,7 +101,19 @@ type probe struct {
 func (p *probe) reset() {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	p.jobs, p.attempts, p.reps = map[string]int{}, map[string][]int{}, map[string][]time.Time{}
+	p.jobs, p.attempts, p.reps, p.runs = map[string]int{}, map[string][]int{}, map[string][]time.Time{}, map[string][]handlerRun{}
+}
+
+// handlerRun is one handler invocation.
+type handlerRun struct {
+	attempt    int
+	start, end time.Time
+}
+
+func (p *probe) runsOf(db string) []handlerRun {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return append([]handlerRun(nil), p.runs[db]...)
 }
 
 func (p *probe) jobCount(db string) int {
@@ -173,7 +186,13 @@ func (e *env) startReplicator(t testing.TB, cfg *config.Replicator) *probe {
 			p.attempts[job.DB] = append(p.attempts[job.DB], job.Attempt)
 			p.inFlight++
 			p.mu.Unlock()
-			defer func() { p.mu.Lock(); p.inFlight--; p.mu.Unlock() }()
+			start := time.Now()
+			defer func() {
+				p.mu.Lock()
+				p.inFlight--
+				p.runs[job.DB] = append(p.runs[job.DB], handlerRun{attempt: job.Attempt, start: start, end: time.Now()})
+				p.mu.Unlock()
+			}()
 			return h.handle(ctx, job)
 		}
 	})

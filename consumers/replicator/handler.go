@@ -188,6 +188,15 @@ func (h *replicator) giveUp(ctx context.Context, job *worker.Job, r *rules.Repli
 			rec.Details["error_name"] = re.ErrorName
 		}
 	}
+	if status := authStatus(cause); status != 0 {
+		// The record says what it is: refused credentials, whatever status carried them.
+		if rec.Status != status {
+			rec.Details["server_status"] = rec.Status
+		}
+		rec.Status = status
+		rec.Details["cause"] = "credentials refused"
+		rec.Error = "credentials of the source or target refused: " + rec.Error
+	}
 	if err := h.deadLetters.Publish(ctx, rec); err != nil {
 		return fmt.Errorf("rule %s failed permanently (%v), and its dead letter could not be stored: %w", r.ID(), cause, err)
 	}

@@ -156,6 +156,34 @@ func TestHandlerIsolatesRuleFailures(t *testing.T) {
 	}
 }
 
+// TestHandlerAuthFailureRecord: refused credentials are recorded as such in both server shapes:
+// PouchDB's 401 and CouchDB 3's 500 replication_auth_error.
+func TestHandlerAuthFailureRecord(t *testing.T) {
+	t.Parallel()
+	for _, c := range []struct {
+		name         string
+		answer       *replicateError
+		serverStatus any
+	}{
+		{"couchdb 3", &replicateError{Status: 500, ErrorName: "replication_auth_error", Reason: "{session_request_unauthorized,<<\"http://couch:5984/_session\">>,<<\"admin\">>}"}, 500},
+		{"401", &replicateError{Status: 401, ErrorName: "unauthorized", Reason: "Name or password is incorrect."}, nil},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			t.Parallel()
+			h, eng, dl := newTestHandler(t, map[string]map[string]any{"ra": rule("a")})
+			eng.answers[tgt("a")] = c.answer
+			require.NoError(t, h.handle(t.Context(), &worker.Job{DB: "db1", Attempt: 1}))
+			require.Len(t, dl.recs, 1)
+			rec := dl.recs[0]
+			assert.Equal(t, 401, rec.Status)
+			assert.Equal(t, "credentials refused", rec.Details["cause"])
+			assert.Equal(t, c.serverStatus, rec.Details["server_status"])
+			assert.Contains(t, rec.Error, "credentials of the source or target refused")
+			assert.Contains(t, rec.Error, c.answer.ErrorName)
+		})
+	}
+}
+
 func TestHandlerDBNotFoundGivenUpAfterAttempts(t *testing.T) {
 	t.Parallel()
 	h, eng, dl := newTestHandler(t, map[string]map[string]any{"ra": rule("a")})

@@ -18,6 +18,8 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+
+	"github.com/spiegel-nats/spiegel/pkg/backoff"
 )
 
 // ruleURL returns the URL of db on the test server for a rule: with the server's user but never
@@ -217,11 +219,20 @@ func TestUnreachableTargetBacksOff(t *testing.T) {
 	p := e.startReplicator(t, nil)
 	p.waitRule(t, src)
 	e.publish(t, src)
-	time.Sleep(6 * time.Second)
-	// Backoff 1s, 2s, 4s (±20%): 3 or 4 runs in 6s; a tight loop would make hundreds.
-	n := len(p.replications(src))
-	assert.GreaterOrEqual(t, n, 2)
-	assert.LessOrEqual(t, n, 4)
+	// The job is redelivered after the runner's backoff for its attempt (RetryInitial 1s,
+	// doubling, up to 20% jitter taken off), counted from the end of the failed run: CouchDB's
+	// _replicate itself may spend seconds on an unreachable target before it answers.
+	var runs []handlerRun
+	require.Eventually(t, func() bool { runs = p.runsOf(src); return len(runs) >= 3 }, 60*time.Second, 50*time.Millisecond)
+	policy := backoff.Policy{Initial: e.cfg.RetryInitial, Max: e.cfg.RetryMax, Multiplier: 2}
+	for i, r := range runs[:3] {
+		assert.Equal(t, i+1, r.attempt, "delivery count of run %d", i+1)
+		if i > 0 {
+			gap, least := r.start.Sub(runs[i-1].end), policy.Delay(i)*8/10
+			assert.GreaterOrEqual(t, gap, least, "run %d started %s after run %d ended; the backoff is at least %s", i+1, gap, i, least)
+		}
+	}
+	assert.Len(t, p.replications(src), len(p.runsOf(src)), "one replication per run")
 	assert.Empty(t, e.deadLetters(t))
 	assert.Equal(t, uint64(1), e.workMsgs(t), "the job is kept for a retry")
 }

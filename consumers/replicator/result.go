@@ -25,9 +25,11 @@ var errNotOK = errors.New("replication answer does not say ok")
 
 // resultJSON covers both shapes of a successful POST /_replicate:
 //
-//   - CouchDB 3: {"ok":true,"session_id":..,"source_last_seq":..,"history":[{"session_id":..,
-//     "docs_written":N,...}, older sessions...]}, or the same with "no_changes":true, where
-//     history[0] is an earlier session (its counts are not this run's).
+//   - CouchDB 3: {"ok":true,"session_id":..,"source_last_seq":..,"replication_id_version":4,
+//     "history":[{"session_id":..,"docs_written":N,...}, older sessions...]}, or the same with
+//     "no_changes":true, where history[0] is an earlier session (its counts are not this run's).
+//     Since CouchDB 2 (replication id version 4) the counts are cumulative: a session's own
+//     count is history[0]'s minus history[1]'s.
 //   - PouchDB Server: {"ok":true,"docs_read":..,"docs_written":N,"doc_write_failures":..,
 //     "status":"complete",...} (its history is of no use).
 type resultJSON struct {
@@ -37,6 +39,7 @@ type resultJSON struct {
 	DocsWritten      *json.Number `json:"docs_written"`
 	DocWriteFailures *json.Number `json:"doc_write_failures"`
 	Status           string       `json:"status"`
+	RepIDVersion     int          `json:"replication_id_version"`
 	History          []struct {
 		SessionID        string      `json:"session_id"`
 		DocsWritten      json.Number `json:"docs_written"`
@@ -70,6 +73,13 @@ func parseResult(body []byte) (result, error) {
 	case len(j.History) > 0 && (j.SessionID == "" || j.History[0].SessionID == j.SessionID):
 		r.DocsWritten = number(j.History[0].DocsWritten)
 		r.DocWriteFailures = number(j.History[0].DocWriteFailures)
+		if j.RepIDVersion >= 4 && len(j.History) > 1 {
+			// CouchDB 2+ carries the counts over from the previous checkpoint: history[0] holds
+			// the totals of every session, history[1] those before this one.
+			prev := j.History[1]
+			r.DocsWritten = max(r.DocsWritten-number(prev.DocsWritten), 0)
+			r.DocWriteFailures = max(r.DocWriteFailures-number(prev.DocWriteFailures), 0)
+		}
 	}
 	return r, nil
 }

@@ -117,3 +117,25 @@ func FuzzParseResult(f *testing.F) {
 		}
 	})
 }
+
+// TestParseResultCumulativeCounts: CouchDB 3 carries the counts of earlier sessions over into
+// history[0]; the run's own counts are the difference with history[1] (answer recorded from
+// CouchDB 3.3.3: a first run wrote 3 docs, this second one 1).
+func TestParseResultCumulativeCounts(t *testing.T) {
+	t.Parallel()
+	body := []byte(`{"ok":true,"session_id":"34f487835a43a25e21b810340a9a4575","source_last_seq":"4-g1AAAA","replication_id_version":4,
+		"history":[{"session_id":"34f487835a43a25e21b810340a9a4575","start_last_seq":"3-g1AAAA","end_last_seq":"4-g1AAAA","recorded_seq":"4-g1AAAA",
+		"missing_checked":4,"missing_found":4,"docs_read":4,"docs_written":4,"doc_write_failures":1},
+		{"session_id":"1418e29792b54c1dfee8e14018ed4697","start_last_seq":0,"end_last_seq":"3-g1AAAA","recorded_seq":"3-g1AAAA",
+		"missing_checked":3,"missing_found":3,"docs_read":3,"docs_written":3,"doc_write_failures":0}]}`)
+	res, err := parseResult(body)
+	require.NoError(t, err)
+	assert.Equal(t, int64(1), res.DocsWritten)
+	assert.Equal(t, int64(1), res.DocWriteFailures)
+
+	// Without a replication id version (an older server: per-session counts) history[0] is taken
+	// as it is.
+	res, err = parseResult(bytes.Replace(body, []byte(`"replication_id_version":4,`), nil, 1))
+	require.NoError(t, err)
+	assert.Equal(t, int64(4), res.DocsWritten)
+}
