@@ -91,10 +91,10 @@ type probe struct {
 	app *consumer.App
 
 	mu       sync.Mutex
-	jobs     map[string]int         // handler invocations by db
-	attempts map[string][]int       // delivery counts of the invocations, by db
-	runs     map[string][]handlerRun       // start and end of each handler invocation, by db
-	reps     map[string][]time.Time // start of each _replicate call, by db
+	jobs     map[string]int          // handler invocations by db
+	attempts map[string][]int        // delivery counts of the invocations, by db
+	runs     map[string][]handlerRun // start and end of each handler invocation, by db
+	reps     map[string][]time.Time  // start of each _replicate call, by db
 	inFlight int
 }
 
