@@ -30,6 +30,7 @@ fuzz:
 
 vet:
 	go vet ./...
+	cd deployments && go vet ./...
 
 clean:
 	rm -rf $(BIN) .run

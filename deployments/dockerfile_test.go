@@ -106,7 +106,7 @@ func TestDockerfile(t *testing.T) {
 	cfgPkg := reflect.TypeOf(config.Producer{}).PkgPath()
 	assert.Contains(t, run, "-X "+cfgPkg+".Version=${VERSION}", "the version variable lives in %s", cfgPkg)
 	_ = config.Version // the variable the flag sets
-	for _, pkg := range []string{"./producer", "./consumers/replicator", "./consumers/onchange", "./deployments/healthcheck"} {
+	for _, pkg := range []string{"./producer", "./consumers/replicator", "./consumers/onchange", "./healthcheck"} {
 		assert.Contains(t, run, " "+pkg, "go build %s", pkg)
 		assertMainPackage(t, filepath.Join("..", pkg))
 	}

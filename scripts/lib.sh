@@ -27,13 +27,26 @@ wait_http() {
   return 1
 }
 
-# install_pouchdb installs the pinned PouchDB Server from scripts/pouchdb/package-lock.json.
+# install_pouchdb installs the pinned PouchDB Server into scripts/pouchdb/node_modules with npm ci
+# from scripts/pouchdb/package-lock.json (node_modules is not in git) whenever the installed tree
+# was not installed from the lock as it is now. A successful install leaves the lock's sha256 in
+# node_modules/.spiegel-lock.sha256; npm ci deletes node_modules first, so a failed or interrupted
+# install leaves no stamp and the next call installs again.
 install_pouchdb() {
-  if [ ! -x "$ROOT/scripts/pouchdb/node_modules/.bin/pouchdb-server" ] ||
-     [ "$ROOT/scripts/pouchdb/package-lock.json" -nt "$ROOT/scripts/pouchdb/node_modules/.package-lock.json" ]; then
-    log "installing PouchDB Server (npm ci, pinned by scripts/pouchdb/package-lock.json)"
-    (cd "$ROOT/scripts/pouchdb" && npm ci --omit=optional --no-audit --no-fund --loglevel=error >&2)
+  local dir="$ROOT/scripts/pouchdb" stamp want have=""
+  stamp="$dir/node_modules/.spiegel-lock.sha256"
+  want=$(sha256sum <"$dir/package-lock.json") || return 1
+  want=${want%% *}
+  [ -f "$stamp" ] && have=$(<"$stamp")
+  if [ "$have" = "$want" ] && [ -f "$dir/node_modules/pouchdb-server/bin/pouchdb-server" ]; then
+    return 0
   fi
+  log "installing PouchDB Server (npm ci, pinned by scripts/pouchdb/package-lock.json)"
+  if ! (cd "$dir" && npm ci --omit=optional --no-audit --no-fund --loglevel=error >&2); then
+    log "npm ci in scripts/pouchdb failed"
+    return 1
+  fi
+  printf '%s\n' "$want" >"$stamp"
 }
 
 # start_pouchdb DIR starts an in-memory PouchDB Server on a free loopback port with DIR as its
@@ -41,7 +54,7 @@ install_pouchdb() {
 # POUCHDB_PID.
 start_pouchdb() {
   local dir=$1 port
-  install_pouchdb
+  install_pouchdb || return 1
   mkdir -p "$dir"
   port=$(free_port)
   (cd "$dir" && exec node --unhandled-rejections=warn "$ROOT/scripts/pouchdb/node_modules/pouchdb-server/bin/pouchdb-server" \

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The test command (README, `make test`, .ci/run): installs what the tests need, starts PouchDB
-# Server unless COUCHDB_URL names a server, runs the whole suite with the race detector, and stops
-# everything it started, also when tests fail.
+# Server unless COUCHDB_URL names a server, runs the whole suite with the race detector — the main
+# module's and the deployments module's (deployments/, the deployment-validation tests) — and
+# stops everything it started, also when tests fail.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 cd "$ROOT"
@@ -23,6 +24,7 @@ trap 'exit 130' INT TERM
 
 log "downloading Go modules"
 go mod download
+(cd deployments && go mod download)
 
 if [ -z "${COUCHDB_URL:-}" ]; then
   start_pouchdb "$work/couchdb"
@@ -33,6 +35,8 @@ export SPIEGEL_REQUIRE_COUCHDB=1
 
 log "go vet"
 go vet ./...
+log "deployments (its own module): go vet and go test -race"
+(cd deployments && go vet ./... && go test -race -count=1 -timeout 10m ${TEST_FLAGS:-} ./...)
 log "building binaries"
 make -s build
 log "go test -race"
