@@ -87,10 +87,11 @@ func (h *replicator) handle(ctx context.Context, job *worker.Job) error {
 		log.Debug("no replicator rule matches the db any more: nothing to do")
 		return nil
 	}
-	if job.Attempt == 1 {
-		if d := maxDirtyAfter(rs); d > 0 {
+	if d := maxDirtyAfter(rs); d > 0 {
+		if job.Attempt == 1 {
 			return worker.RetryAfter(d, nil)
 		}
+		job.Postponed = 1 // the first delivery was the delay, not a failure
 	}
 	info, err := h.dbs.DBInfo(ctx, job.DB)
 	if errors.Is(err, couch.ErrNotFound) {
@@ -162,8 +163,8 @@ func (h *replicator) runRule(ctx context.Context, job *worker.Job, r *rules.Repl
 	case permanent:
 		return h.giveUp(ctx, job, r, engineName, req, err, log)
 	case dbNotFound:
-		if job.Attempt >= dbNotFoundAttempts {
-			err = fmt.Errorf("%w (given up after %d attempts: create the db, or set create_target for a missing target)", err, job.Attempt)
+		if job.Tries() >= dbNotFoundAttempts {
+			err = fmt.Errorf("%w (given up after %d attempts: create the db, or set create_target for a missing target)", err, job.Tries())
 			return h.giveUp(ctx, job, r, engineName, req, err, log)
 		}
 	}
@@ -175,7 +176,7 @@ func (h *replicator) runRule(ctx context.Context, job *worker.Job, r *rules.Repl
 // retried rather than the failure lost.
 func (h *replicator) giveUp(ctx context.Context, job *worker.Job, r *rules.Replicator, engineName string, req request, cause error, log logrus.FieldLogger) error {
 	rec := worker.DeadLetter{
-		Group: events.GroupReplicate, DB: job.DB, Rule: r.ID(), Seq: job.Seq, Error: cause.Error(), Attempts: job.Attempt,
+		Group: events.GroupReplicate, DB: job.DB, Rule: r.ID(), Seq: job.Seq, Error: cause.Error(), Attempts: job.Tries(),
 		Details: map[string]any{"engine": engineName},
 	}
 	if req.Source != "" {

@@ -256,3 +256,29 @@ func TestHandlerReplicationTimeoutIsTransient(t *testing.T) {
 	assert.Less(t, time.Since(started), 4*time.Second)
 	assert.Empty(t, dl.recs)
 }
+
+// TestHandlerDirtyAfterIsNotAFailedTry: the delivery postponed by dirty_after_milliseconds does
+// not count as a failed try: not in the backoff, not towards giving up, not in the dead letter.
+func TestHandlerDirtyAfterIsNotAFailedTry(t *testing.T) {
+	t.Parallel()
+	h, eng, dl := newTestHandler(t, map[string]map[string]any{"ra": rule("a", "dirty_after_milliseconds", 500)})
+	eng.answers[tgt("a")] = &replicateError{Status: 500, ErrorName: "db_not_found"}
+
+	first := &worker.Job{DB: "db1", Attempt: 1}
+	err := h.handle(t.Context(), first)
+	require.Error(t, err)
+	assert.Empty(t, eng.targets(), "the first delivery is only the delay")
+
+	second := &worker.Job{DB: "db1", Attempt: 2}
+	require.Error(t, h.handle(t.Context(), second))
+	assert.Equal(t, 1, second.Tries(), "the first real try")
+
+	almost := &worker.Job{DB: "db1", Attempt: dbNotFoundAttempts}
+	require.Error(t, h.handle(t.Context(), almost), "not given up: one delivery was the delay")
+	assert.Empty(t, dl.recs)
+
+	last := &worker.Job{DB: "db1", Attempt: dbNotFoundAttempts + 1}
+	require.NoError(t, h.handle(t.Context(), last))
+	require.Len(t, dl.recs, 1)
+	assert.Equal(t, dbNotFoundAttempts, dl.recs[0].Attempts)
+}

@@ -2,6 +2,7 @@ package natsjs
 
 import (
 	"context"
+	"fmt"
 	"sync"
 	"testing"
 	"time"
@@ -109,4 +110,47 @@ func TestConnectWaitsForContext(t *testing.T) {
 	_, err := Connect(ctx, Options{URLs: "nats://user:SECRETPW@127.0.0.1:1"}, log)
 	require.Error(t, err)
 	assert.NotContains(t, err.Error(), "SECRETPW")
+}
+
+// TestFullStreamIsNotADuplicate: a work stream that cannot store a job (here: full, MaxBytes)
+// answers with the same error code 10077 as the per-subject rejection; only the latter is a
+// duplicate. A full stream is a failure that the publisher must report, not count as done.
+func TestFullStreamIsNotADuplicate(t *testing.T) {
+	srv := natstest.Start(t)
+	_, js := srv.Connect(t)
+	topo := DefaultTopology("")
+	cfg := topo.WorkStreamConfig()
+	cfg.MaxBytes = 600
+	_, err := js.CreateStream(t.Context(), cfg)
+	require.NoError(t, err)
+	jobs := NewJobs(js, topo.Subjects)
+	ctx := t.Context()
+
+	dedup, err := jobs.Publish(ctx, events.GroupReplicate, events.Job{DB: "first"})
+	require.NoError(t, err)
+	assert.False(t, dedup)
+	dedup, err = jobs.Publish(ctx, events.GroupReplicate, events.Job{DB: "first"})
+	require.NoError(t, err, "the per-subject rejection is a duplicate")
+	assert.True(t, dedup)
+
+	var full error
+	for i := 0; i < 100 && full == nil; i++ {
+		_, full = jobs.Publish(ctx, events.GroupReplicate, events.Job{DB: fmt.Sprintf("other_%03d", i)})
+	}
+	require.Error(t, full, "the stream never filled up")
+	var apiErr *jetstream.APIError
+	require.ErrorAs(t, full, &apiErr)
+	assert.Equal(t, ErrCodeStoreFailed, apiErr.ErrorCode, "a full stream carries the same code")
+	assert.False(t, IsDuplicateJob(full), "a full stream is not a duplicate: %v", full)
+
+	f, err := jobs.PublishAsync(events.GroupOnChange, events.Job{DB: "async"})
+	require.NoError(t, err)
+	select {
+	case <-f.Ok():
+		t.Fatal("a full stream stored the job")
+	case err := <-f.Err():
+		assert.False(t, IsDuplicateJob(err), "asynchronous answer: %v", err)
+	case <-time.After(10 * time.Second):
+		t.Fatal("no answer")
+	}
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"time"
 
 	"github.com/nats-io/nats.go"
@@ -12,15 +13,23 @@ import (
 	"github.com/spiegel-nats/spiegel/pkg/events"
 )
 
-// ErrCodeMaxMsgsPerSubject is the JetStream error code for a publish refused because its subject
-// already holds a message (MaxMsgsPerSubject with DiscardNewPerSubject): for the work stream it
-// means "a job for this (group, db) is already pending", which is success.
-const ErrCodeMaxMsgsPerSubject jetstream.ErrorCode = 10077
+// ErrCodeStoreFailed is the JetStream error code of a publish the stream failed to store. The
+// work stream's per-subject rejection ("a job for this (group, db) is already pending") carries
+// it, and so do a full stream (max msgs, max bytes), a disk error and a closed store: the code
+// alone does not tell a duplicate from a lost job.
+const ErrCodeStoreFailed jetstream.ErrorCode = 10077
 
-// IsDuplicateJob reports whether err is the work stream's per-subject rejection.
+// perSubjectLimit is the description of the per-subject rejection (nats-server's
+// ErrMaxMsgsPerSubject).
+const perSubjectLimit = "maximum messages per subject exceeded"
+
+// IsDuplicateJob reports whether err is the work stream's per-subject rejection: error code
+// 10077 with the description "maximum messages per subject exceeded". Every other error, 10077
+// included, is a real failure: the job is not stored and must be published again.
 func IsDuplicateJob(err error) bool {
 	var apiErr *jetstream.APIError
-	return errors.As(err, &apiErr) && apiErr.ErrorCode == ErrCodeMaxMsgsPerSubject
+	return errors.As(err, &apiErr) && apiErr.ErrorCode == ErrCodeStoreFailed &&
+		strings.Contains(strings.ToLower(apiErr.Description), perSubjectLimit)
 }
 
 // Jobs publishes jobs to the work stream.

@@ -19,14 +19,23 @@ type Job struct {
 	Seq string
 	// Attempt is the delivery count of the message: 1 on the first delivery.
 	Attempt int
+	// Postponed is how many of the earlier deliveries the handler knows were postponements
+	// (RetryAfter with a nil error, e.g. a replicator rule's dirty_after delay) rather than
+	// failures. The handler sets it; Tries, and so the retry backoff, leave them out.
+	Postponed int
 
 	reached atomic.Pointer[string]
 }
 
+// Tries returns the delivery count without the postponements: 1 on the first real try. The
+// runner's backoff after a transient failure and the attempts of a dead letter count it.
+func (j *Job) Tries() int { return max(j.Attempt-j.Postponed, 1) }
+
 // Reached records the db update seq (opaque) up to which the handler has fully processed the
-// db. After the ack the runner checks whether the db changed after it and, if so, enqueues the
-// job again (the lost-wakeup check). It may be called any number of times, also concurrently;
-// the last call wins. A handler that processes a db must call it before returning nil.
+// db; "" means the beginning (a db the handler found empty). After the ack the runner checks
+// whether the db changed after it and, if so, enqueues the job again (the lost-wakeup check).
+// It may be called any number of times, also concurrently; the last call wins. A handler that
+// processes a db must call it before returning nil; without it no check runs.
 func (j *Job) Reached(seq string) {
 	j.reached.Store(&seq)
 }

@@ -19,8 +19,6 @@ const (
 	settleTimeout = 10 * time.Second
 	// wakeupTimeout bounds one lost-wakeup check.
 	wakeupTimeout = 30 * time.Second
-	// republishAttempts bounds the publishes of a lost-wakeup job.
-	republishAttempts = 3
 )
 
 // process runs one job and settles its message. handlerCtx ends when the grace period of a
@@ -121,10 +119,10 @@ func (r *Runner) settle(handlerCtx context.Context, msg jetstream.Msg, job *Job,
 	}
 
 	if IsPermanent(herr) {
-		rec := DeadLetter{Group: job.Group, DB: job.DB, Seq: job.Seq, Error: herr.Error(), Attempts: job.Attempt}
+		rec := DeadLetter{Group: job.Group, DB: job.DB, Seq: job.Seq, Error: herr.Error(), Attempts: job.Tries()}
 		if err := r.deadLetters.Publish(ctx, rec); err != nil {
 			// Terminating without a record would give the job up silently: run it again later.
-			delay := r.cfg.Retry.Delay(job.Attempt)
+			delay := r.cfg.Retry.Delay(job.Tries())
 			stopKeepAlive()
 			r.nak(msg, delay, log)
 			log.WithError(err).WithField("job_error", herr.Error()).WithField("delay", delay.String()).
@@ -150,7 +148,7 @@ func (r *Runner) settle(handlerCtx context.Context, msg jetstream.Msg, job *Job,
 		return ResultRetry
 	}
 
-	delay := r.cfg.Retry.Delay(job.Attempt)
+	delay := r.cfg.Retry.Delay(job.Tries())
 	stopKeepAlive()
 	r.nak(msg, delay, log)
 	log.WithError(herr).WithField("delay", delay.String()).Warn("job failed, retrying")
@@ -192,13 +190,14 @@ func (r *Runner) observe(result string, d time.Duration) {
 	}
 }
 
-// checkWakeup runs the lost-wakeup check of an acked job: when the db changed after the seq the
-// handler reached, or when that cannot be told, the job is published again.
+// checkWakeup runs the lost-wakeup check of an acked job whose handler called Reached: when the
+// db changed after the seq the handler reached ("" is the beginning: a db that was empty), or
+// when that cannot be told, the job is published again.
 func (r *Runner) checkWakeup(handlerCtx context.Context, job *Job, log logrus.FieldLogger) {
-	seq := job.ReachedSeq()
-	if r.wake == nil || seq == "" {
+	if r.wake == nil || job.reached.Load() == nil {
 		return
 	}
+	seq := job.ReachedSeq()
 	ctx, cancel := context.WithTimeout(handlerCtx, wakeupTimeout)
 	changed, err := r.wake.ChangedSince(ctx, job.DB, seq)
 	cancel()
@@ -209,18 +208,21 @@ func (r *Runner) checkWakeup(handlerCtx context.Context, job *Job, log logrus.Fi
 	if !changed {
 		return
 	}
-	pctx, cancel := context.WithTimeout(context.WithoutCancel(handlerCtx), settleTimeout)
-	defer cancel()
-	retry := backoff.Policy{Initial: 200 * time.Millisecond, Max: 2 * time.Second, Multiplier: 2, Jitter: 0.2}
+	// The job is acked: this publish is the only trace of the change left, so it is retried
+	// until it is stored or the handlers' context ends (the end of a shutdown's grace period).
+	retry := backoff.Policy{Initial: 200 * time.Millisecond, Max: 5 * time.Second, Multiplier: 2, Jitter: 0.2}
 	for attempt := 1; ; attempt++ {
+		pctx, cancel := context.WithTimeout(handlerCtx, settleTimeout)
 		_, err := r.jobs.Publish(pctx, job.Group, events.Job{DB: job.DB, Reason: events.ReasonWakeup})
+		cancel()
 		if err == nil {
 			log.WithField("seq", seq).Debug("db changed while its job ran: job enqueued again")
 			return
 		}
-		if attempt == republishAttempts || backoff.Sleep(pctx, retry.Delay(attempt)) != nil {
-			log.WithError(err).WithField("seq", seq).Error("enqueue job again after a lost wakeup failed: the db waits for its next change or sweep")
+		if backoff.Sleep(handlerCtx, retry.Delay(attempt)) != nil {
+			log.WithError(err).WithField("seq", seq).Error("enqueue job again after a lost wakeup failed until shutdown: the db waits for its next change or sweep")
 			return
 		}
+		log.WithError(err).WithFields(logrus.Fields{"seq": seq, "attempt": attempt}).Warn("enqueue job again after a lost wakeup failed: retrying")
 	}
 }

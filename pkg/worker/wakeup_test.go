@@ -55,24 +55,29 @@ func TestLostWakeupRunsTheJobAgain(t *testing.T) {
 		"check-fails":  {errors.New("couchdb is down")}, // unknown: republish to be safe
 		"unchanged":    {errNoChange},
 		"not-reported": {nil}, // never asked: its handler does not call Reached
+		"empty":        {nil}, // reached "" (found empty): a write during the job still wakes it
 	}}
 	var rec recorder
 	r := e.newRunner(t, nil, testConfig(), func(_ context.Context, job *Job) error {
 		rec.add(job)
-		if job.DB != "not-reported" {
+		switch job.DB {
+		case "not-reported":
+		case "empty":
+			job.Reached("")
+		default:
 			job.Reached("4")
 			job.Reached("5") // the last call wins
 		}
 		return nil
 	}, wake)
 	start(t, r)
-	for _, db := range []string{"changed", "check-fails", "unchanged", "not-reported"} {
+	for _, db := range []string{"changed", "check-fails", "unchanged", "not-reported", "empty"} {
 		e.publish(t, db, events.TypeUpdated)
 	}
 
-	require.Eventually(t, func() bool { return rec.count() >= 6 }, waitFor, tick)
+	require.Eventually(t, func() bool { return rec.count() >= 8 }, waitFor, tick)
 	e.requireDrained(t)
-	require.Eventually(t, func() bool { return len(wake.callList()) >= 5 }, waitFor, tick)
+	require.Eventually(t, func() bool { return len(wake.callList()) >= 7 }, waitFor, tick)
 
 	reasons := map[string][]string{}
 	for _, c := range rec.all() {
@@ -82,5 +87,6 @@ func TestLostWakeupRunsTheJobAgain(t *testing.T) {
 	assert.Equal(t, []string{events.TypeUpdated, events.ReasonWakeup}, reasons["check-fails"])
 	assert.Equal(t, []string{events.TypeUpdated}, reasons["unchanged"])
 	assert.Equal(t, []string{events.TypeUpdated}, reasons["not-reported"])
-	assert.ElementsMatch(t, []string{"changed@5", "changed@5", "check-fails@5", "check-fails@5", "unchanged@5"}, wake.callList())
+	assert.Equal(t, []string{events.TypeUpdated, events.ReasonWakeup}, reasons["empty"])
+	assert.ElementsMatch(t, []string{"changed@5", "changed@5", "check-fails@5", "check-fails@5", "unchanged@5", "empty@", "empty@"}, wake.callList())
 }
