@@ -182,7 +182,7 @@ func runReplay(ctx context.Context, cfg *config.Producer, log *logrus.Logger, ci
 	if !ok || r.Kind() != rules.KindOnChange {
 		return fmt.Errorf("replay: no valid on_change rule %q in %s", *ruleID, cfg.DBName)
 	}
-	store := checkpoint.NewStore(d.couch.Kivik().DB(cfg.DBName))
+	store := checkpoint.NewStore(d.couch, cfg.DBName)
 	var pr progress
 	return enqueueDBs(ctx, d, func(db string) []events.Group {
 		if db == cfg.DBName || systemDBs[db] || !r.MatchesDB(db) || re != nil && !re.MatchString(db) {
@@ -260,7 +260,7 @@ func runStatus(ctx context.Context, cfg *config.Producer, log *logrus.Logger, ci
 	if s, err := d.js.Stream(ctx, d.topo.Subjects.DeadLetterStream()); err == nil {
 		rep.DeadLetters = s.CachedInfo().State.Msgs
 	}
-	if pos, err := checkpoint.NewStore(d.couch.Kivik().DB(cfg.DBName)).Position(ctx); err == nil {
+	if pos, err := checkpoint.NewStore(d.couch, cfg.DBName).Position(ctx); err == nil {
 		rep.Position = &pos
 	}
 	if *asJSON {

@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"errors"
+	"fmt"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -15,18 +16,32 @@ import (
 	"github.com/spiegel-nats/spiegel/pkg/natsjs"
 )
 
+// ackTimeout bounds the wait for JetStream's answer to one asynchronous publish; a publish
+// without an answer by then is published again (a duplicate is harmless).
+const ackTimeout = 30 * time.Second
+
+// jobPublisher publishes jobs to the work stream (*natsjs.Jobs).
+type jobPublisher interface {
+	PublishAsync(g events.Group, job events.Job) (jetstream.PubAckFuture, error)
+	Publish(ctx context.Context, g events.Group, job events.Job) (deduplicated bool, err error)
+}
+
 // publisher is the producer's publish pipeline. Enqueue publishes a position's jobs
 // asynchronously (many in flight); a single settling goroutine reads the answers in enqueue
 // order, republishes what failed until it succeeds, and only then advances the safe position.
 // So Safe() never passes a seq whose jobs are not all acknowledged by JetStream (SPEC §4.5).
 type publisher struct {
-	jobs    *natsjs.Jobs
-	log     logrus.FieldLogger
-	metrics producerMetrics
-	pending chan *batch
+	jobs       jobPublisher
+	log        logrus.FieldLogger
+	metrics    producerMetrics
+	pending    chan *batch
+	ackTimeout time.Duration
 
 	mu   sync.Mutex
 	safe string
+	// due counts settled positions that make a save due (see Enqueue); the saver compares it
+	// with the count it last saved.
+	due uint64
 	// settled counts batches fully settled; enqueued counts batches handed in. Equal → idle.
 	settled  atomic.Int64
 	enqueued atomic.Int64
@@ -37,6 +52,7 @@ type publisher struct {
 type batch struct {
 	seq     string
 	hasSeq  bool
+	saveDue bool // a position that, once reached, is worth saving
 	jobs    []pendingJob
 	settled chan struct{} // closed when settled, if the caller wants to wait (may be nil)
 }
@@ -48,20 +64,40 @@ type pendingJob struct {
 	err    error // from PublishAsync itself
 }
 
-func newPublisher(jobs *natsjs.Jobs, maxInflight int, m producerMetrics, log logrus.FieldLogger) *publisher {
+func newPublisher(jobs jobPublisher, maxInflight int, m producerMetrics, log logrus.FieldLogger) *publisher {
 	return &publisher{
-		jobs:    jobs,
-		log:     log,
-		metrics: m,
-		pending: make(chan *batch, maxInflight),
-		done:    make(chan struct{}),
+		jobs:       jobs,
+		log:        log,
+		metrics:    m,
+		pending:    make(chan *batch, maxInflight),
+		ackTimeout: ackTimeout,
+		done:       make(chan struct{}),
 	}
 }
 
-// Enqueue publishes one job per group for db and records seq (when hasSeq) as reached once they
-// are acknowledged. It blocks when maxInflight batches are unsettled (back-pressure on the feed).
-func (p *publisher) Enqueue(ctx context.Context, seq string, hasSeq bool, db, reason string, groups []events.Group) error {
-	b := &batch{seq: seq, hasSeq: hasSeq}
+// Enqueue publishes one job per group for db and records seq as reached once they are
+// acknowledged. It blocks when maxInflight batches are unsettled (back-pressure on the feed).
+// saveDue says whether reaching seq is worth a save of the position: events of the spiegel db
+// itself are not (saving the position writes to it, which would be an event again).
+func (p *publisher) Enqueue(ctx context.Context, seq string, saveDue bool, db, reason string, groups []events.Group) error {
+	b := &batch{seq: seq, hasSeq: true, saveDue: saveDue}
+	p.publish(b, db, reason, seq, groups)
+	return p.push(ctx, b)
+}
+
+// EnqueueNoSeq publishes one job per group for db, not tied to a feed position (sweeps, rules).
+func (p *publisher) EnqueueNoSeq(ctx context.Context, db, reason string, groups []events.Group) error {
+	b := &batch{}
+	p.publish(b, db, reason, "", groups)
+	return p.push(ctx, b)
+}
+
+// Flush waits until everything enqueued before it is settled.
+func (p *publisher) Flush(ctx context.Context) error {
+	return p.EnqueueWait(ctx, "", "", nil)
+}
+
+func (p *publisher) publish(b *batch, db, reason, seq string, groups []events.Group) {
 	if len(groups) > 0 {
 		now := time.Now().UTC()
 		b.jobs = make([]pendingJob, len(groups))
@@ -71,7 +107,6 @@ func (p *publisher) Enqueue(ctx context.Context, seq string, hasSeq bool, db, re
 			b.jobs[i] = pendingJob{group: g, job: j, future: f, err: err}
 		}
 	}
-	return p.push(ctx, b)
 }
 
 // EnqueueWait is Enqueue that waits until the jobs are settled.
@@ -110,6 +145,14 @@ func (p *publisher) Safe() string {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	return p.safe
+}
+
+// SafeDue returns Safe and how many positions that make a save due have been reached so far: a
+// save is due when the count differs from the one at the last save.
+func (p *publisher) SafeDue() (string, uint64) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.safe, p.due
 }
 
 // SetSafe sets the starting position (the saved one) before Run.
@@ -171,6 +214,9 @@ func (p *publisher) settle(ctx context.Context, b *batch) bool {
 	if b.hasSeq {
 		p.mu.Lock()
 		p.safe = b.seq
+		if b.saveDue {
+			p.due++
+		}
 		p.mu.Unlock()
 	}
 	p.settled.Add(1)
@@ -183,14 +229,20 @@ func (p *publisher) settle(ctx context.Context, b *batch) bool {
 func (p *publisher) settleJob(ctx context.Context, j *pendingJob) bool {
 	err := j.err
 	if err == nil && j.future != nil {
+		timer := time.NewTimer(p.ackTimeout)
 		select {
 		case <-j.future.Ok():
+			timer.Stop()
 			p.metrics.published(j.group)
 			return true
 		case err = <-j.future.Err():
+		case <-timer.C:
+			err = fmt.Errorf("publish %s job for %q: no answer from JetStream within %s", j.group, j.job.DB, p.ackTimeout)
 		case <-ctx.Done():
+			timer.Stop()
 			return false
 		}
+		timer.Stop()
 	}
 	for attempt := 1; ; attempt++ {
 		if natsjs.IsDuplicateJob(err) {

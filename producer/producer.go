@@ -3,7 +3,7 @@ package main
 import (
 	"context"
 	"errors"
-	"fmt"
+	"net/http"
 	"sync"
 	"time"
 
@@ -19,6 +19,11 @@ import (
 // systemDBs are CouchDB's internal dbs: their updates never produce jobs.
 var systemDBs = map[string]bool{"_dbs": true, "_nodes": true, "_global_changes": true}
 
+// feedRetry is the backoff between two attempts to open or resume the db-updates feed after
+// it failed as a whole (a permanent error such as refused credentials included: they get
+// fixed). The feed retries transient failures by itself.
+var feedRetry = backoff.Policy{Initial: time.Second, Max: time.Minute, Multiplier: 2, Jitter: 0.2}
+
 // producer tails the db-updates feed and publishes one job per (group, db) (SPEC §4).
 type producer struct {
 	cfg     producerSettings
@@ -29,11 +34,18 @@ type producer struct {
 	log     logrus.FieldLogger
 	metrics producerMetrics
 
-	feedMu       sync.Mutex
-	source       string
-	lastSaved    string
-	lastRulesSeq string
-	lastSaveAt   time.Time
+	feedMu     sync.Mutex // guards the fields below; never held across network I/O
+	source     string
+	feedErr    error     // the feed's current failure, nil while it runs
+	failingAt  time.Time // when the current failure began
+	permanent  bool      // feedErr is one retrying alone cannot fix (credentials, a bad request)
+	resyncDue  bool      // enqueue every matched db once the feed runs (see startOver)
+	savedState checkpoint.Position
+	resync     chan struct{} // runResyncs enqueues every matched db on a signal
+
+	saveMu     sync.Mutex // serializes saves
+	savedDue   uint64     // the publisher's due count at the last save
+	lastSaveAt time.Time
 }
 
 // producerSettings are the parts of the configuration the producer's loop uses.
@@ -53,11 +65,14 @@ func (p *producer) skip(db string) bool {
 	return db == p.cfg.SpiegelDB || systemDBs[db]
 }
 
-// handle is the feed's emit function: one event in, its jobs published asynchronously.
+// handle is the feed's emit function: one event in, its jobs published asynchronously. Events
+// of skipped dbs move the position without making a save due: saving the position writes to
+// the spiegel db, which is itself an event, so a save due on them would never let the
+// producer rest (SPEC §2.4).
 func (p *producer) handle(ctx context.Context, ev couch.DBEvent) error {
 	p.metrics.feedEvent(ev.Type)
 	if p.skip(ev.DB) {
-		return p.pub.Enqueue(ctx, ev.Seq, true, ev.DB, "", nil)
+		return p.pub.Enqueue(ctx, ev.Seq, false, ev.DB, "", nil)
 	}
 	if ev.Type == events.TypeDeleted {
 		p.removeCheckpoints(ctx, ev.DB)
@@ -85,75 +100,181 @@ func (p *producer) removeCheckpoints(ctx context.Context, db string) {
 	}
 }
 
-// runFeed follows the db-updates feed from the saved position forever, restarting it after any
-// error that is not the context's.
-func (p *producer) runFeed(ctx context.Context, since string) error {
-	feed, err := p.newFeed(ctx)
-	if err != nil {
-		if ctx.Err() != nil {
-			return nil
-		}
-		return err
-	}
-	p.setSource(feed.Source())
-	log := p.log.WithField("source", feed.Source())
-	log.WithField("seq", since).Info("following db updates")
-	for attempt := 1; ; attempt++ {
-		err := feed.Run(ctx, since, func(ev couch.DBEvent) error { return p.handle(ctx, ev) })
-		if ctx.Err() != nil {
-			return nil
-		}
-		p.metrics.feedError()
-		log.WithError(err).WithField("attempt", attempt).Error("db updates feed stopped, restarting")
-		if backoff.Sleep(ctx, backoff.Default.Delay(attempt)) != nil {
-			return nil
-		}
-		if s := p.pub.Safe(); s != "" {
-			since = s
-		}
-	}
-}
-
-// newFeed picks the source, retrying while CouchDB is unreachable.
-func (p *producer) newFeed(ctx context.Context) (couch.UpdatesFeed, error) {
-	opt := couch.FeedOptions{Heartbeat: p.cfg.Heartbeat, PollInterval: p.cfg.PollInterval,
+// runFeed follows the db-updates feed from since until ctx ends. It never gives up: a failure
+// of the whole feed, a permanent one included (refused credentials get fixed), is retried with
+// capped backoff from the safe position, and /readyz names it meanwhile (see feedState).
+func (p *producer) runFeed(ctx context.Context, since string) {
+	opt := couch.FeedOptions{Heartbeat: p.cfg.Heartbeat, PollInterval: p.cfg.PollInterval, OnState: p.feedState,
 		// The poll source reads the info of matched dbs only; continuous feeds get every event,
 		// so the saved position keeps moving.
 		Match: func(db string) bool { return !p.isPoll() || !p.skip(db) && p.rules.Groups(db) != 0 }}
 	for attempt := 1; ; attempt++ {
 		feed, err := p.couch.NewUpdatesFeed(ctx, p.cfg.Source, opt)
 		if err == nil {
-			return feed, nil
+			p.setSource(feed.Source())
+			since = p.checkSource(feed.Source(), since)
+			log := p.log.WithFields(logrus.Fields{"source": feed.Source(), "seq": since})
+			log.Info("following db updates")
+			err = feed.Run(ctx, since, func(ev couch.DBEvent) error { return p.handle(ctx, ev) })
+		} else {
+			p.feedState(err)
 		}
-		if errors.Is(err, couch.ErrPermanent) {
-			return nil, fmt.Errorf("open db updates feed: %w", err)
+		if ctx.Err() != nil {
+			return
 		}
-		p.metrics.feedError()
-		p.log.WithError(err).WithField("attempt", attempt).Warn("CouchDB not reachable, retrying")
-		if err := backoff.Sleep(ctx, backoff.Default.Delay(attempt)); err != nil {
-			return nil, err
+		if s := p.pub.Safe(); s != "" {
+			since = s
+		}
+		if rejectedSince(err) && since != "" && since != couch.SinceNow {
+			since = p.startOver("the server refused the saved position (" + err.Error() + ")")
+		}
+		delay := feedRetry.Delay(attempt)
+		p.log.WithError(err).WithFields(logrus.Fields{"attempt": attempt, "delay": delay.String()}).
+			Error("db updates feed failed: retrying")
+		if backoff.Sleep(ctx, delay) != nil {
+			return
 		}
 	}
 }
 
-// startPosition returns where the feed starts: the saved position, or per Start on first run.
-func (p *producer) startPosition(ctx context.Context) (string, error) {
+// rejectedSince reports whether err is the server refusing a feed's since (400): a position
+// from another server or another source.
+func rejectedSince(err error) bool {
+	var he *couch.HTTPError
+	return errors.As(err, &he) && he.Status == http.StatusBadRequest
+}
+
+// checkSource returns where the feed of source starts: since, unless since is a position saved
+// from another source, which this source cannot resume from (SPEC §4; a poll position sent to
+// _db_updates is refused, and a _db_updates seq means nothing to _global_changes). Then the
+// feed starts over (see startOver).
+func (p *producer) checkSource(source, since string) string {
+	p.feedMu.Lock()
+	saved, savedSeq := p.savedState.Source, p.savedState.LastSeq
+	p.feedMu.Unlock()
+	if saved == "" || saved == source || since == "" || since == couch.SinceNow || since != savedSeq {
+		return since
+	}
+	return p.startOver("the saved position is from source " + saved + ", not " + source)
+}
+
+// startOver makes the feed start from now and, once it runs, enqueue every matched db once (as
+// `producer resync` does), so that nothing written before now is missed. It returns "now".
+func (p *producer) startOver(why string) string {
+	p.log.WithField("reason", why).Warn("starting the db updates feed from now: every matched db is enqueued once")
+	p.feedMu.Lock()
+	p.resyncDue = true
+	p.feedMu.Unlock()
+	return couch.SinceNow
+}
+
+// feedState records how the feed fares (couch.FeedOptions.OnState): one log line when it is
+// interrupted and one when it is back, the feed errors metric, the failure /readyz reports,
+// and the resync of startOver once the feed runs.
+func (p *producer) feedState(err error) {
+	p.feedMu.Lock()
+	prev := p.feedErr
+	p.feedErr = err
+	switch {
+	case err != nil && prev == nil:
+		p.failingAt = time.Now()
+	case err == nil:
+		p.failingAt = time.Time{}
+	}
+	p.permanent = err != nil && couch.IsPermanent(err)
+	resync := err == nil && p.resyncDue
+	if resync {
+		p.resyncDue = false
+	}
+	p.feedMu.Unlock()
+
+	switch {
+	case err != nil:
+		p.metrics.feedError()
+		if prev == nil {
+			p.log.WithError(err).Warn("db updates feed interrupted: retrying")
+		}
+	case prev != nil:
+		p.log.Info("db updates feed restored")
+	}
+	if resync {
+		select {
+		case p.resync <- struct{}{}:
+		default: // one is pending already
+		}
+	}
+}
+
+// runResyncs runs resyncAll each time startOver's feed is running, until ctx ends.
+func (p *producer) runResyncs(ctx context.Context) {
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-p.resync:
+			p.resyncAll(ctx)
+		}
+	}
+}
+
+// feedHealth is the readiness check of the feed: an error while the feed fails permanently, or
+// has failed for longer than twice its heartbeat (a short reconnect is not a reason to be
+// unready).
+func (p *producer) feedHealth(context.Context) error {
+	p.feedMu.Lock()
+	defer p.feedMu.Unlock()
+	if p.feedErr == nil || !p.permanent && time.Since(p.failingAt) < 2*p.cfg.Heartbeat {
+		return nil
+	}
+	return p.feedErr
+}
+
+// resyncAll enqueues a job for every db a rule matches, after the feed started over from now.
+func (p *producer) resyncAll(ctx context.Context) {
+	n := 0
+	err := p.couch.EachDB(ctx, func(db string) error {
+		if p.skip(db) {
+			return nil
+		}
+		groups := p.rules.Groups(db).Groups()
+		if len(groups) == 0 {
+			return nil
+		}
+		n++
+		return p.pub.EnqueueNoSeq(ctx, db, events.ReasonResync, groups)
+	})
+	if err == nil {
+		err = p.pub.Flush(ctx)
+	}
+	if err != nil {
+		if ctx.Err() == nil {
+			p.log.WithError(err).Error("enqueue every matched db after starting over failed: run `producer resync`")
+		}
+		return
+	}
+	p.log.WithField("dbs", n).Info("enqueued every matched db after starting over")
+}
+
+// startPosition reads the saved position, retrying while CouchDB fails, and returns where the
+// feed starts: the saved position, or per Start on first run.
+func (p *producer) startPosition(ctx context.Context) (checkpoint.Position, string, error) {
 	for attempt := 1; ; attempt++ {
 		pos, err := p.store.Position(ctx)
 		switch {
 		case err == nil:
-			p.lastSaved = pos.LastSeq
-			p.lastRulesSeq = pos.RulesSeq
-			return pos.LastSeq, nil
+			p.feedMu.Lock()
+			p.savedState = pos
+			p.feedMu.Unlock()
+			return pos, pos.LastSeq, nil
 		case errors.Is(err, checkpoint.ErrNotFound):
 			if p.cfg.Start == "now" {
-				return "now", nil
+				return pos, couch.SinceNow, nil
 			}
-			return "", nil
+			return pos, "", nil
 		}
 		p.log.WithError(err).WithField("attempt", attempt).Warn("read producer position, retrying")
 		if err := backoff.Sleep(ctx, backoff.Default.Delay(attempt)); err != nil {
-			return "", err
+			return pos, "", err
 		}
 	}
 }
@@ -181,41 +302,58 @@ func (p *producer) setSource(s string) {
 func (p *producer) isPoll() bool {
 	p.feedMu.Lock()
 	defer p.feedMu.Unlock()
-	return p.source == "poll"
+	return p.source == couch.SourcePoll
 }
 
-// save writes the safe position (and the rules seq) if either moved, and updates the position
-// age: the time since the position last moved or was confirmed current (nothing unsettled).
-func (p *producer) save(ctx context.Context, rulesSeq string) {
+func (p *producer) sourceUnknown() bool {
 	p.feedMu.Lock()
 	defer p.feedMu.Unlock()
+	return p.source == ""
+}
+
+// save writes the position when it is due: the safe position moved because of events other
+// than the spiegel db's, the rules seq moved, or the source changed. Idle means no write at all.
+// It also updates the position age: the time since the position last moved or was confirmed
+// current (nothing unsettled).
+func (p *producer) save(ctx context.Context, rulesSeq string) {
+	p.saveMu.Lock()
+	defer p.saveMu.Unlock()
 	defer func() {
 		if p.metrics.m != nil && !p.lastSaveAt.IsZero() {
 			p.metrics.m.FeedPositionAge.Set(time.Since(p.lastSaveAt).Seconds())
 		}
 	}()
-	source := p.source
-	safe := p.pub.Safe()
-	if safe == "now" {
+	safe, due := p.pub.SafeDue()
+	if safe == couch.SinceNow {
 		safe = ""
 	}
-	if safe == "" && rulesSeq == "" || safe == p.lastSaved && rulesSeq == p.lastRulesSeq {
+	p.feedMu.Lock()
+	saved, source := p.savedState, p.source
+	p.feedMu.Unlock()
+
+	next := saved
+	if safe != "" && (due != p.savedDue || source != saved.Source) {
+		next.LastSeq, next.Source = safe, source
+	}
+	if rulesSeq != "" {
+		next.RulesSeq = rulesSeq
+	}
+	if next.LastSeq == saved.LastSeq && next.RulesSeq == saved.RulesSeq && next.Source == saved.Source {
 		if p.pub.Idle() {
 			p.lastSaveAt = time.Now()
 		}
 		return
 	}
-	if safe == "" {
-		safe = p.lastSaved
-	}
-	if err := p.store.SavePosition(ctx, checkpoint.Position{LastSeq: safe, RulesSeq: rulesSeq, Source: source}); err != nil {
+	if err := p.store.SavePosition(ctx, next); err != nil {
 		p.log.WithError(err).Warn("save producer position")
 		return
 	}
-	p.lastSaved = safe
-	p.lastRulesSeq = rulesSeq
+	p.feedMu.Lock()
+	p.savedState = next
+	p.feedMu.Unlock()
+	p.savedDue = due
 	p.lastSaveAt = time.Now()
-	p.log.WithField("seq", safe).Debug("saved producer position")
+	p.log.WithField("seq", next.LastSeq).Debug("saved producer position")
 }
 
 // runSweepIfFeed runs the reconciliation sweep unless the feed is the poll source, which is a
@@ -230,12 +368,6 @@ func (p *producer) runSweepIfFeed(ctx context.Context) {
 		return
 	}
 	p.runSweep(ctx)
-}
-
-func (p *producer) sourceUnknown() bool {
-	p.feedMu.Lock()
-	defer p.feedMu.Unlock()
-	return p.source == ""
 }
 
 // runSweep enqueues every matched db whose update_seq changed since the previous sweep, to
@@ -261,7 +393,7 @@ func (p *producer) runSweep(ctx context.Context) {
 						continue
 					}
 					p.metrics.sweepEnqueued()
-					if err := p.pub.Enqueue(ctx, "", false, ev.DB, events.ReasonSweep, p.rules.Groups(ev.DB).Groups()); err != nil {
+					if err := p.pub.EnqueueNoSeq(ctx, ev.DB, events.ReasonSweep, p.rules.Groups(ev.DB).Groups()); err != nil {
 						return
 					}
 				}
@@ -277,7 +409,9 @@ func (p *producer) runSweep(ctx context.Context) {
 }
 
 // enqueueMatching publishes jobs for every existing db that r matches (SPEC §4.6), paging
-// through _all_dbs, so a new rule acts on existing data without waiting for a write.
+// through _all_dbs, so a new rule acts on existing data without waiting for a write. It returns
+// once JetStream acknowledged every one of them (the rule feed records the rule as enqueued
+// only then), or with the first error.
 func (p *producer) enqueueMatching(ctx context.Context, r rules.Rule) error {
 	log := p.log.WithFields(logrus.Fields{"rule": r.ID(), "group": r.Group()})
 	n := 0
@@ -286,8 +420,11 @@ func (p *producer) enqueueMatching(ctx context.Context, r rules.Rule) error {
 			return nil
 		}
 		n++
-		return p.pub.Enqueue(ctx, "", false, db, events.ReasonRule, []events.Group{r.Group()})
+		return p.pub.EnqueueNoSeq(ctx, db, events.ReasonRule, []events.Group{r.Group()})
 	})
+	if err == nil {
+		err = p.pub.Flush(ctx)
+	}
 	if err != nil {
 		if ctx.Err() == nil {
 			log.WithError(err).Warn("enqueue dbs of new rule")

@@ -30,7 +30,7 @@ func TestProducerReadyzFollowsDependencies(t *testing.T) {
 	allOK := func(r healthtest.Ready) {
 		t.Helper()
 		assert.True(t, r.Ready)
-		assert.Equal(t, map[string]string{"couchdb": "ok", "nats": "ok", "stream": "ok"}, r.Checks)
+		assert.Equal(t, map[string]string{"couchdb": "ok", "nats": "ok", "stream": "ok", "feed": "ok"}, r.Checks)
 	}
 	live := func() {
 		t.Helper()
@@ -49,6 +49,9 @@ func TestProducerReadyzFollowsDependencies(t *testing.T) {
 	assert.Contains(t, r.Checks["couchdb"], e.cfg.DBName, "the body names CouchDB and what was asked of it")
 	assert.Equal(t, "ok", r.Checks["nats"])
 	assert.Equal(t, "ok", r.Checks["stream"])
+	r = healthtest.WaitReadyWhen(t, addr, 4*e.cfg.FeedHeartbeat, "the feed check names the interrupted feed", func(_ int, r healthtest.Ready) bool {
+		return r.Checks["feed"] != "ok" && r.Checks["feed"] != ""
+	})
 	t.Logf("503 body while CouchDB is down: %+v", r)
 	live()
 	proxy.Restore(t)

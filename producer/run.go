@@ -86,14 +86,15 @@ func runProducer(ctx context.Context, cfg *config.Producer, log *logrus.Logger) 
 			Grace: cfg.ShutdownGrace,
 		},
 		couch:   d.couch,
-		store:   checkpoint.NewStore(d.couch.Kivik().DB(cfg.DBName)),
+		store:   checkpoint.NewStore(d.couch, cfg.DBName),
 		rules:   rules.NewSet(),
 		log:     plog,
 		metrics: producerMetrics{m: pm},
+		resync:  make(chan struct{}, 1),
 	}
 	p.pub = newPublisher(natsjs.NewJobs(d.js, d.topo.Subjects), cfg.MaxInflight, p.metrics, plog)
 
-	srv := health.New(cfg.HTTPAddr, reg, readiness(d, cfg.DBName), log.WithField("component", "http"))
+	srv := health.New(cfg.HTTPAddr, reg, readiness(d, cfg.DBName, p.feedHealth), log.WithField("component", "http"))
 	var wg sync.WaitGroup
 	httpCtx, stopHTTP := context.WithCancel(context.WithoutCancel(ctx))
 	defer stopHTTP()
@@ -105,11 +106,10 @@ func runProducer(ctx context.Context, cfg *config.Producer, log *logrus.Logger) 
 		}
 	}()
 
-	since, err := p.startPosition(ctx)
+	pos, since, err := p.startPosition(ctx)
 	if err != nil {
 		return err
 	}
-	pos, _ := p.store.Position(ctx)
 	p.pub.SetSafe(since)
 	pubDone := make(chan struct{})
 	go func() { defer close(pubDone); p.pub.Run(ctx, cfg.ShutdownGrace) }()
@@ -124,21 +124,16 @@ func runProducer(ctx context.Context, cfg *config.Producer, log *logrus.Logger) 
 	plog.WithFields(logrus.Fields{"replicators": st.Replicators, "on_changes": st.OnChanges, "rejected": st.Rejected}).Info("rules loaded")
 
 	var feedWG sync.WaitGroup
-	feedWG.Add(3)
+	feedWG.Add(4)
 	go func() {
 		defer feedWG.Done()
 		// Rules changed while no producer ran: enqueue their existing dbs, then follow live.
-		if err := rf.CatchUp(ctx, pos.RulesSeq, rulesSeq); err != nil && ctx.Err() == nil {
-			plog.WithError(err).Warn("enqueue dbs of rules changed while stopped")
-		}
+		rf.CatchUp(ctx, pos.RulesSeq, rulesSeq)
 		rf.Follow(ctx, rulesSeq)
 	}()
 	go func() { defer feedWG.Done(); p.runSweepIfFeed(ctx) }()
-	var feedErr error
-	go func() {
-		defer feedWG.Done()
-		feedErr = p.runFeed(ctx, since)
-	}()
+	go func() { defer feedWG.Done(); p.runResyncs(ctx) }()
+	go func() { defer feedWG.Done(); p.runFeed(ctx, since) }()
 	saverCtx, stopSaver := context.WithCancel(ctx)
 	saverDone := make(chan struct{})
 	go func() {
@@ -157,15 +152,17 @@ func runProducer(ctx context.Context, cfg *config.Producer, log *logrus.Logger) 
 	stopHTTP()
 	wg.Wait()
 	plog.WithField("seq", p.pub.Safe()).Info("producer stopped")
-	return feedErr
+	return nil
 }
 
-// readiness checks CouchDB, NATS and the work stream.
-func readiness(d *deps, spiegelDB string) map[string]health.Check {
-	return health.Dependencies(func(ctx context.Context) error {
+// readiness checks CouchDB, NATS, the work stream and the db-updates feed.
+func readiness(d *deps, spiegelDB string, feed health.Check) map[string]health.Check {
+	checks := health.Dependencies(func(ctx context.Context) error {
 		_, err := d.couch.DBInfo(ctx, spiegelDB)
 		return err
 	}, d.nc, "stream", func(ctx context.Context) error {
 		return natsjs.CheckInstalled(ctx, d.js, d.topo, events.Groups...)
 	})
+	checks["feed"] = feed
+	return checks
 }

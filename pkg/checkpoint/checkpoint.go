@@ -13,6 +13,8 @@ import (
 	"time"
 
 	"github.com/go-kivik/kivik/v4"
+
+	"github.com/spiegel-nats/spiegel/pkg/couch"
 )
 
 // Doc ids of the service-owned docs.
@@ -29,11 +31,6 @@ const (
 func ID(rule, db string) string {
 	r := strings.NewReplacer("%", "%25", "_", "%5F").Replace(rule)
 	return PrefixOnChange + r + "_" + db
-}
-
-// IsServiceDoc reports whether id names a doc the service owns (never a rule).
-func IsServiceDoc(id string) bool {
-	return id == ProducerPositionID || strings.HasPrefix(id, PrefixOnChange)
 }
 
 // OnChange is the checkpoint of one on_change rule in one db.
@@ -58,20 +55,26 @@ type Position struct {
 	UpdatedAt time.Time `json:"updated_at"`
 }
 
-// Store reads and writes service-owned docs in the spiegel db.
+// Store reads and writes service-owned docs in the spiegel db. Every request it makes ends
+// after the client's request timeout (SPIEGEL_COUCHDB_TIMEOUT), whatever the caller's context.
 type Store struct {
-	db   *kivik.DB
-	revs sync.Map // doc id → rev of this store's last write
+	db      *kivik.DB
+	timeout time.Duration
+	revs    sync.Map // doc id → rev of this store's last write
 }
 
-// NewStore returns a store over the spiegel db.
-func NewStore(db *kivik.DB) *Store { return &Store{db: db} }
+// NewStore returns a store over the spiegel db named db on c's server.
+func NewStore(c *couch.Client, db string) *Store {
+	return &Store{db: c.Kivik().DB(db), timeout: c.RequestTimeout()}
+}
 
 // ErrNotFound means the doc does not exist.
 var ErrNotFound = errors.New("checkpoint not found")
 
 // get reads id into out and returns its rev.
 func (s *Store) get(ctx context.Context, id string, out any) (string, error) {
+	ctx, cancel := context.WithTimeout(ctx, s.timeout)
+	defer cancel()
 	row := s.db.Get(ctx, id)
 	var raw json.RawMessage
 	if err := row.ScanDoc(&raw); err != nil {
@@ -105,7 +108,7 @@ func (s *Store) put(ctx context.Context, id string, doc map[string]any) error {
 		} else {
 			delete(doc, "_rev")
 		}
-		newRev, err := s.db.Put(ctx, id, doc)
+		newRev, err := s.putOnce(ctx, id, doc)
 		if err == nil {
 			s.revs.Store(id, newRev)
 			return nil
@@ -121,6 +124,12 @@ func (s *Store) put(ctx context.Context, id string, doc map[string]any) error {
 		rev = r
 	}
 	return fmt.Errorf("write %s: conflicts persisted after 5 attempts", id)
+}
+
+func (s *Store) putOnce(ctx context.Context, id string, doc map[string]any) (string, error) {
+	ctx, cancel := context.WithTimeout(ctx, s.timeout)
+	defer cancel()
+	return s.db.Put(ctx, id, doc)
 }
 
 // Position reads the producer's position; ErrNotFound when none was saved.
@@ -163,6 +172,8 @@ func (s *Store) DeleteOnChange(ctx context.Context, rule, db string) error {
 		return err
 	}
 	s.revs.Delete(id)
+	ctx, cancel := context.WithTimeout(ctx, s.timeout)
+	defer cancel()
 	if _, err := s.db.Delete(ctx, id, rev); err != nil && kivik.HTTPStatus(err) != http.StatusNotFound {
 		return fmt.Errorf("delete %s: %w", id, err)
 	}

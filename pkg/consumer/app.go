@@ -92,7 +92,7 @@ func Open(ctx context.Context, cfg *config.Consumer, group events.Group, log log
 	metrics.RegisterJobGauges(reg, js, topo.Subjects.WorkStream())
 	a := &App{
 		Log: log, Couch: cc, NC: nc, JS: js, Topology: topo, Subjects: topo.Subjects, Passwords: pw,
-		Rules: rules.NewSet(), Store: checkpoint.NewStore(cc.Kivik().DB(cfg.DBName)),
+		Rules: rules.NewSet(), Store: checkpoint.NewStore(cc, cfg.DBName),
 		DeadLetters: worker.NewDeadLetters(js, topo.Subjects), Registry: reg, Metrics: m, SpiegelDB: cfg.DBName,
 		cfg: cfg, group: group,
 	}

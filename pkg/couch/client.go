@@ -60,7 +60,8 @@ type Client struct {
 	user     *url.Userinfo
 	redacted string
 	timeout  time.Duration
-	http     *http.Client // no overall timeout: feeds
+	tr       *http.Transport // under http's PlusSafe wrapper
+	http     *http.Client    // no overall timeout: feeds
 	kivik    *kivik.Client
 	retry    backoff.Policy // reconnect policy of the feeds
 
@@ -109,6 +110,7 @@ func New(cfg Config, log logrus.FieldLogger) (*Client, error) {
 		user:     user,
 		redacted: logging.RedactURL(cfg.URL),
 		timeout:  timeout,
+		tr:       tr,
 		http:     &http.Client{Transport: rt},
 		retry:    backoff.Default,
 	}
@@ -187,6 +189,10 @@ func tlsConfig(cfg Config) (*tls.Config, error) {
 	tc.RootCAs = pool
 	return tc, nil
 }
+
+// RequestTimeout returns the bound of one non-feed request (Config.RequestTimeout). Give calls
+// made through Kivik a context with this deadline.
+func (c *Client) RequestTimeout() time.Duration { return c.timeout }
 
 // Kivik returns the kivik client over the shared transport. kivik calls have no timeout of
 // their own: give them a context deadline.

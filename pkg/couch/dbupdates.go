@@ -48,6 +48,11 @@ type FeedOptions struct {
 	// and the poll source reads the info of those dbs only. It must be safe for concurrent use
 	// and fast: it runs for every db of every round and every feed line.
 	Match func(db string) bool
+	// OnState, when set, is told how the feed fares: nil each time a connection is established
+	// (continuous feeds) or a round succeeds (poll), the error each time one fails, including
+	// the permanent error that ends Run. Feeds reconnect by themselves, so this is the only
+	// place a caller learns that the feed is interrupted. It must not block.
+	OnState func(err error)
 }
 
 func (o FeedOptions) withDefaults() FeedOptions {
@@ -146,7 +151,7 @@ func (c *Client) dbUpdatesFeed(opt FeedOptions) *streamFeed {
 	const path = "/_db_updates"
 	return &streamFeed{source: SourceDBUpdates, match: opt.Match, f: &follower[DBEvent]{
 		c: c, log: c.log.WithField("source", SourceDBUpdates), name: "_db_updates", path: path,
-		heartbeat: opt.Heartbeat,
+		heartbeat: opt.Heartbeat, onState: opt.OnState,
 		request: func(ctx context.Context, feed, since string) (*http.Request, error) {
 			return c.NewRequest(ctx, http.MethodGet, path, feedQuery(feed, since, opt.Heartbeat), nil)
 		},
@@ -158,7 +163,7 @@ func (c *Client) globalChangesFeed(opt FeedOptions) *streamFeed {
 	const path = "/_global_changes/_changes"
 	return &streamFeed{source: SourceGlobalChanges, match: opt.Match, f: &follower[DBEvent]{
 		c: c, log: c.log.WithField("source", SourceGlobalChanges), name: "_global_changes", path: path,
-		heartbeat: opt.Heartbeat,
+		heartbeat: opt.Heartbeat, onState: opt.OnState,
 		request: func(ctx context.Context, feed, since string) (*http.Request, error) {
 			return c.NewRequest(ctx, http.MethodGet, path, feedQuery(feed, since, opt.Heartbeat), nil)
 		},

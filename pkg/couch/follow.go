@@ -47,6 +47,14 @@ type follower[T any] struct {
 	request   func(ctx context.Context, feed, since string) (*http.Request, error)
 	decode    lineDecoder[T]
 	malformed atomic.Int64
+	// onState, when set, hears nil for every established connection and each failure.
+	onState func(err error)
+}
+
+func (f *follower[T]) state(err error) {
+	if f.onState != nil {
+		f.onState(err)
+	}
 }
 
 // connState records what one connection achieved.
@@ -79,6 +87,9 @@ func (f *follower[T]) run(ctx context.Context, since string, emit func(T) error)
 		var st connState
 		err := f.once(ctx, &since, &st, emit)
 		if done, rerr := f.terminal(ctx, err); done {
+			if ctx.Err() == nil && !isEmitError(err) {
+				f.state(rerr)
+			}
 			return rerr
 		}
 		if err == nil && st.gotLine {
@@ -89,6 +100,7 @@ func (f *follower[T]) run(ctx context.Context, since string, emit func(T) error)
 		if err == nil {
 			err = errors.New("feed ended without data")
 		}
+		f.state(err)
 		if st.gotBytes {
 			attempt = 0
 		}
@@ -100,6 +112,12 @@ func (f *follower[T]) run(ctx context.Context, since string, emit func(T) error)
 			return err
 		}
 	}
+}
+
+// isEmitError reports whether err is emit's own error (not the feed's).
+func isEmitError(err error) bool {
+	var ee *emitError
+	return errors.As(err, &ee)
 }
 
 // terminal reports whether err ends run, and with which error.
@@ -134,6 +152,7 @@ func (f *follower[T]) once(ctx context.Context, since *string, st *connState, em
 		return err
 	}
 	defer s.stop()
+	f.state(nil)
 	err = readLines(s, maxLineBytes, func(line []byte) error {
 		st.gotBytes = true
 		return f.handle(line, since, st, emit)

@@ -28,6 +28,12 @@ type pollFeed struct {
 
 func (p *pollFeed) Source() string { return SourcePoll }
 
+func (p *pollFeed) state(err error) {
+	if p.opt.OnState != nil {
+		p.opt.OnState(err)
+	}
+}
+
 // Run polls until ctx ends. The first round with since == "now" is only the baseline; with any
 // other since (the beginning, or a saved position) the first round emits updated for every db,
 // so that nothing written while the process was down is lost. Later rounds emit created,
@@ -43,6 +49,7 @@ func (p *pollFeed) Run(ctx context.Context, since string, emit func(DBEvent) err
 			if ctx.Err() != nil {
 				return ctx.Err()
 			}
+			p.state(err)
 			if IsPermanent(err) {
 				return fmt.Errorf("poll dbs: %w", err)
 			}
@@ -56,6 +63,7 @@ func (p *pollFeed) Run(ctx context.Context, since string, emit func(DBEvent) err
 			continue
 		}
 		attempt = 0
+		p.state(nil)
 		var evs []DBEvent
 		switch {
 		case first && since == SinceNow:

@@ -8,6 +8,7 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"time"
 
 	"github.com/sirupsen/logrus"
 
@@ -22,6 +23,9 @@ type Metrics interface {
 	RuleStats(st rules.Stats)
 }
 
+// retry is the backoff of a failed OnAdded or catch-up pass.
+var retry = backoff.Policy{Initial: 500 * time.Millisecond, Max: 30 * time.Second, Multiplier: 2, Jitter: 0.2}
+
 // Follower follows the rule docs of one spiegel db into a rules.Set.
 type Follower struct {
 	Couch   *couch.Client
@@ -29,16 +33,19 @@ type Follower struct {
 	Set     *rules.Set
 	Log     logrus.FieldLogger
 	Metrics Metrics
-	// OnAdded is called, live, for every rule that is new or edited (may be nil). An error stops
-	// the current pass; the rule is then not recorded as enqueued.
+	// OnAdded is called, live, for every rule that is new or edited (may be nil); its error is
+	// retried with capped backoff until it succeeds or ctx ends, and the rule is recorded as
+	// enqueued (EnqueuedSeq) only then. It must return only once its work is durable.
 	OnAdded func(ctx context.Context, r rules.Rule) error
 
 	mu sync.Mutex
-	// enqueuedSeq is the spiegel db seq up to which onAdded has run for every change.
+	// enqueuedSeq is the spiegel db seq up to which onAdded has run for every rule change.
 	enqueuedSeq string
 }
 
-// EnqueuedSeq returns the seq up to which new rules have had their dbs enqueued.
+// EnqueuedSeq returns the seq up to which new rules have had their dbs enqueued. It moves only
+// on changes of rule docs (valid or not): the service's own docs in the spiegel db never move
+// it, so that saving it is not a write caused by the previous save.
 func (f *Follower) EnqueuedSeq() string {
 	f.mu.Lock()
 	defer f.mu.Unlock()
@@ -51,9 +58,53 @@ func (f *Follower) setEnqueued(seq string) {
 	f.mu.Unlock()
 }
 
-// CatchUp calls onAdded for every enabled rule changed after since ("" = every rule): the rules
-// added or edited while no producer was running.
-func (f *Follower) CatchUp(ctx context.Context, since, until string) error {
+// added runs OnAdded for r until it succeeds; false when ctx ended first.
+func (f *Follower) added(ctx context.Context, r rules.Rule) bool {
+	if f.OnAdded == nil {
+		return true
+	}
+	for attempt := 1; ; attempt++ {
+		err := f.OnAdded(ctx, r)
+		if err == nil {
+			return true
+		}
+		if ctx.Err() != nil {
+			return false
+		}
+		delay := retry.Delay(attempt)
+		f.Log.WithError(err).WithFields(logrus.Fields{"rule": r.ID(), "attempt": attempt, "delay": delay.String()}).
+			Warn("enqueue the dbs of a new or edited rule failed: retrying")
+		if backoff.Sleep(ctx, delay) != nil {
+			return false
+		}
+	}
+}
+
+// CatchUp calls OnAdded for every enabled rule changed after since ("" = every rule): the rules
+// added or edited while no producer was running. A pass that fails is retried with capped
+// backoff until it succeeds or ctx ends; EnqueuedSeq becomes until only when it succeeded.
+func (f *Follower) CatchUp(ctx context.Context, since, until string) {
+	for attempt := 1; ; attempt++ {
+		err := f.catchUp(ctx, since)
+		if err == nil {
+			if until != "" {
+				f.setEnqueued(until)
+			}
+			return
+		}
+		if ctx.Err() != nil {
+			return
+		}
+		delay := retry.Delay(attempt)
+		f.Log.WithError(err).WithFields(logrus.Fields{"attempt": attempt, "delay": delay.String()}).
+			Warn("enqueue the dbs of rules changed while stopped failed: retrying")
+		if backoff.Sleep(ctx, delay) != nil {
+			return
+		}
+	}
+}
+
+func (f *Follower) catchUp(ctx context.Context, since string) error {
 	cur := since
 	for {
 		page, err := f.Couch.Changes(ctx, f.DB, couch.ChangesOptions{Since: cur, Limit: 1000})
@@ -61,21 +112,15 @@ func (f *Follower) CatchUp(ctx context.Context, since, until string) error {
 			return fmt.Errorf("read rule changes since %q: %w", cur, err)
 		}
 		for _, c := range page.Results {
-			if r, ok := f.Set.Rule(c.ID); ok && r.Enabled() && f.OnAdded != nil {
-				if err := f.OnAdded(ctx, r); err != nil {
-					return err
-				}
+			if r, ok := f.Set.Rule(c.ID); ok && r.Enabled() && !f.added(ctx, r) {
+				return ctx.Err()
 			}
 		}
 		if len(page.Results) == 0 || page.LastSeq == cur {
-			break
+			return nil
 		}
 		cur = page.LastSeq
 	}
-	if until != "" {
-		f.setEnqueued(until)
-	}
-	return nil
 }
 
 // Load reads every rule doc once and returns the seq to follow from.
@@ -123,6 +168,9 @@ func (f *Follower) Follow(ctx context.Context, since string) {
 }
 
 func (f *Follower) apply(ctx context.Context, c couch.Change, live bool) {
+	if rules.IsServiceDocID(c.ID) {
+		return // the service's own docs: never rules, and they must not move EnqueuedSeq
+	}
 	ch, err := f.Set.Apply(c.ID, c.Doc, c.Deleted)
 	if err != nil {
 		f.Log.WithField("rule", c.ID).WithError(err).Error("invalid rule skipped")
@@ -135,13 +183,11 @@ func (f *Follower) apply(ctx context.Context, c couch.Change, live bool) {
 		if live {
 			f.Log.WithFields(logrus.Fields{"rule": c.ID, "kind": ch.Added.Kind()}).Info("rule added or changed")
 		}
-		if live && f.OnAdded != nil {
-			if err := f.OnAdded(ctx, ch.Added); err != nil {
-				return // not recorded as enqueued: the next start catches up
-			}
+		if live && !f.added(ctx, ch.Added) {
+			return // ctx ended: not recorded as enqueued, the next start catches up
 		}
 	}
-	if live {
+	if live && (ch.Added != nil || ch.Removed != nil) {
 		f.setEnqueued(c.Seq)
 	}
 	if ch.Removed != nil && ch.Added == nil && live {

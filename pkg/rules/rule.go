@@ -74,7 +74,7 @@ type Rule interface {
 // *ValidationError (match with errors.As) for invalid rule documents, else a *Replicator or an
 // *OnChange.
 func Parse(id string, raw []byte) (Rule, error) {
-	if isServiceID(id) {
+	if IsServiceDocID(id) {
 		return nil, ErrNotRule
 	}
 	dec := json.NewDecoder(bytes.NewReader(raw))
@@ -92,7 +92,7 @@ func Parse(id string, raw []byte) (Rule, error) {
 	}
 	if id == "" {
 		id, _ = doc["_id"].(string)
-		if id == "" || isServiceID(id) {
+		if id == "" || IsServiceDocID(id) {
 			return nil, ErrNotRule
 		}
 	}
@@ -108,7 +108,9 @@ func Parse(id string, raw []byte) (Rule, error) {
 	}
 }
 
-func isServiceID(id string) bool {
+// IsServiceDocID reports whether id names a doc of the spiegel db that is never a rule: design
+// and local docs, and the docs the service itself owns.
+func IsServiceDocID(id string) bool {
 	return strings.HasPrefix(id, "_") || strings.HasPrefix(id, CheckpointIDPrefix) || id == ProducerSeqID
 }
 
