@@ -51,8 +51,11 @@ func (p *UpdatesProxy) parseFeedParams(w http.ResponseWriter, r *http.Request) (
 		if v == "" {
 			return 0, true
 		}
-		if name == "heartbeat" && v == "true" {
+		switch {
+		case name == "heartbeat" && v == "true":
 			return defaultFeedTimeout, true
+		case name == "heartbeat" && v == "false":
+			return 0, true
 		}
 		n, err := strconv.Atoi(v)
 		if err != nil || n < 0 {
