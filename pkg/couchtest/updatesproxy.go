@@ -39,6 +39,7 @@ const DefaultCoalesceWindow = 100 * time.Millisecond
 //   - As in CouchDB 3, writes gather for the coalescing window and each (type, db) is one row,
 //     at the seq of its latest write. Every observed write is followed, before its answer
 //     reaches the client, by a pending row that gets a seq after every seq handed out so far.
+//     The rows of one window get their seqs in the order of the writes (CouchDB: any order).
 //   - Seqs are opaque strings ("3-g1AAAA…") that only this proxy accepts back as since; any
 //     other since but "now", "0" and none is a 400, as in CouchDB.
 //   - feed=normal, longpoll and continuous with since, limit, timeout and heartbeat answer in
