@@ -1,5 +1,7 @@
 // Package couchtest gives tests the real CouchDB-compatible server named by COUCHDB_URL (the test
-// command starts PouchDB Server and sets it) and unique databases that are removed afterwards.
+// command starts PouchDB Server and sets it) and unique databases that are removed afterwards,
+// a TCP Proxy that can cut the server off, and an UpdatesProxy that also gives PouchDB Server a
+// CouchDB-3-like _db_updates feed with real positions.
 package couchtest
 
 import (
