@@ -50,14 +50,7 @@ func Get(t testing.TB) *Server {
 		}
 		t.Skip("couchtest: COUCHDB_URL is unset; run `make test`, which starts PouchDB Server")
 	}
-	// PlusSafe: kivik escapes db names with url.PathEscape, which leaves '+' as is, and CouchDB 3
-	// reads a '+' in a path as a space.
-	hc := &http.Client{Transport: couchpath.PlusSafe(&http.Transport{DisableCompression: true, MaxIdleConnsPerHost: 64})}
-	c, err := kivik.New("couch", raw, couchdb.OptionHTTPClient(hc))
-	if err != nil {
-		t.Fatalf("couchtest: client: %v", err)
-	}
-	s := &Server{URL: raw, Client: c, HTTP: hc}
+	s := newServer(t, raw)
 	var root struct {
 		Version string `json:"version"`
 		Vendor  struct {
@@ -71,6 +64,19 @@ func Get(t testing.TB) *Server {
 	s.Version = root.Version
 	s.PouchDB = root.PouchDB != "" || strings.Contains(root.Vendor.Name, "PouchDB")
 	return s
+}
+
+// newServer returns a Server for url, its clients set up, nothing else filled in.
+func newServer(t testing.TB, url string) *Server {
+	t.Helper()
+	// PlusSafe: kivik escapes db names with url.PathEscape, which leaves '+' as is, and CouchDB 3
+	// reads a '+' in a path as a space.
+	hc := &http.Client{Transport: couchpath.PlusSafe(&http.Transport{DisableCompression: true, MaxIdleConnsPerHost: 64})}
+	c, err := kivik.New("couch", url, couchdb.OptionHTTPClient(hc))
+	if err != nil {
+		t.Fatalf("couchtest: client for %s: %v", url, err)
+	}
+	return &Server{URL: url, Client: c, HTTP: hc}
 }
 
 // UniqueName returns a db name unique to this test run: prefix, the test's short name and a

@@ -14,9 +14,6 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
-
-	"github.com/go-kivik/kivik/v4"
-	"github.com/go-kivik/kivik/v4/couchdb"
 )
 
 // DefaultCoalesceWindow is how long an UpdatesProxy gathers writes before their _db_updates rows
@@ -155,12 +152,9 @@ func hasDBUpdates(t testing.TB, s *Server) bool {
 
 func (p *UpdatesProxy) newThroughServer(t testing.TB) *Server {
 	t.Helper()
-	hc := &http.Client{Transport: &http.Transport{DisableCompression: true, MaxIdleConnsPerHost: 64}}
-	c, err := kivik.New("couch", p.URL(), couchdb.OptionHTTPClient(hc))
-	if err != nil {
-		t.Fatalf("couchtest: client through updates proxy: %v", err)
-	}
-	return &Server{URL: p.URL(), Client: c, HTTP: hc, PouchDB: p.upstream.PouchDB, Version: p.upstream.Version}
+	s := newServer(t, p.URL())
+	s.PouchDB, s.Version = p.upstream.PouchDB, p.upstream.Version
+	return s
 }
 
 // URL returns the server's URL, credentials included, with its host replaced by the proxy's.
