@@ -32,28 +32,36 @@ func TestMain(m *testing.M) {
 }
 
 // env is one isolated Spiegel installation: its own NATS server, spiegel db and db-name prefix
-// on the shared test CouchDB.
+// on the shared test CouchDB. The producer and the test's writes go through an updates proxy
+// (couchtest.UpdatesProxy), so the producer follows a _db_updates feed with real, opaque
+// positions on PouchDB Server as on CouchDB: a restart resumes from a saved position rather
+// than re-emitting every db, which the poll source would do and so hide position bugs.
 type env struct {
-	couch  *couchtest.Server
-	nats   *natstest.Server
-	js     jetstream.JetStream
-	cfg    config.Producer
-	prefix string // every db of this test starts with it
-	logs   *syncBuffer
+	couch   *couchtest.Server       // through the updates proxy: writes are events
+	direct  *couchtest.Server       // the server itself: writes the feed never sees (a dropped event)
+	updates *couchtest.UpdatesProxy // the producer's CouchDB
+	nats    *natstest.Server
+	js      jetstream.JetStream
+	cfg     config.Producer
+	prefix  string // every db of this test starts with it
+	logs    *syncBuffer
 }
 
 // syncBuffer captures logs while they are written.
 type syncBuffer = logtest.Buffer
 
-func newEnv(t *testing.T) *env {
+// newEnv installs a fresh environment; opts tune its updates proxy.
+func newEnv(t *testing.T, opts ...couchtest.UpdatesProxyOption) *env {
 	t.Helper()
-	cs := couchtest.Get(t)
+	direct := couchtest.Get(t)
+	updates := direct.NewUpdatesProxy(t, opts...)
+	cs := updates.Server()
 	ns := natstest.Start(t)
 	_, js := ns.Connect(t)
-	e := &env{couch: cs, nats: ns, js: js, logs: &syncBuffer{}}
+	e := &env{couch: cs, direct: direct, updates: updates, nats: ns, js: js, logs: &syncBuffer{}}
 	e.prefix = couchtest.UniqueName(t, "p") + "_"
 	e.cfg = config.Producer{
-		CouchDB: config.CouchDB{CouchDBURL: cs.URL, DBName: e.prefix + "spiegel", CouchDBTimeout: 30 * time.Second},
+		CouchDB: config.CouchDB{CouchDBURL: updates.URL(), DBName: e.prefix + "spiegel", CouchDBTimeout: 30 * time.Second},
 		NATS:    config.NATS{NATSURL: ns.URL(), SubjectPrefix: "spiegel", StreamReplicas: 1, AckWait: 60 * time.Second},
 		Log:     config.Log{LogLevel: "debug", LogFormat: "json"},
 		Source:  "auto", Start: "beginning", FeedHeartbeat: 2 * time.Second, PollInterval: 200 * time.Millisecond,
@@ -156,6 +164,18 @@ func (e *env) waitJob(t *testing.T, g events.Group, db string, within time.Durat
 	t.Helper()
 	require.Eventually(t, func() bool { return e.pending(t)[work(g, db)] == 1 }, within, 50*time.Millisecond,
 		"no %s job for %s within %s", g, db, within)
+}
+
+// jobReason returns the reason in the payload of the pending job of (g, db).
+func (e *env) jobReason(t *testing.T, g events.Group, db string) string {
+	t.Helper()
+	s, err := e.js.Stream(t.Context(), "SPIEGEL_WORK")
+	require.NoError(t, err)
+	m, err := s.GetLastMsgForSubject(t.Context(), work(g, db))
+	require.NoError(t, err)
+	job, err := events.UnmarshalJob(m.Data)
+	require.NoError(t, err)
+	return job.Reason
 }
 
 // purge empties the work stream.
