@@ -1,0 +1,207 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
+	"github.com/sirupsen/logrus"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/spiegel-nats/spiegel/pkg/events"
+	"github.com/spiegel-nats/spiegel/pkg/metrics"
+)
+
+// The publish pipeline's one promise: Safe never passes a position whose jobs, and all jobs
+// before them, are not acknowledged by JetStream — whatever order the answers come in, whether
+// they fail, never come, or say "duplicate". These tests drive it with a fake publisher whose
+// answers the test gives.
+
+var (
+	errDuplicate = &jetstream.APIError{Code: 503, ErrorCode: 10077, Description: "maximum messages per subject exceeded"}
+	errFull      = &jetstream.APIError{Code: 503, ErrorCode: 10077, Description: "maximum bytes exceeded"}
+)
+
+// fakeJobs is a jobPublisher. Each async publish gets a future the test answers with answer();
+// sync publishes (the pipeline's retries) take their results from syncResults, in order, then
+// succeed.
+type fakeJobs struct {
+	mu          sync.Mutex
+	futures     map[string]*fakeFuture // by db
+	syncCalls   []string
+	syncResults []error
+}
+
+func newFakeJobs() *fakeJobs { return &fakeJobs{futures: map[string]*fakeFuture{}} }
+
+func (f *fakeJobs) PublishAsync(_ events.Group, job events.Job) (jetstream.PubAckFuture, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	fut := &fakeFuture{ok: make(chan *jetstream.PubAck, 1), err: make(chan error, 1)}
+	f.futures[job.DB] = fut
+	return fut, nil
+}
+
+func (f *fakeJobs) Publish(_ context.Context, _ events.Group, job events.Job) (bool, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.syncCalls = append(f.syncCalls, job.DB)
+	if len(f.syncResults) == 0 {
+		return false, nil
+	}
+	err := f.syncResults[0]
+	f.syncResults = f.syncResults[1:]
+	if err == errDuplicate { // not errors.Is: an APIError matches any other of the same code
+		return true, nil
+	}
+	return false, err
+}
+
+// answer resolves the future of db's job: nil is a stored job.
+func (f *fakeJobs) answer(db string, err error) {
+	f.mu.Lock()
+	fut := f.futures[db]
+	f.mu.Unlock()
+	if err != nil {
+		fut.err <- err
+		return
+	}
+	fut.ok <- &jetstream.PubAck{Stream: "SPIEGEL_WORK"}
+}
+
+func (f *fakeJobs) syncs() []string {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return append([]string(nil), f.syncCalls...)
+}
+
+type fakeFuture struct {
+	ok  chan *jetstream.PubAck
+	err chan error
+}
+
+func (f *fakeFuture) Ok() <-chan *jetstream.PubAck { return f.ok }
+func (f *fakeFuture) Err() <-chan error            { return f.err }
+func (f *fakeFuture) Msg() *nats.Msg               { return &nats.Msg{} }
+
+// runPublisher starts a publisher over jobs and returns it with its metrics.
+func runPublisher(t *testing.T, jobs jobPublisher, ackTimeout time.Duration) (*publisher, *metrics.Producer) {
+	t.Helper()
+	m := metrics.NewProducer(prometheus.NewRegistry())
+	log := logrus.New()
+	log.SetOutput(io.Discard)
+	p := newPublisher(jobs, 64, producerMetrics{m: m}, log)
+	p.ackTimeout = ackTimeout
+	p.SetSafe("start")
+	ctx, cancel := context.WithCancel(context.Background())
+	go p.Run(ctx, time.Second)
+	t.Cleanup(func() { cancel(); p.Wait() })
+	return p, m
+}
+
+// enqueue hands in position seq with one replicate job for db seq.
+func enqueue(t *testing.T, p *publisher, seqs ...string) {
+	t.Helper()
+	for _, s := range seqs {
+		require.NoError(t, p.Enqueue(t.Context(), s, true, s, events.TypeUpdated, []events.Group{events.GroupReplicate}))
+	}
+}
+
+// requireSafe waits until Safe is want; stays reports whether it should not move from it.
+func requireSafe(t *testing.T, p *publisher, want string) {
+	t.Helper()
+	require.Eventually(t, func() bool { return p.Safe() == want }, 5*time.Second, time.Millisecond, "safe %q, want %q", p.Safe(), want)
+}
+
+func counter(c *prometheus.CounterVec) float64 {
+	return testutil.ToFloat64(c.WithLabelValues(string(events.GroupReplicate)))
+}
+
+func TestPublisherAnswersOutOfOrder(t *testing.T) {
+	t.Parallel()
+	jobs := newFakeJobs()
+	p, m := runPublisher(t, jobs, time.Minute)
+	enqueue(t, p, "1", "2", "3", "4", "5")
+	for _, db := range []string{"5", "4", "3"} {
+		jobs.answer(db, nil)
+	}
+	require.Never(t, func() bool { return p.Safe() != "start" }, 50*time.Millisecond, time.Millisecond, "safe moved past the unanswered 1")
+	jobs.answer("1", nil)
+	requireSafe(t, p, "1")
+	require.Never(t, func() bool { return p.Safe() != "1" }, 50*time.Millisecond, time.Millisecond, "safe moved past the unanswered 2")
+	jobs.answer("2", nil)
+	requireSafe(t, p, "5")
+	assert.Equal(t, 5.0, counter(m.JobsPublished))
+	assert.True(t, p.Idle())
+}
+
+func TestPublisherRetriesFailures(t *testing.T) {
+	t.Parallel()
+	jobs := newFakeJobs()
+	jobs.syncResults = []error{errFull, fmt.Errorf("nats: connection closed")} // then success
+	p, m := runPublisher(t, jobs, time.Minute)
+	enqueue(t, p, "1", "2")
+	jobs.answer("2", nil)
+	jobs.answer("1", errFull) // a full stream: not a duplicate
+	requireSafe(t, p, "2")
+	assert.Equal(t, []string{"1", "1", "1"}, jobs.syncs(), "republished until stored")
+	assert.Equal(t, 3.0, counter(m.PublishErrors))
+	assert.Equal(t, 2.0, counter(m.JobsPublished))
+	assert.Zero(t, counter(m.JobsDeduped))
+}
+
+func TestPublisherDuplicateIsSettled(t *testing.T) {
+	t.Parallel()
+	jobs := newFakeJobs()
+	p, m := runPublisher(t, jobs, time.Minute)
+	enqueue(t, p, "1")
+	jobs.answer("1", errDuplicate)
+	requireSafe(t, p, "1")
+	assert.Empty(t, jobs.syncs())
+	assert.Equal(t, 1.0, counter(m.JobsDeduped))
+	assert.Zero(t, counter(m.PublishErrors))
+}
+
+func TestPublisherAnswerThatNeverComes(t *testing.T) {
+	t.Parallel()
+	jobs := newFakeJobs()
+	p, m := runPublisher(t, jobs, 20*time.Millisecond)
+	enqueue(t, p, "1", "2")
+	jobs.answer("2", nil) // 1 never gets an answer
+	requireSafe(t, p, "2")
+	assert.Equal(t, []string{"1"}, jobs.syncs(), "published again after the ack timeout")
+	assert.Equal(t, 1.0, counter(m.PublishErrors))
+}
+
+func TestPublisherSaveDueAndFlush(t *testing.T) {
+	t.Parallel()
+	jobs := newFakeJobs()
+	p, _ := runPublisher(t, jobs, time.Minute)
+	require.NoError(t, p.Enqueue(t.Context(), "1", false, "spiegel", "", nil)) // the spiegel db's own event
+	requireSafe(t, p, "1")
+	_, due := p.SafeDue()
+	assert.Zero(t, due, "an event of the spiegel db makes no save due")
+	require.NoError(t, p.EnqueueNoSeq(t.Context(), "x", events.ReasonRule, []events.Group{events.GroupReplicate}))
+	enqueue(t, p, "2")
+	flushed := make(chan error, 1)
+	go func() { flushed <- p.Flush(t.Context()) }()
+	select {
+	case <-flushed:
+		t.Fatal("Flush returned before the jobs enqueued ahead of it were answered")
+	case <-time.After(50 * time.Millisecond):
+	}
+	jobs.answer("x", nil)
+	jobs.answer("2", nil)
+	require.NoError(t, <-flushed)
+	safe, due := p.SafeDue()
+	assert.Equal(t, "2", safe, "a job without a position does not move Safe")
+	assert.Equal(t, uint64(1), due)
+}
