@@ -23,8 +23,8 @@ type Metrics interface {
 	RuleStats(st rules.Stats)
 }
 
-// retry is the backoff of a failed OnAdded or catch-up pass.
-var retry = backoff.Policy{Initial: 500 * time.Millisecond, Max: 30 * time.Second, Multiplier: 2, Jitter: 0.2}
+// DefaultRetry is the backoff of a failed OnAdded or catch-up pass.
+var DefaultRetry = backoff.Policy{Initial: 500 * time.Millisecond, Max: 30 * time.Second, Multiplier: 2, Jitter: 0.2}
 
 // Follower follows the rule docs of one spiegel db into a rules.Set.
 type Follower struct {
@@ -37,15 +37,17 @@ type Follower struct {
 	// retried with capped backoff until it succeeds or ctx ends, and the rule is recorded as
 	// enqueued (EnqueuedSeq) only then. It must return only once its work is durable.
 	OnAdded func(ctx context.Context, r rules.Rule) error
+	// Retry is the backoff of a failed OnAdded or catch-up pass; zero means DefaultRetry.
+	Retry backoff.Policy
 
 	mu sync.Mutex
 	// enqueuedSeq is the spiegel db seq up to which onAdded has run for every rule change.
 	enqueuedSeq string
 }
 
-// EnqueuedSeq returns the seq up to which new rules have had their dbs enqueued. It moves only
-// on changes of rule docs (valid or not): the service's own docs in the spiegel db never move
-// it, so that saving it is not a write caused by the previous save.
+// EnqueuedSeq returns the seq up to which new rules have had their dbs enqueued. The service's
+// own docs in the spiegel db (rules.IsServiceDocID) never move it, so that saving it (with the
+// producer's position, a doc of the spiegel db) is not a write caused by the previous save.
 func (f *Follower) EnqueuedSeq() string {
 	f.mu.Lock()
 	defer f.mu.Unlock()
@@ -56,6 +58,13 @@ func (f *Follower) setEnqueued(seq string) {
 	f.mu.Lock()
 	f.enqueuedSeq = seq
 	f.mu.Unlock()
+}
+
+func (f *Follower) retry() backoff.Policy {
+	if f.Retry == (backoff.Policy{}) {
+		return DefaultRetry
+	}
+	return f.Retry
 }
 
 // added runs OnAdded for r until it succeeds; false when ctx ended first.
@@ -71,7 +80,7 @@ func (f *Follower) added(ctx context.Context, r rules.Rule) bool {
 		if ctx.Err() != nil {
 			return false
 		}
-		delay := retry.Delay(attempt)
+		delay := f.retry().Delay(attempt)
 		f.Log.WithError(err).WithFields(logrus.Fields{"rule": r.ID(), "attempt": attempt, "delay": delay.String()}).
 			Warn("enqueue the dbs of a new or edited rule failed: retrying")
 		if backoff.Sleep(ctx, delay) != nil {
@@ -95,7 +104,7 @@ func (f *Follower) CatchUp(ctx context.Context, since, until string) {
 		if ctx.Err() != nil {
 			return
 		}
-		delay := retry.Delay(attempt)
+		delay := f.retry().Delay(attempt)
 		f.Log.WithError(err).WithFields(logrus.Fields{"attempt": attempt, "delay": delay.String()}).
 			Warn("enqueue the dbs of rules changed while stopped failed: retrying")
 		if backoff.Sleep(ctx, delay) != nil {
@@ -187,7 +196,7 @@ func (f *Follower) apply(ctx context.Context, c couch.Change, live bool) {
 			return // ctx ended: not recorded as enqueued, the next start catches up
 		}
 	}
-	if live && (ch.Added != nil || ch.Removed != nil) {
+	if live {
 		f.setEnqueued(c.Seq)
 	}
 	if ch.Removed != nil && ch.Added == nil && live {
