@@ -9,6 +9,7 @@ import (
 	"sort"
 	"strconv"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -379,4 +380,59 @@ func TestSinceNowFallsBackWhenNormalFeedRefused(t *testing.T) {
 	assert.Equal(t, "normal", reqs[0].Query().Get("feed"))
 	assert.Equal(t, "continuous", reqs[1].Query().Get("feed"))
 	assert.Equal(t, SinceNow, reqs[1].Query().Get("since"))
+}
+
+// TestFeedReportsItsState: OnState hears every failure and every recovery, so that a caller
+// learns of an interruption the feed rides out by itself; the permanent error that ends Run is
+// reported too, and emit's own error is not the feed's.
+func TestFeedReportsItsState(t *testing.T) {
+	t.Parallel()
+	line := `{"db_name":"a","type":"updated","seq":"1-x"}`
+	for _, source := range []string{SourceDBUpdates, SourcePoll} {
+		t.Run(source, func(t *testing.T) {
+			t.Parallel()
+			var mu sync.Mutex
+			var states []string
+			record := func(err error) {
+				mu.Lock()
+				defer mu.Unlock()
+				if err == nil {
+					states = append(states, "ok")
+				} else {
+					states = append(states, "error")
+				}
+			}
+			var handlers []http.HandlerFunc
+			if source == SourcePoll {
+				allDBs := serveBody(http.StatusOK, []byte(`["a"]`))
+				info := serveBody(http.StatusOK, []byte(`[{"key":"a","info":{"db_name":"a","update_seq":"1-x"}}]`))
+				handlers = []http.HandlerFunc{serveBody(http.StatusInternalServerError, nil), allDBs, info,
+					serveBody(http.StatusUnauthorized, []byte(`{"error":"unauthorized"}`))}
+			} else {
+				handlers = []http.HandlerFunc{serveBody(http.StatusInternalServerError, nil), serveBody(http.StatusOK, []byte(line+"\n")),
+					serveBody(http.StatusUnauthorized, []byte(`{"error":"unauthorized"}`))}
+			}
+			srv := newFakeServer(t, handlers...)
+			c, _ := newTestClient(t, srv.URL)
+			feed, err := c.NewUpdatesFeed(t.Context(), source, FeedOptions{OnState: record, PollInterval: time.Millisecond})
+			require.NoError(t, err)
+			err = feed.Run(t.Context(), "", func(DBEvent) error { return nil })
+			require.True(t, IsPermanent(err), "%v", err)
+			mu.Lock()
+			defer mu.Unlock()
+			assert.Equal(t, []string{"error", "ok", "error"}, states)
+		})
+	}
+
+	t.Run("emit error", func(t *testing.T) {
+		t.Parallel()
+		var states []error
+		srv := newFakeServer(t, serveLinesThenHang(line))
+		c, _ := newTestClient(t, srv.URL)
+		feed, err := c.NewUpdatesFeed(t.Context(), SourceDBUpdates, FeedOptions{OnState: func(err error) { states = append(states, err) }})
+		require.NoError(t, err)
+		stop := errors.New("stop")
+		require.ErrorIs(t, feed.Run(t.Context(), "", func(DBEvent) error { return stop }), stop)
+		assert.Equal(t, []error{nil}, states, "the connection was fine; emit's error is not a feed failure")
+	})
 }
