@@ -1,48 +1,20 @@
 package main
 
 import (
-	"bufio"
 	"bytes"
-	"os"
-	"path/filepath"
-	"strconv"
-	"strings"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+
+	"github.com/spiegel-nats/spiegel/pkg/couchtest"
 )
 
-const fixtureDir = "../../../shared/fixtures/couchdb-3.3"
-
-// fixture reads a recorded exchange: the status code of the answer and its body.
+// fixture returns the status and body of a recorded CouchDB 3.3 exchange.
 func fixture(t *testing.T, name string) (int, []byte) {
 	t.Helper()
-	data, err := os.ReadFile(filepath.Join(fixtureDir, name))
-	if os.IsNotExist(err) {
-		t.Skipf("fixture %s not present", name)
-	}
-	require.NoError(t, err)
-	status := 0
-	sc := bufio.NewScanner(bytes.NewReader(data))
-	sc.Buffer(make([]byte, 1<<20), 1<<20)
-	var body []string
-	inBody := false
-	for sc.Scan() {
-		line := sc.Text()
-		switch {
-		case inBody:
-			body = append(body, line)
-		case strings.HasPrefix(line, "< HTTP/"):
-			f := strings.Fields(line)
-			status, err = strconv.Atoi(f[2])
-			require.NoError(t, err)
-		case line == "":
-			inBody = true
-		}
-	}
-	require.NotZero(t, status, "no status line in %s", name)
-	return status, []byte(strings.Join(body, "\n"))
+	rec := couchtest.Fixture(t, name)
+	return rec.Status, rec.Body
 }
 
 func TestParseResultCouchDBFixtures(t *testing.T) {

@@ -1,13 +1,9 @@
 package couch
 
 import (
-	"bufio"
-	"bytes"
 	"net/http"
 	"net/http/httptest"
 	"net/url"
-	"os"
-	"path/filepath"
 	"strings"
 	"sync"
 	"testing"
@@ -17,6 +13,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/spiegel-nats/spiegel/pkg/backoff"
+	"github.com/spiegel-nats/spiegel/pkg/couchtest"
 	"github.com/spiegel-nats/spiegel/pkg/logtest"
 )
 
@@ -45,34 +42,10 @@ func newTestClient(t *testing.T, rawURL string) (*Client, *syncBuffer) {
 	return c, buf
 }
 
-// fixtureDir locates the CouchDB 3.3 fixtures, or skips the test.
-func fixtureDir(t *testing.T) string {
-	t.Helper()
-	dir := filepath.Join("..", "..", "..", "shared", "fixtures", "couchdb-3.3")
-	if _, err := os.Stat(dir); err != nil {
-		t.Skipf("fixtures not found at %s: %v", dir, err)
-	}
-	return dir
-}
-
-// fixtureBody returns the body of a fixture: what follows the "> "/"< " header lines and the
-// one blank line after them, byte for byte.
+// fixtureBody returns the body of a recorded CouchDB 3.3 exchange, byte for byte.
 func fixtureBody(t *testing.T, name string) []byte {
 	t.Helper()
-	data, err := os.ReadFile(filepath.Join(fixtureDir(t), name))
-	require.NoError(t, err)
-	r := bufio.NewReader(bytes.NewReader(data))
-	offset := 0
-	for {
-		line, err := r.ReadBytes('\n')
-		require.NoError(t, err, "fixture %s ends inside its header", name)
-		offset += len(line)
-		if bytes.HasPrefix(line, []byte("> ")) || bytes.HasPrefix(line, []byte("< ")) {
-			continue
-		}
-		require.Equal(t, "\n", string(line), "fixture %s: header must end with a blank line", name)
-		return data[offset:]
-	}
+	return couchtest.Fixture(t, name).Body
 }
 
 // fakeServer records requests and answers them with handlers in order; requests past the last

@@ -1,12 +1,9 @@
 package replicate
 
 import (
-	"bufio"
 	"bytes"
 	"encoding/json"
 	"net/http"
-	"os"
-	"path/filepath"
 	"strings"
 	"testing"
 
@@ -14,27 +11,14 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/spiegel-nats/spiegel/pkg/couch"
+	"github.com/spiegel-nats/spiegel/pkg/couchtest"
 )
 
-const fixtureDir = "../../../shared/fixtures/couchdb-3.3"
-
-// fixture returns the response content type and body of a recorded exchange.
+// fixture returns the response content type and body of a recorded CouchDB 3.3 exchange.
 func fixture(t *testing.T, name string) (contentType string, body []byte) {
 	t.Helper()
-	data, err := os.ReadFile(filepath.Join(fixtureDir, name+".http"))
-	if os.IsNotExist(err) {
-		t.Skipf("fixture %s is missing", name)
-	}
-	require.NoError(t, err)
-	head, rest, ok := bytes.Cut(data, []byte("\n\n"))
-	require.True(t, ok, "fixture has no body")
-	sc := bufio.NewScanner(bytes.NewReader(head))
-	for sc.Scan() {
-		if v, ok := strings.CutPrefix(sc.Text(), "< Content-Type: "); ok {
-			contentType = v
-		}
-	}
-	return contentType, rest
+	rec := couchtest.Fixture(t, name)
+	return rec.ContentType, rec.Body
 }
 
 func TestFixtureRevsDiff(t *testing.T) {
