@@ -182,14 +182,16 @@ func Run(ctx context.Context, opt Options, log logrus.FieldLogger) (Result, erro
 	if err != nil {
 		return Result{}, fmt.Errorf("replicate: target: %w", err)
 	}
-	id := ReplicationID(opt)
-	r := &run{
-		opt: opt, src: src, tgt: tgt, id: id,
-		log: log.WithFields(logrus.Fields{
-			"component": "replicate", "source": src.shown, "target": tgt.shown, "replication_id": id,
-		}),
+	r := &run{opt: opt, src: src, tgt: tgt}
+	code, err := r.filterCode(ctx)
+	var res Result
+	if err == nil {
+		r.id = ReplicationID(opt, code)
+		r.log = log.WithFields(logrus.Fields{
+			"component": "replicate", "source": src.shown, "target": tgt.shown, "replication_id": r.id,
+		})
+		res, err = r.run(ctx)
 	}
-	res, err := r.run(ctx)
 	res.Requests = requests.Load()
 	st := r.counters.snapshot()
 	res.DocsRead, res.DocsWritten, res.DocWriteFailures = st.DocsRead, st.DocsWritten, st.DocWriteFailures

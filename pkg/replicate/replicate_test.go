@@ -253,6 +253,37 @@ func TestFilteredReplication(t *testing.T) {
 		require.NoError(t, err)
 		assert.EqualValues(t, 1, res.DocsWritten)
 	})
+	t.Run("design-doc filter, then edited", func(t *testing.T) {
+		kinds := map[string]int{}
+		for i := range 10 {
+			kinds[[]string{"even", "odd"}[i%2]]++
+		}
+		target := s.NewDB(t, "ftgt_")
+		src := s.NewDB(t, "fsrc_")
+		for i := range 10 {
+			s.Put(t, src, fmt.Sprintf("f%d", i), map[string]any{"kind": []string{"even", "odd"}[i%2]})
+		}
+		filter := func(kind string) string { return "function(doc) { return doc.kind === '" + kind + "'; }" }
+		rev := s.Put(t, src, "_design/f", map[string]any{"filters": map[string]any{"kind": filter("odd")}})
+		opt := Options{Source: dbURL(s, src), Target: dbURL(s, target), Filter: "f/kind"}
+		first, err := Run(t.Context(), opt, testLog(t))
+		require.NoError(t, err)
+		assert.EqualValues(t, kinds["odd"], first.DocsWritten)
+
+		// The same filter name with other code is another replication: it starts from the
+		// beginning instead of from the checkpoint of the old code, and finds the even docs.
+		s.Put(t, src, "_design/f", map[string]any{"_rev": rev, "filters": map[string]any{"kind": filter("even")}})
+		second, err := Run(t.Context(), opt, testLog(t))
+		require.NoError(t, err)
+		assert.NotEqual(t, first.ReplicationID, second.ReplicationID)
+		assert.Empty(t, second.StartSeq, "from the beginning")
+		assert.EqualValues(t, kinds["even"], second.DocsWritten)
+		assert.Equal(t, 10, docCount(t, s, target))
+
+		_, err = Run(t.Context(), Options{Source: dbURL(s, src), Target: dbURL(s, target), Filter: "f/nosuch"}, testLog(t))
+		require.Error(t, err)
+		assert.Contains(t, err.Error(), `no filter "nosuch"`)
+	})
 }
 
 // TestWriteFailuresCounted: docs the target refuses (validate_doc_update) are counted, not

@@ -157,13 +157,13 @@ func TestFindStartSeq(t *testing.T) {
 func TestReplicationID(t *testing.T) {
 	t.Parallel()
 	base := Options{Source: "http://admin:pw@Host:5984/src", Target: "https://u:p@other/db%2Fx/"}
-	id := ReplicationID(base)
+	id := ReplicationID(base, "")
 	assert.Len(t, id, 32)
 
 	same := base
 	same.Source, same.Target = "http://other:secret@host:5984/src/", "https://other/db%2Fx"
 	same.BatchSize, same.Workers, same.CreateTarget = 7, 9, true
-	assert.Equal(t, id, ReplicationID(same), "credentials and tuning do not matter")
+	assert.Equal(t, id, ReplicationID(same, ""), "credentials and tuning do not matter")
 
 	for name, o := range map[string]Options{
 		"source":   {Source: "http://host:5984/src2", Target: base.Target},
@@ -173,11 +173,27 @@ func TestReplicationID(t *testing.T) {
 		"doc_ids":  {Source: base.Source, Target: base.Target, DocIDs: []string{"a"}},
 		"selector": {Source: base.Source, Target: base.Target, Selector: map[string]any{"a": 1}},
 	} {
-		assert.NotEqual(t, id, ReplicationID(o), name)
+		assert.NotEqual(t, id, ReplicationID(o, ""), name)
 	}
-	sel := Options{Source: "http://h/a", Target: "http://h/b", Selector: map[string]any{"a": 1, "b": map[string]any{"$gt": 2}}}
-	assert.Equal(t, ReplicationID(sel), ReplicationID(sel), "stable")
-	assert.Equal(t, "9c4b440e07a14e2b2187fbe2e1852be6", ReplicationID(Options{Source: "http://h/a", Target: "http://h/b"}), "stable across releases: changing it orphans every checkpoint")
+	// The same selector written in another key order (another rule doc revision, another
+	// process) is the same replication; another selector is not.
+	var sel1, sel2, other map[string]any
+	require.NoError(t, json.Unmarshal([]byte(`{"a":1,"b":{"$gt":2,"$lt":9}}`), &sel1))
+	require.NoError(t, json.Unmarshal([]byte(`{"b":{"$lt":9,"$gt":2},"a":1}`), &sel2))
+	require.NoError(t, json.Unmarshal([]byte(`{"a":1,"b":{"$gt":3,"$lt":9}}`), &other))
+	withSel := func(s map[string]any) string {
+		return ReplicationID(Options{Source: "http://h/a", Target: "http://h/b", Selector: s}, "")
+	}
+	assert.Equal(t, withSel(sel1), withSel(sel2), "key order does not matter")
+	assert.NotEqual(t, withSel(sel1), withSel(other))
+
+	// A design-doc filter: its code is part of the id, so an edited filter is a new replication.
+	filtered := Options{Source: "http://h/a", Target: "http://h/b", Filter: "d/f"}
+	v1 := ReplicationID(filtered, "function(doc) { return doc.type === 'a' }")
+	assert.NotEqual(t, v1, ReplicationID(filtered, "function(doc) { return doc.type === 'b' }"))
+	assert.Equal(t, v1, ReplicationID(filtered, "function(doc) { return doc.type === 'a' }"))
+
+	assert.Equal(t, "9c4b440e07a14e2b2187fbe2e1852be6", ReplicationID(Options{Source: "http://h/a", Target: "http://h/b"}, ""), "stable across releases: changing it orphans every checkpoint")
 }
 
 func TestNewEndpoint(t *testing.T) {
