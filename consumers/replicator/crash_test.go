@@ -58,7 +58,9 @@ func TestSIGKILLMidReplicationAnotherInstanceCompletes(t *testing.T) {
 	case <-time.After(30 * time.Second):
 		t.Fatalf("instance A never started the replication; its logs:\n%s", tail(logsA.String(), 30))
 	}
-	time.Sleep(4 * time.Second) // longer than AckWait: A's InProgress keeps the job its own
+	// For longer than AckWait (3s), A's InProgress keeps the job its own: never redelivered.
+	require.Never(t, func() bool { return e.redelivered(t) > 0 }, 4*time.Second, 100*time.Millisecond,
+		"the job was redelivered while A was alive")
 	require.Empty(t, revs(t, e.couch, tgt), "the replication must still be running when A dies")
 	require.NoError(t, a.Process.Kill())
 

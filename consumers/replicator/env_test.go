@@ -248,6 +248,16 @@ func (e *env) workMsgs(t testing.TB) uint64 {
 	return info.State.Msgs
 }
 
+// redelivered returns how many messages of the replicate consumer were delivered more than once.
+func (e *env) redelivered(t testing.TB) int {
+	t.Helper()
+	c, err := e.js.Consumer(t.Context(), "SPIEGEL_WORK", "replicator")
+	require.NoError(t, err)
+	info, err := c.Info(t.Context())
+	require.NoError(t, err)
+	return info.NumRedelivered
+}
+
 // waitQuiet waits until the work stream is empty and no handler runs, three checks in a row.
 func (e *env) waitQuiet(t testing.TB, p *probe, within time.Duration) {
 	t.Helper()

@@ -28,10 +28,14 @@ func TestPatternRuleReplicatesOnlyWrittenDBs(t *testing.T) {
 		e.couch.CreateDB(t, db)
 		users = append(users, db)
 	}
+	marker := e.prefix + "zz_marker"
+	e.couch.CreateDB(t, marker)
 	e.couch.Put(t, e.cfg.DBName, "users", map[string]any{"type": "replicator", "db_name": "^" + e.prefix + "user_", "source": "$db_name", "target": target})
+	e.couch.Put(t, e.cfg.DBName, "marker", map[string]any{"type": "replicator", "source": marker, "target": marker + "_copy", "create_target": true})
 	p := e.startReplicator(t, nil)
 	e.startProducer(t)
-	time.Sleep(time.Second) // let the producer take its first look at the dbs
+	// The new rules enqueue every matching db once: wait for those jobs to run.
+	require.Eventually(t, func() bool { return len(p.jobDBs()) == 51 }, 60*time.Second, 50*time.Millisecond)
 	e.waitQuiet(t, p, 60*time.Second)
 	p.reset()
 
@@ -42,14 +46,17 @@ func TestPatternRuleReplicatesOnlyWrittenDBs(t *testing.T) {
 		e.couch.Put(t, db, db+"_post", map[string]any{"by": db})
 	}
 	require.Eventually(t, func() bool { return len(revs(t, e.couch, target)) == 10 }, 30*time.Second, 100*time.Millisecond)
-	time.Sleep(2 * time.Second) // ten poll intervals: any job for an idle db would show
+	// A write after all the others: once its job ran, a job for an idle db, whose event could
+	// only have come with or before the marker's, would have been enqueued too.
+	e.couch.Put(t, marker, "m", map[string]any{"last": true})
+	require.Eventually(t, func() bool { return p.jobCount(marker) > 0 }, 30*time.Second, 50*time.Millisecond)
 	e.waitQuiet(t, p, 30*time.Second)
 	got := p.jobDBs()
 	for db := range written {
 		assert.GreaterOrEqual(t, got[db], 1, "no job for written db %s", db)
 	}
 	for db, n := range got {
-		assert.True(t, written[db], "idle db %s got %d job(s)", db, n)
+		assert.True(t, written[db] || db == marker, "idle db %s got %d job(s)", db, n)
 	}
 	got10 := revs(t, e.couch, target)
 	for db := range written {
@@ -68,7 +75,7 @@ func TestBurstCollapsesReplications(t *testing.T) {
 	e.couch.Put(t, e.cfg.DBName, "hot", map[string]any{"type": "replicator", "source": src, "target": tgt})
 	p := e.startReplicator(t, nil)
 	e.startProducer(t)
-	time.Sleep(time.Second)
+	require.Eventually(t, func() bool { return p.jobCount(src) > 0 }, 30*time.Second, 50*time.Millisecond, "the new rule's job")
 	e.waitQuiet(t, p, 30*time.Second)
 	p.reset()
 
@@ -83,31 +90,33 @@ func TestBurstCollapsesReplications(t *testing.T) {
 	assert.Len(t, revs(t, e.couch, tgt), 1000)
 }
 
-// dirty_after_milliseconds: 2000 turns 50 writes within a second into exactly one replication,
-// started no earlier than 2s after the first write.
+// dirty_after_milliseconds: 3000 turns 50 writes into exactly one replication, started after the
+// last write landed and no earlier than the delay after the first.
 func TestDirtyAfterAbsorbsBurst(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, 10*time.Second)
 	src, tgt := e.prefix+"lazy", e.prefix+"lazy_copy"
 	e.couch.CreateDB(t, src)
 	e.couch.CreateDB(t, tgt)
-	e.couch.Put(t, e.cfg.DBName, "lazy", map[string]any{"type": "replicator", "source": src, "target": tgt, "dirty_after_milliseconds": 2000})
+	e.couch.Put(t, e.cfg.DBName, "lazy", map[string]any{"type": "replicator", "source": src, "target": tgt, "dirty_after_milliseconds": 3000})
 	p := e.startReplicator(t, nil)
 	e.startProducer(t)
-	time.Sleep(time.Second)
+	require.Eventually(t, func() bool { return len(p.replications(src)) > 0 }, 30*time.Second, 50*time.Millisecond, "the new rule's replication")
 	e.waitQuiet(t, p, 30*time.Second)
 	p.reset()
 
 	first := time.Now()
 	writeDocs(t, e, src, 50, 4)
-	// The premise: every write lands before the delay ends (they take ~0.1s).
-	require.Less(t, time.Since(first), 1800*time.Millisecond, "the writes took too long for this test's premise")
+	last := time.Now()
 	waitConverged(t, e.couch, src, tgt, 20*time.Second)
-	time.Sleep(2 * time.Second)
 	e.waitQuiet(t, p, 20*time.Second)
 	reps := p.replications(src)
-	require.Len(t, reps, 1, "exactly one replication")
-	assert.GreaterOrEqual(t, reps[0].Sub(first), 2*time.Second)
+	require.NotEmpty(t, reps)
+	// The premise, as an order rather than a duration: every write landed before the delayed
+	// run started (the writes take about 0.1s; the delay is 3s).
+	require.True(t, last.Before(reps[0]), "a write landed after the delayed replication started: the premise failed")
+	assert.Len(t, reps, 1, "exactly one replication")
+	assert.GreaterOrEqual(t, reps[0].Sub(first), 3*time.Second, "not before the delay")
 }
 
 // A deleted source db is not retried in a loop; once recreated and written, it replicates again.
