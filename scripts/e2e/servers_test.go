@@ -5,6 +5,8 @@ import (
 	"crypto/hmac"
 	"crypto/sha256"
 	"encoding/hex"
+	"encoding/json"
+	"fmt"
 	"io"
 	"log"
 	"net"
@@ -14,16 +16,21 @@ import (
 	"net/url"
 	"sync"
 	"testing"
+	"time"
 )
 
-// authProxy is a reverse proxy in front of the test CouchDB (PouchDB Server runs in admin
-// party) that answers 401 unless the request carries Basic auth user:password, and strips the
-// Authorization header before forwarding. It counts the requests it let through and refused.
+// authProxy is a reverse proxy in front of the test CouchDB that answers 401 unless the request
+// carries Basic auth user:password or the cookie of a session it opened for them (POST /_session
+// with name and password, as CouchDB's own replicator authenticates), and forwards the requests
+// it lets through with the test server's own credentials (those of COUCHDB_URL: CouchDB 3
+// serves new dbs to admins only; PouchDB Server in admin party needs none). It counts the
+// requests it let through and refused.
 type authProxy struct {
 	*httptest.Server
 	mu                 sync.Mutex
 	passed, refused    int
-	refusedCredentials []string // "user:password" of refused requests that had Basic auth
+	refusedCredentials []string // "user:password" of refused requests that had Basic auth or a session body
+	sessions           map[string]bool
 }
 
 func newAuthProxy(t testing.TB, couchURL, user, password string) *authProxy {
@@ -32,33 +39,85 @@ func newAuthProxy(t testing.TB, couchURL, user, password string) *authProxy {
 	if err != nil {
 		t.Fatalf("parse COUCHDB_URL: %v", err)
 	}
+	upstreamUser := target.User
 	target.User = nil
 	rp := httputil.NewSingleHostReverseProxy(target)
 	rp.ErrorLog = log.New(io.Discard, "", 0) // requests cut by stopping processes are expected
-	p := &authProxy{}
+	p := &authProxy{sessions: map[string]bool{}}
+	refuse := func(w http.ResponseWriter, credentials string) {
+		p.mu.Lock()
+		p.refused++
+		if credentials != "" {
+			p.refusedCredentials = append(p.refusedCredentials, credentials)
+		}
+		p.mu.Unlock()
+		w.Header().Set("Content-Type", "application/json")
+		w.Header().Set("WWW-Authenticate", `Basic realm="couchdb"`)
+		w.WriteHeader(http.StatusUnauthorized)
+		_, _ = io.WriteString(w, `{"error":"unauthorized","reason":"Name or password is incorrect."}`+"\n")
+	}
 	p.Server = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		u, pw, ok := r.BasicAuth()
-		if !ok || u != user || pw != password {
-			p.mu.Lock()
-			p.refused++
-			if ok {
-				p.refusedCredentials = append(p.refusedCredentials, u+":"+pw)
+		if r.Method == http.MethodPost && r.URL.Path == "/_session" {
+			name, pw := sessionCredentials(r)
+			if name != user || pw != password {
+				refuse(w, name+":"+pw)
+				return
 			}
+			token := fmt.Sprintf("%x", sha256.Sum256([]byte(fmt.Sprint(time.Now().UnixNano(), name))))
+			p.mu.Lock()
+			p.sessions[token] = true
+			p.passed++
 			p.mu.Unlock()
+			http.SetCookie(w, &http.Cookie{Name: "AuthSession", Value: token, Path: "/", HttpOnly: true})
 			w.Header().Set("Content-Type", "application/json")
-			w.Header().Set("WWW-Authenticate", `Basic realm="couchdb"`)
-			w.WriteHeader(http.StatusUnauthorized)
-			_, _ = io.WriteString(w, `{"error":"unauthorized","reason":"Name or password is incorrect."}`+"\n")
+			_, _ = io.WriteString(w, `{"ok":true,"name":"`+name+`","roles":["_admin"]}`+"\n")
+			return
+		}
+		u, pw, basic := r.BasicAuth()
+		session := false
+		if c, err := r.Cookie("AuthSession"); err == nil {
+			p.mu.Lock()
+			session = p.sessions[c.Value]
+			p.mu.Unlock()
+		}
+		if !session && (!basic || u != user || pw != password) {
+			credentials := ""
+			if basic {
+				credentials = u + ":" + pw
+			}
+			refuse(w, credentials)
 			return
 		}
 		p.mu.Lock()
 		p.passed++
 		p.mu.Unlock()
 		r.Header.Del("Authorization")
+		r.Header.Del("Cookie")
+		if upstreamUser != nil {
+			upw, _ := upstreamUser.Password()
+			r.SetBasicAuth(upstreamUser.Username(), upw)
+		}
 		rp.ServeHTTP(w, r)
 	}))
 	t.Cleanup(p.Close)
 	return p
+}
+
+// sessionCredentials reads name and password of a POST /_session body, form or JSON.
+func sessionCredentials(r *http.Request) (name, password string) {
+	body, _ := io.ReadAll(io.LimitReader(r.Body, 1<<16))
+	var j struct {
+		Name     string `json:"name"`
+		Password string `json:"password"`
+	}
+	if json.Unmarshal(body, &j) == nil && j.Name != "" {
+		return j.Name, j.Password
+	}
+	form, err := url.ParseQuery(string(body))
+	if err != nil {
+		return "", ""
+	}
+	return form.Get("name"), form.Get("password")
 }
 
 // counts returns the requests let through and refused so far.
