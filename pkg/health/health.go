@@ -34,9 +34,17 @@ type Server struct {
 	ready    chan struct{}
 }
 
-// New returns a server for addr with the given readiness checks (name → check).
+// checkTimeout bounds one evaluation of the readiness checks.
+const checkTimeout = 3 * time.Second
+
+// New returns a server for addr with the given readiness checks (name → check). When reg is not
+// nil, it also gets the gauge spiegel_ready{check} (1 ready, 0 not), evaluated at each scrape with
+// the checks of /readyz, so that alerts need not probe /readyz themselves.
 func New(addr string, reg *prometheus.Registry, checks map[string]Check, log logrus.FieldLogger) *Server {
 	s := &Server{addr: addr, mux: http.NewServeMux(), log: log, checks: checks, ready: make(chan struct{})}
+	if reg != nil {
+		reg.MustRegister(readyCollector{s})
+	}
 	s.mux.HandleFunc("/healthz", func(w http.ResponseWriter, _ *http.Request) {
 		w.Header().Set("Content-Type", "application/json")
 		_, _ = w.Write([]byte(`{"status":"ok"}` + "\n"))
@@ -49,7 +57,18 @@ func New(addr string, reg *prometheus.Registry, checks map[string]Check, log log
 }
 
 func (s *Server) readyz(w http.ResponseWriter, r *http.Request) {
-	ctx, cancel := context.WithTimeout(r.Context(), 3*time.Second)
+	results, ok := s.evaluate(r.Context())
+	w.Header().Set("Content-Type", "application/json")
+	if !ok {
+		w.WriteHeader(http.StatusServiceUnavailable)
+	}
+	_ = json.NewEncoder(w).Encode(map[string]any{"ready": ok, "checks": results})
+}
+
+// evaluate runs every check at once, within checkTimeout, and returns "ok" or the (redacted)
+// error of each, and whether all are ok.
+func (s *Server) evaluate(ctx context.Context) (map[string]string, bool) {
+	ctx, cancel := context.WithTimeout(ctx, checkTimeout)
 	defer cancel()
 	names := make([]string, 0, len(s.checks))
 	for n := range s.checks {
@@ -77,11 +96,26 @@ func (s *Server) readyz(w http.ResponseWriter, r *http.Request) {
 		}()
 	}
 	wg.Wait()
-	w.Header().Set("Content-Type", "application/json")
-	if !ok {
-		w.WriteHeader(http.StatusServiceUnavailable)
+	return results, ok
+}
+
+// readyDesc describes spiegel_ready.
+var readyDesc = prometheus.NewDesc("spiegel_ready", "1 when the readiness check passes (as /readyz), 0 when it fails.", []string{"check"}, nil)
+
+// readyCollector exports the readiness checks as spiegel_ready{check}.
+type readyCollector struct{ s *Server }
+
+func (c readyCollector) Describe(ch chan<- *prometheus.Desc) { ch <- readyDesc }
+
+func (c readyCollector) Collect(ch chan<- prometheus.Metric) {
+	results, _ := c.s.evaluate(context.Background())
+	for name, res := range results {
+		v := 0.0
+		if res == "ok" {
+			v = 1
+		}
+		ch <- prometheus.MustNewConstMetric(readyDesc, prometheus.GaugeValue, v, name)
 	}
-	_ = json.NewEncoder(w).Encode(map[string]any{"ready": ok, "checks": results})
 }
 
 // Addr returns the address the server listens on once Run has started listening.
