@@ -38,7 +38,7 @@ func connect(ctx context.Context, cfg *config.Producer, log *logrus.Logger, maxP
 	if err != nil {
 		return nil, err
 	}
-	nc, err := natsjs.Connect(ctx, natsOptions(cfg.NATS, "spiegel-producer"), log.WithField("component", "nats"))
+	nc, err := natsjs.Connect(ctx, natsjs.OptionsFrom(cfg.NATS, "spiegel-producer"), log.WithField("component", "nats"))
 	if err != nil {
 		return nil, err
 	}
@@ -51,14 +51,6 @@ func connect(ctx context.Context, cfg *config.Producer, log *logrus.Logger, maxP
 	topo.Replicas = cfg.StreamReplicas
 	topo.AckWait = cfg.AckWait
 	return &deps{cfg: cfg, log: log, couch: cc, nc: nc, js: js, topo: topo}, nil
-}
-
-func natsOptions(c config.NATS, name string) natsjs.Options {
-	return natsjs.Options{
-		URLs: c.NATSURL, Name: name, CredsFile: c.NATSCredsFile, NKeySeedFile: c.NATSNKeySeedFile,
-		User: c.NATSUser, Password: c.NATSPassword, Token: c.NATSToken,
-		CAFile: c.NATSCAFile, CertFile: c.NATSCertFile, KeyFile: c.NATSKeyFile,
-	}
 }
 
 // runProducer runs the producer until ctx ends (SPEC §4).

@@ -67,7 +67,7 @@ func Open(ctx context.Context, cfg *config.Consumer, group events.Group, log log
 	if err != nil {
 		return nil, err
 	}
-	nc, err := natsjs.Connect(ctx, natsOptions(cfg.NATS, "spiegel-"+group.ConsumerName()), log.WithField("component", "nats"))
+	nc, err := natsjs.Connect(ctx, natsjs.OptionsFrom(cfg.NATS, "spiegel-"+group.ConsumerName()), log.WithField("component", "nats"))
 	if err != nil {
 		return nil, err
 	}
@@ -103,14 +103,6 @@ func Open(ctx context.Context, cfg *config.Consumer, group events.Group, log log
 	st := a.Rules.Stats()
 	log.WithFields(logrus.Fields{"replicators": st.Replicators, "on_changes": st.OnChanges, "rejected": st.Rejected}).Info("rules loaded")
 	return a, nil
-}
-
-func natsOptions(c config.NATS, name string) natsjs.Options {
-	return natsjs.Options{
-		URLs: c.NATSURL, Name: name, CredsFile: c.NATSCredsFile, NKeySeedFile: c.NATSNKeySeedFile,
-		User: c.NATSUser, Password: c.NATSPassword, Token: c.NATSToken,
-		CAFile: c.NATSCAFile, CertFile: c.NATSCertFile, KeyFile: c.NATSKeyFile,
-	}
 }
 
 // ChangedSince implements worker.WakeupChecker: db has a change after seq. A missing db has none.
