@@ -23,14 +23,25 @@ import (
 	"github.com/spiegel-nats/spiegel/pkg/rules"
 )
 
-// loadRules reads the rule set once.
-func loadRules(ctx context.Context, d *deps, log logrus.FieldLogger) (*rules.Set, error) {
-	set := rules.NewSet()
-	rf := &rulefeed.Follower{Couch: d.couch, DB: d.cfg.DBName, Set: set, Log: log}
-	if _, err := rf.Load(ctx); err != nil {
-		return nil, err
+// openAdmin is the setup of the admin commands that act on an installation: it connects to
+// CouchDB and NATS (maxPending publishes in flight), checks that install has run (the streams and
+// the consumers of groups) and reads the rule set once. The caller closes d.nc.
+func openAdmin(ctx context.Context, cfg *config.Producer, log *logrus.Logger, maxPending int, groups ...events.Group) (*deps, *rules.Set, error) {
+	d, err := connect(ctx, cfg, log, maxPending)
+	if err != nil {
+		return nil, nil, err
 	}
-	return set, nil
+	if err := natsjs.CheckInstalled(ctx, d.js, d.topo, groups...); err != nil {
+		d.nc.Close()
+		return nil, nil, err
+	}
+	set := rules.NewSet()
+	rf := &rulefeed.Follower{Couch: d.couch, DB: d.cfg.DBName, Set: set, Log: log.WithField("component", "rules")}
+	if _, err := rf.Load(ctx); err != nil {
+		d.nc.Close()
+		return nil, nil, err
+	}
+	return d, set, nil
 }
 
 // progress prints "scanned N dbs, enqueued M jobs" to w at most every second and at the end.
@@ -128,18 +139,11 @@ func runResync(ctx context.Context, cfg *config.Producer, log *logrus.Logger, ci
 	if err != nil {
 		return err
 	}
-	d, err := connect(ctx, cfg, log, 1024)
+	d, set, err := openAdmin(ctx, cfg, log, 1024)
 	if err != nil {
 		return err
 	}
 	defer func() { _ = d.nc.Drain() }()
-	if err := natsjs.CheckInstalled(ctx, d.js, d.topo); err != nil {
-		return err
-	}
-	set, err := loadRules(ctx, d, log.WithField("component", "rules"))
-	if err != nil {
-		return err
-	}
 	var pr progress
 	return enqueueDBs(ctx, d, func(db string) []events.Group {
 		if db == cfg.DBName || systemDBs[db] || re != nil && !re.MatchString(db) {
@@ -166,18 +170,11 @@ func runReplay(ctx context.Context, cfg *config.Producer, log *logrus.Logger, ci
 	if err != nil {
 		return err
 	}
-	d, err := connect(ctx, cfg, log, 1024)
+	d, set, err := openAdmin(ctx, cfg, log, 1024)
 	if err != nil {
 		return err
 	}
 	defer func() { _ = d.nc.Drain() }()
-	if err := natsjs.CheckInstalled(ctx, d.js, d.topo); err != nil {
-		return err
-	}
-	set, err := loadRules(ctx, d, log.WithField("component", "rules"))
-	if err != nil {
-		return err
-	}
 	r, ok := set.Rule(*ruleID)
 	if !ok || r.Kind() != rules.KindOnChange {
 		return fmt.Errorf("replay: no valid on_change rule %q in %s", *ruleID, cfg.DBName)
@@ -229,18 +226,11 @@ func runStatus(ctx context.Context, cfg *config.Producer, log *logrus.Logger, ci
 	if err := fs.Parse(cio.args); err != nil {
 		return usageError{err}
 	}
-	d, err := connect(ctx, cfg, log, 16)
+	d, set, err := openAdmin(ctx, cfg, discardLogger(), 16, events.Groups...)
 	if err != nil {
 		return err
 	}
 	defer d.nc.Close()
-	if err := natsjs.CheckInstalled(ctx, d.js, d.topo, events.Groups...); err != nil {
-		return err
-	}
-	set, err := loadRules(ctx, d, logrus.NewEntry(discardLogger()))
-	if err != nil {
-		return err
-	}
 	var rep statusReport
 	st := set.Stats()
 	rep.Rules.Replicators, rep.Rules.OnChanges, rep.Rules.Disabled = st.Replicators, st.OnChanges, st.Disabled
