@@ -74,7 +74,7 @@ func (p *producer) handle(ctx context.Context, ev couch.DBEvent) error {
 	if p.skip(ev.DB) {
 		return p.pub.Enqueue(ctx, ev.Seq, false, ev.DB, "", nil)
 	}
-	if ev.Type == events.TypeDeleted {
+	if ev.Type == couch.EventDeleted {
 		p.removeCheckpoints(ctx, ev.DB)
 		return p.pub.Enqueue(ctx, ev.Seq, true, ev.DB, events.TypeDeleted, nil)
 	}
@@ -389,7 +389,7 @@ func (p *producer) runSweep(ctx context.Context) {
 		if err == nil {
 			if prev != nil {
 				for _, ev := range couch.Diff(prev, snap) {
-					if ev.Type == events.TypeDeleted {
+					if ev.Type == couch.EventDeleted {
 						continue
 					}
 					p.metrics.sweepEnqueued()
