@@ -60,7 +60,7 @@ func (f *fakeEngine) Replicate(ctx context.Context, body map[string]any, _ []str
 	if f.delay > 0 {
 		select {
 		case <-ctx.Done():
-			return result{}, &transportError{msg: "timeout", err: ctx.Err()}
+			return result{}, &scrubbedError{msg: "timeout", err: ctx.Err()}
 		case <-time.After(f.delay):
 		}
 	}
@@ -123,7 +123,7 @@ func TestHandlerIsolatesRuleFailures(t *testing.T) {
 		{"all succeed", nil, false, nil, 3},
 		{"one permanent: others still run, job acked", map[string]error{tgt("b"): &replicateError{Status: 401, ErrorName: "unauthorized"}}, false, []string{"rb"}, 3},
 		{"one transient: others still run, job retried", map[string]error{tgt("a"): &replicateError{Status: 503}}, true, nil, 3},
-		{"transient and permanent", map[string]error{tgt("a"): &transportError{msg: "refused", err: errors.New("refused")},
+		{"transient and permanent", map[string]error{tgt("a"): &scrubbedError{msg: "refused", err: errors.New("refused")},
 			tgt("c"): &replicateError{Status: 500, ErrorName: "replication_auth_error"}}, true, []string{"rc"}, 3},
 		{"db_not_found is retried first", map[string]error{tgt("a"): &replicateError{Status: 500, ErrorName: "db_not_found"}}, true, nil, 3},
 	}

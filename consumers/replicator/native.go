@@ -154,8 +154,8 @@ func (e nativeEngine) Replicate(ctx context.Context, body map[string]any, secret
 	switch {
 	case errors.Is(err, replicate.ErrSourceNotFound), errors.Is(err, replicate.ErrTargetNotFound):
 		return result{}, &replicateError{Op: nativeOp, Status: http.StatusNotFound, ErrorName: "db_not_found", Reason: msg}
-	case errors.As(err, &he) && he.Status < 500 && he.Status != http.StatusTooManyRequests && he.Status != http.StatusRequestTimeout:
+	case errors.As(err, &he) && couch.Classify(he) != couch.Transient:
 		return result{}, &replicateError{Op: nativeOp, Status: he.Status, ErrorName: he.ErrorName, Reason: msg}
 	}
-	return result{}, &transportError{msg: msg, err: err}
+	return result{}, &scrubbedError{msg: msg, err: err}
 }

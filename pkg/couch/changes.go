@@ -143,12 +143,11 @@ func heartbeatMillis(d time.Duration) string {
 func (c *Client) Changes(ctx context.Context, db string, opt ChangesOptions) (ChangesPage, error) {
 	ctx, cancel := context.WithTimeout(ctx, c.timeout)
 	defer cancel()
-	path := c.DBPath(db) + "/_changes"
 	req, err := c.changesRequest(ctx, db, opt, "normal", opt.Since)
 	if err != nil {
 		return ChangesPage{}, err
 	}
-	resp, err := c.send(req, path)
+	resp, err := c.Send(req)
 	if err != nil {
 		return ChangesPage{}, fmt.Errorf("read changes of %s: %w", db, err)
 	}

@@ -118,7 +118,7 @@ func (c *Client) probeSource(ctx context.Context) (string, error) {
 			return "", fmt.Errorf("probe %s: %w", p.path, err)
 		}
 		switch {
-		case he.Unauthorized():
+		case Classify(he) == Auth:
 			return "", fmt.Errorf("probe %s: the credentials in %s are refused; the feeds need a server admin: %w",
 				p.path, c.redacted, err)
 		case he.Status == http.StatusBadRequest, he.Status == http.StatusNotFound,

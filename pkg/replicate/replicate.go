@@ -30,7 +30,6 @@ import (
 	"fmt"
 	"io"
 	"net/http"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -172,13 +171,16 @@ func Run(ctx context.Context, opt Options, log logrus.FieldLogger) (Result, erro
 		return Result{}, err
 	}
 	var requests atomic.Int64
-	hc, release := countingClient(opt.HTTPClient, &requests)
+	tr, release, err := countingTransportOf(opt.HTTPClient, &requests)
+	if err != nil {
+		return Result{}, fmt.Errorf("replicate: %w", err)
+	}
 	defer release()
-	src, err := newEndpoint(opt.Source, hc)
+	src, err := newEndpoint(opt.Source, tr)
 	if err != nil {
 		return Result{}, fmt.Errorf("replicate: source: %w", err)
 	}
-	tgt, err := newEndpoint(opt.Target, hc)
+	tgt, err := newEndpoint(opt.Target, tr)
 	if err != nil {
 		return Result{}, fmt.Errorf("replicate: target: %w", err)
 	}
@@ -317,16 +319,11 @@ func (r *run) readCheckpoints(ctx context.Context, cp *checkpointer) (src, tgt *
 	return src, tgt, tgtErr
 }
 
-// isPouchDB reads the source server's welcome doc (GET /).
+// isPouchDB tells whether the source server is PouchDB Server (its welcome doc, read once).
 func (r *run) isPouchDB(ctx context.Context) (bool, error) {
-	var root struct {
-		PouchDB string `json:"express-pouchdb"`
-		Vendor  struct {
-			Name string `json:"name"`
-		} `json:"vendor"`
+	info, err := r.src.c.Server(ctx)
+	if err != nil {
+		return false, err
 	}
-	if err := r.src.do(ctx, http.MethodGet, "/", nil, nil, &root); err != nil {
-		return false, fmt.Errorf("read server info of %s: %w", r.src.shown, err)
-	}
-	return root.PouchDB != "" || strings.Contains(root.Vendor.Name, "PouchDB"), nil
+	return info.PouchDB, nil
 }
