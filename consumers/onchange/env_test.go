@@ -107,7 +107,7 @@ func (e *env) start(t testing.TB) *consumer.App {
 	app, err := consumer.Open(ctx, &cfg.Consumer, events.GroupOnChange, e.logger())
 	require.NoError(t, err)
 	done := make(chan error, 1)
-	go func() { done <- app.Run(ctx, cfg.HTTPAddr, newHandler(app, &cfg).handle) }()
+	go func() { done <- app.Run(ctx, cfg.HTTPAddr, newHandler(app.Deps, &cfg).handle) }()
 	t.Cleanup(func() {
 		cancel()
 		select {

@@ -61,7 +61,7 @@ type handler struct {
 }
 
 // newHandler wires a handler from an opened consumer app and the binary's config.
-func newHandler(app *consumer.App, cfg *config.OnChange) *handler {
+func newHandler(app consumer.Deps, cfg *config.OnChange) *handler {
 	return &handler{
 		couch: app.Couch, store: app.Store, rules: app.Rules, dead: app.DeadLetters, metrics: app.Metrics,
 		log: app.Log.WithField("component", "onchange"),

@@ -176,7 +176,7 @@ func (e *env) startReplicator(t testing.TB, cfg *config.Replicator) *probe {
 	e.runApp(t, cfg, "", func(app *consumer.App) worker.Handler {
 		p = &probe{app: app}
 		p.reset()
-		h := newHandler(app, cfg)
+		h := newHandler(app.Deps, cfg)
 		for name, eng := range h.engines {
 			h.engines[name] = countingEngine{next: eng, p: p}
 		}

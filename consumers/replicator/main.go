@@ -36,12 +36,12 @@ func run(ctx context.Context, cfg *config.Replicator, log *logrus.Logger) error 
 	if err != nil {
 		return err
 	}
-	return app.Run(ctx, cfg.HTTPAddr, newHandler(app, cfg).handle)
+	return app.Run(ctx, cfg.HTTPAddr, newHandler(app.Deps, cfg).handle)
 }
 
 // newHandler wires the handler to the app's connections: both engines share the CouchDB
 // client's transport (TLS settings, connection pool).
-func newHandler(app *consumer.App, cfg *config.Replicator) *replicator {
+func newHandler(app consumer.Deps, cfg *config.Replicator) *replicator {
 	return &replicator{
 		dbs: app.Couch, rules: app.Rules, deadLetters: app.DeadLetters, metrics: app.Metrics,
 		log: app.Log.WithField("component", "replicator"), base: app.Couch.BaseURL(), passwords: app.Passwords,

@@ -21,7 +21,7 @@ func (e *env) startServing(t testing.TB) (addr string, app *consumer.App) {
 	t.Helper()
 	cfg := e.cfg
 	cfg.HTTPAddr = healthtest.FreeAddr(t)
-	app = e.runApp(t, &cfg, cfg.HTTPAddr, func(app *consumer.App) worker.Handler { return newHandler(app, &cfg).handle })
+	app = e.runApp(t, &cfg, cfg.HTTPAddr, func(app *consumer.App) worker.Handler { return newHandler(app.Deps, &cfg).handle })
 	return cfg.HTTPAddr, app
 }
 
