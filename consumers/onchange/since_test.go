@@ -18,9 +18,9 @@ import (
 func TestSinceNow(t *testing.T) {
 	e := newEnv(t, 60*time.Second)
 	app := e.start(t)
-	db := e.couch.NewDB(t, e.prefix)
-	e.couch.Put(t, db, "old1", map[string]any{})
-	e.couch.Put(t, db, "old2", map[string]any{})
+	db := e.Couch.NewDB(t, e.Prefix)
+	e.Couch.Put(t, db, "old1", map[string]any{})
+	e.Couch.Put(t, db, "old2", map[string]any{})
 
 	now, all := newSink(t, nil), newSink(t, nil)
 	e.ruleIn(t, app, "now_"+db, db, map[string]any{"url": now.URL + "/now", "since": "now", "block": true,
@@ -34,7 +34,7 @@ func TestSinceNow(t *testing.T) {
 	require.Eventually(t, func() bool { _, ok := e.checkpoint(t, "now_"+db, db); return ok }, 10*time.Second, 20*time.Millisecond,
 		"the since-now rule saves its starting point at once")
 
-	e.couch.Put(t, db, "new1", map[string]any{})
+	e.Couch.Put(t, db, "new1", map[string]any{})
 	e.enqueue(t, db)
 	now.waitHits(t, 20*time.Second, hasID("new1"), "a change after the rule saw the db is delivered")
 	all.waitHits(t, 20*time.Second, hasID("new1"), "new1 to the other rule")
@@ -47,11 +47,11 @@ func TestSinceNow(t *testing.T) {
 func TestRecreatedDB(t *testing.T) {
 	e := newEnv(t, 60*time.Second)
 	app := e.start(t)
-	db := couchtest.UniqueName(t, e.prefix)
-	e.couch.CreateDB(t, db)
-	t.Cleanup(func() { _ = e.couch.Do(t, http.MethodDelete, "/"+couchtest.PathDB(db), nil, nil) })
+	db := couchtest.UniqueName(t, e.Prefix)
+	e.Couch.CreateDB(t, db)
+	t.Cleanup(func() { _ = e.Couch.Do(t, http.MethodDelete, "/"+couchtest.PathDB(db), nil, nil) })
 	for _, id := range []string{"a1", "a2", "a3", "a4"} {
-		e.couch.Put(t, db, id, map[string]any{})
+		e.Couch.Put(t, db, id, map[string]any{})
 	}
 	s := newSink(t, nil)
 	e.ruleIn(t, app, "r", db, map[string]any{"url": s.URL + "/r", "block": true, "params": map[string]any{"id": "$change.id"}})
@@ -59,40 +59,40 @@ func TestRecreatedDB(t *testing.T) {
 	s.waitHits(t, 20*time.Second, func(hs []hit) bool { return len(hs) == 4 }, "first incarnation delivered")
 	require.Eventually(t, func() bool { return e.caughtUp(t, "r", db) }, 10*time.Second, 20*time.Millisecond)
 
-	oldInstance := instance(t, e.couch, db)
+	oldInstance := instance(t, e.Couch, db)
 
 	// Delete; the job for the missing db is dropped, not retried.
-	require.NoError(t, e.couch.Do(t, http.MethodDelete, "/"+couchtest.PathDB(db), nil, nil))
+	require.NoError(t, e.Couch.Do(t, http.MethodDelete, "/"+couchtest.PathDB(db), nil, nil))
 	e.enqueue(t, db)
-	require.Eventually(t, func() bool { return e.pendingJobs(t) == 0 }, 10*time.Second, 20*time.Millisecond)
+	require.Eventually(t, func() bool { return e.WorkMsgs(t) == 0 }, 10*time.Second, 20*time.Millisecond)
 
 	// Recreate with fewer changes than the old checkpoint's seq: every one of them is delivered.
 	// CouchDB's instance_start_time is the db's creation time, to the second: recreate until it
 	// differs. (PouchDB Server answers its own start time for every db; there the consumer
 	// tells a new db by its update_seq, below the checkpoint's.)
 	require.Eventually(t, func() bool {
-		if err := e.couch.Do(t, http.MethodPut, "/"+couchtest.PathDB(db), nil, nil); err != nil {
+		if err := e.Couch.Do(t, http.MethodPut, "/"+couchtest.PathDB(db), nil, nil); err != nil {
 			// PouchDB Server brings a deleted db back, empty, when a read races the DELETE
 			// (here: the job for the missing db): that is a new db too.
 			var info struct {
 				Docs int `json:"doc_count"`
 			}
-			return e.couch.PouchDB && e.couch.Do(t, http.MethodGet, "/"+couchtest.PathDB(db), nil, &info) == nil && info.Docs == 0
+			return e.Couch.PouchDB && e.Couch.Do(t, http.MethodGet, "/"+couchtest.PathDB(db), nil, &info) == nil && info.Docs == 0
 		}
-		if e.couch.PouchDB || instance(t, e.couch, db) != oldInstance {
+		if e.Couch.PouchDB || instance(t, e.Couch, db) != oldInstance {
 			return true
 		}
-		_ = e.couch.Do(t, http.MethodDelete, "/"+couchtest.PathDB(db), nil, nil)
+		_ = e.Couch.Do(t, http.MethodDelete, "/"+couchtest.PathDB(db), nil, nil)
 		return false
 	}, 10*time.Second, 100*time.Millisecond)
-	e.couch.Put(t, db, "b1", map[string]any{})
+	e.Couch.Put(t, db, "b1", map[string]any{})
 	e.enqueue(t, db)
 	s.waitHits(t, 20*time.Second, hasID("b1"), "the recreated db's change is delivered")
 	got := ids(s.all())
 	require.Len(t, got, 5)
 	assert.ElementsMatch(t, []string{"a1", "a2", "a3", "a4"}, got[:4])
 	assert.Equal(t, "b1", got[4])
-	assert.Contains(t, e.logs.String(), "db was recreated after the checkpoint was taken")
+	assert.Contains(t, e.Logs.String(), "db was recreated after the checkpoint was taken")
 }
 
 // instance returns db's instance_start_time.
