@@ -11,6 +11,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/spiegel-nats/spiegel/pkg/couchtest"
 	"github.com/spiegel-nats/spiegel/pkg/events"
 )
 
@@ -188,7 +189,7 @@ func TestCouchDBOutage(t *testing.T) {
 // SIGTERM stops the producer process cleanly (exit 0) and saves its position: a position past
 // the last write (the feed read from it has nothing of that db).
 func TestProducerSIGTERMSavesPosition(t *testing.T) {
-	e := newEnv(t)
+	e := newEnv(t, couchtest.AlwaysSynthesize()) // exact positions: see waitSettled
 	db := e.Prefix + "term"
 	mark := e.updatesMark(t)
 	e.Couch.CreateDB(t, db)
@@ -201,6 +202,7 @@ func TestProducerSIGTERMSavesPosition(t *testing.T) {
 	e.Purge(t)
 	mark = e.updatesMark(t)
 	e.Couch.Put(t, db, "d", map[string]any{"x": 1})
+	e.updates.Flush()
 	require.Eventually(t, func() bool { return e.hasEventOf(t, db, mark) }, 20*time.Second, 20*time.Millisecond)
 	e.waitJob(t, rep, db, 20*time.Second)
 	require.NoError(t, cmd.Process.Signal(syscall.SIGTERM))
