@@ -54,6 +54,7 @@ func (e *env) processEnv(couchURL string, extra ...string) []string {
 		"SPIEGEL_ACK_WAIT="+e.cfg.AckWait.String(),
 		"SPIEGEL_HTTP_ADDR=127.0.0.1:0",
 		"SPIEGEL_LOG_LEVEL=debug",
+		"SPIEGEL_REPLICATION_ENGINE="+e.cfg.Engine,
 	)
 	return append(env, extra...)
 }

@@ -43,7 +43,7 @@ type Replicator struct {
 	Consumer
 	HTTPAddr           string        `envconfig:"SPIEGEL_HTTP_ADDR" default:":8081" desc:"health and metrics listener (empty: off)"`
 	ReplicationTimeout time.Duration `envconfig:"SPIEGEL_REPLICATION_TIMEOUT" default:"10m" desc:"longest one replication of one rule may run"`
-	Engine             string        `envconfig:"SPIEGEL_REPLICATION_ENGINE" default:"couchdb" desc:"engine of rules that name none: couchdb (POST /_replicate) or native"`
+	Engine             string        `envconfig:"SPIEGEL_REPLICATION_ENGINE" default:"native" desc:"engine of rules that name none: native (the replicator runs the replication protocol) or couchdb (POST /_replicate)"`
 }
 
 // Validate checks what envconfig cannot.
