@@ -78,21 +78,22 @@ func enqueueDBs(ctx context.Context, d *deps, match func(db string) []events.Gro
 			case <-ctx.Done():
 				return ctx.Err()
 			}
-			if err != nil && !natsjs.IsDuplicateJob(err) {
-				// One synchronous retry path handles transient failures.
-				dedup, perr := jobs.Publish(ctx, w.g, w.j)
-				if perr != nil {
-					return perr
+			if err != nil {
+				// A job pending or running (then with its wakeup marker), or one synchronous
+				// retry for a failure.
+				var dedup bool
+				if natsjs.IsDuplicateJob(err) {
+					dedup, err = jobs.MarkAndRetry(ctx, w.g, w.j)
+				} else {
+					dedup, err = jobs.Offer(ctx, w.g, w.j)
+				}
+				if err != nil {
+					return err
 				}
 				if dedup {
-					err = perr
 					pr.deduped.Add(1)
 					continue
 				}
-			}
-			if natsjs.IsDuplicateJob(err) {
-				pr.deduped.Add(1)
-				continue
 			}
 			pr.enqueued.Add(1)
 		}

@@ -20,6 +20,15 @@ func (p producerMetrics) deduplicated(g events.Group) {
 	}
 }
 
+// settled counts a job that is stored (deduplicated false) or stood for by the pending one.
+func (p producerMetrics) settled(g events.Group, deduplicated bool) {
+	if deduplicated {
+		p.deduplicated(g)
+	} else {
+		p.published(g)
+	}
+}
+
 func (p producerMetrics) publishError(g events.Group) {
 	if p.m != nil {
 		p.m.PublishErrors.WithLabelValues(string(g)).Inc()

@@ -20,10 +20,12 @@ import (
 // without an answer by then is published again (a duplicate is harmless).
 const ackTimeout = 30 * time.Second
 
-// jobPublisher publishes jobs to the work stream (*natsjs.Jobs).
+// jobPublisher publishes jobs to the work stream (*natsjs.Jobs): asynchronously, then, when the
+// answer says a job is pending, or when the publish failed, with the wakeup marker (Offer).
 type jobPublisher interface {
 	PublishAsync(g events.Group, job events.Job) (jetstream.PubAckFuture, error)
-	Publish(ctx context.Context, g events.Group, job events.Job) (deduplicated bool, err error)
+	MarkAndRetry(ctx context.Context, g events.Group, job events.Job) (deduplicated bool, err error)
+	Offer(ctx context.Context, g events.Group, job events.Job) (deduplicated bool, err error)
 }
 
 // publisher is the producer's publish pipeline. Enqueue publishes a position's jobs
@@ -244,14 +246,20 @@ func (p *publisher) settleJob(ctx context.Context, j *pendingJob) bool {
 		}
 		timer.Stop()
 	}
-	for attempt := 1; ; attempt++ {
-		if natsjs.IsDuplicateJob(err) {
-			p.metrics.deduplicated(j.group)
+	if natsjs.IsDuplicateJob(err) {
+		// A job for the db is pending or running: leave the wakeup marker (natsjs.Jobs.Offer).
+		var dedup bool
+		pubCtx, cancel := context.WithTimeout(ctx, 10*time.Second)
+		dedup, err = p.jobs.MarkAndRetry(pubCtx, j.group, j.job)
+		cancel()
+		if err == nil {
+			p.metrics.settled(j.group, dedup)
 			return true
 		}
-		if err == nil {
-			p.metrics.published(j.group)
-			return true
+	}
+	for attempt := 1; ; attempt++ {
+		if errors.Is(err, context.Canceled) && ctx.Err() != nil {
+			return false
 		}
 		p.metrics.publishError(j.group)
 		p.log.WithFields(logrus.Fields{"group": j.group, "db": j.job.DB, "attempt": attempt}).WithError(err).Warn("publish job failed, retrying")
@@ -260,14 +268,11 @@ func (p *publisher) settleJob(ctx context.Context, j *pendingJob) bool {
 		}
 		pubCtx, cancel := context.WithTimeout(ctx, 10*time.Second)
 		var dedup bool
-		dedup, err = p.jobs.Publish(pubCtx, j.group, j.job)
+		dedup, err = p.jobs.Offer(pubCtx, j.group, j.job)
 		cancel()
-		if err == nil && dedup {
-			p.metrics.deduplicated(j.group)
+		if err == nil {
+			p.metrics.settled(j.group, dedup)
 			return true
-		}
-		if errors.Is(err, context.Canceled) && ctx.Err() != nil {
-			return false
 		}
 	}
 }

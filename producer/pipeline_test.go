@@ -31,13 +31,14 @@ var (
 )
 
 // fakeJobs is a jobPublisher. Each async publish gets a future the test answers with answer();
-// sync publishes (the pipeline's retries) take their results from syncResults, in order, then
-// succeed.
+// sync publishes (the pipeline's retries, Offer) take their results from syncResults, in order,
+// then succeed; MarkAndRetry records a wakeup marker.
 type fakeJobs struct {
 	mu          sync.Mutex
 	futures     map[string]*fakeFuture // by db
 	syncCalls   []string
 	syncResults []error
+	marks       []string
 }
 
 func newFakeJobs() *fakeJobs { return &fakeJobs{futures: map[string]*fakeFuture{}} }
@@ -50,7 +51,8 @@ func (f *fakeJobs) PublishAsync(_ events.Group, job events.Job) (jetstream.PubAc
 	return fut, nil
 }
 
-func (f *fakeJobs) Publish(_ context.Context, _ events.Group, job events.Job) (bool, error) {
+// Offer is the synchronous republish after a failure; its results come from syncResults.
+func (f *fakeJobs) Offer(_ context.Context, _ events.Group, job events.Job) (bool, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	f.syncCalls = append(f.syncCalls, job.DB)
@@ -63,6 +65,14 @@ func (f *fakeJobs) Publish(_ context.Context, _ events.Group, job events.Job) (b
 		return true, nil
 	}
 	return false, err
+}
+
+// MarkAndRetry records the wakeup marker of a refused job; the job stays pending (deduplicated).
+func (f *fakeJobs) MarkAndRetry(_ context.Context, _ events.Group, job events.Job) (bool, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.marks = append(f.marks, job.DB)
+	return true, nil
 }
 
 // answer resolves the future of db's job: nil is a stored job.
@@ -166,6 +176,9 @@ func TestPublisherDuplicateIsSettled(t *testing.T) {
 	jobs.answer("1", errDuplicate)
 	requireSafe(t, p, "1")
 	assert.Empty(t, jobs.syncs())
+	jobs.mu.Lock()
+	assert.Equal(t, []string{"1"}, jobs.marks, "a refused job leaves its wakeup marker")
+	jobs.mu.Unlock()
 	assert.Equal(t, 1.0, counter(m.JobsDeduped))
 	assert.Zero(t, counter(m.PublishErrors))
 }

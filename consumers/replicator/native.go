@@ -134,6 +134,11 @@ func positiveInt(v any) (int, bool) {
 	return 0, false
 }
 
+// errSourceMissing is the native engine's answer when the source db does not exist: not a
+// failure to retry (see replicator.missingSource); its next creation and write runs the rule
+// again.
+var errSourceMissing = errors.New("the source db does not exist")
+
 // Replicate runs one native replication of body's source to its target. Errors are mapped to
 // what classify understands: a missing source or target is db_not_found, refused credentials
 // are permanent, a bad rule field is a 400; anything else (network, 5xx, timeouts) is
@@ -152,7 +157,9 @@ func (e nativeEngine) Replicate(ctx context.Context, body map[string]any, secret
 	msg := scrub(err.Error(), secrets)
 	var he *couch.HTTPError
 	switch {
-	case errors.Is(err, replicate.ErrSourceNotFound), errors.Is(err, replicate.ErrTargetNotFound):
+	case errors.Is(err, replicate.ErrSourceNotFound):
+		return result{}, fmt.Errorf("%w: %s", errSourceMissing, msg)
+	case errors.Is(err, replicate.ErrTargetNotFound):
 		return result{}, &replicateError{Op: nativeOp, Status: http.StatusNotFound, ErrorName: "db_not_found", Reason: msg}
 	case errors.As(err, &he) && couch.Classify(he) != couch.Transient:
 		return result{}, &replicateError{Op: nativeOp, Status: he.Status, ErrorName: he.ErrorName, Reason: msg}

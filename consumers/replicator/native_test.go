@@ -87,10 +87,9 @@ func TestNativeEngineErrors(t *testing.T) {
 	assert.Equal(t, dbNotFound, classify(err), "%v", err)
 	assert.Contains(t, err.Error(), "native replication: 404 db_not_found")
 
-	// A missing source: db_not_found too.
+	// A missing source: not a failure to retry (the handler acks the job with a warning).
 	_, err = eng.Replicate(t.Context(), map[string]any{"source": withAuth(src + "_gone"), "target": withAuth(src)}, nil)
-	require.Error(t, err)
-	assert.Equal(t, dbNotFound, classify(err), "%v", err)
+	require.ErrorIs(t, err, errSourceMissing)
 
 	// create_target creates it.
 	res, err := eng.Replicate(t.Context(), map[string]any{"source": withAuth(src), "target": withAuth(src + "_made"), "create_target": true}, nil)

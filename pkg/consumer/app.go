@@ -113,18 +113,6 @@ func Open(ctx context.Context, cfg *config.Consumer, group events.Group, log log
 	return a, nil
 }
 
-// ChangedSince implements worker.WakeupChecker: db has a change after seq. A missing db has none.
-func (a *App) ChangedSince(ctx context.Context, db, seq string) (bool, error) {
-	page, err := a.Couch.Changes(ctx, db, couch.ChangesOptions{Since: seq, Limit: 1})
-	if errors.Is(err, couch.ErrNotFound) {
-		return false, nil
-	}
-	if err != nil {
-		return false, err
-	}
-	return len(page.Results) > 0, nil
-}
-
 // Run follows the rules, serves health and metrics on httpAddr, reloads the passwords file on
 // SIGHUP, and runs h on the group's jobs until ctx ends; then it lets running jobs finish within
 // the grace period, naks the rest and drains NATS.
@@ -150,7 +138,7 @@ func (a *App) Run(ctx context.Context, httpAddr string, h worker.Handler) error 
 		Group: a.group, Concurrency: a.cfg.Concurrency, AckWait: a.cfg.AckWait, Grace: a.cfg.ShutdownGrace,
 		Retry:    backoff.Policy{Initial: a.cfg.RetryInitial, Max: a.cfg.RetryMax, Multiplier: 2, Jitter: 0.2},
 		Observer: a.Metrics,
-	}, h, a, a.log.WithField("component", "worker"))
+	}, h, a.log.WithField("component", "worker"))
 	if err != nil {
 		return err
 	}

@@ -108,11 +108,11 @@ func Tail(s string, n int) string {
 	return strings.Join(lines, "\n")
 }
 
-// Enqueue publishes a job of group g for db, as the producer would (deduplicated while one is
-// pending).
+// Enqueue offers a job of group g for db as the producer does: deduplicated while one is
+// pending or running, then with its wakeup marker (natsjs.Jobs.Offer).
 func (e *Env) Enqueue(t testing.TB, g events.Group, db string) {
 	t.Helper()
-	_, err := natsjs.NewJobs(e.JS, events.NewSubjects("")).Publish(t.Context(), g, events.Job{DB: db})
+	_, err := natsjs.NewJobs(e.JS, events.NewSubjects("")).Offer(t.Context(), g, events.Job{DB: db})
 	require.NoError(t, err)
 }
 

@@ -91,12 +91,12 @@ func testConfig() Config {
 	}
 }
 
-func (e *env) newRunner(t *testing.T, js jetstream.JetStream, cfg Config, h Handler, wake WakeupChecker) *Runner {
+func (e *env) newRunner(t *testing.T, js jetstream.JetStream, cfg Config, h Handler) *Runner {
 	t.Helper()
 	if js == nil {
 		js = e.js
 	}
-	r, err := New(js, e.topo.Subjects, cfg, h, wake, testLogger(t))
+	r, err := New(js, e.topo.Subjects, cfg, h, testLogger(t))
 	require.NoError(t, err)
 	return r
 }
