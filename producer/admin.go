@@ -180,19 +180,17 @@ func runReplay(ctx context.Context, cfg *config.Producer, log *logrus.Logger, ci
 	if !ok || r.Kind() != rules.KindOnChange {
 		return fmt.Errorf("replay: no valid on_change rule %q in %s", *ruleID, cfg.DBName)
 	}
-	store := checkpoint.NewStore(d.couch, cfg.DBName)
+	kv, err := natsjs.OnChangeBucket(ctx, d.js, d.topo)
+	if err != nil {
+		return err
+	}
+	store := checkpoint.NewOnChangeStore(d.couch, kv)
 	var pr progress
 	return enqueueDBs(ctx, d, func(db string) []events.Group {
 		if db == cfg.DBName || systemDBs[db] || !r.MatchesDB(db) || re != nil && !re.MatchString(db) {
 			return nil
 		}
-		var err error
-		if *since == "" {
-			err = store.DeleteOnChange(ctx, r.ID(), db)
-		} else {
-			err = store.SaveOnChange(ctx, checkpoint.OnChange{Rule: r.ID(), DB: db, LastSeq: *since})
-		}
-		if err != nil {
+		if err := store.Reset(ctx, r.ID(), db, *since); err != nil {
 			log.WithFields(logrus.Fields{"rule": r.ID(), "db": db}).WithError(err).Warn("reset checkpoint")
 			return nil
 		}

@@ -26,13 +26,14 @@ var feedRetry = backoff.Policy{Initial: time.Second, Max: time.Minute, Multiplie
 
 // producer tails the db-updates feed and publishes one job per (group, db) (SPEC §4).
 type producer struct {
-	cfg     producerSettings
-	couch   *couch.Client
-	store   *checkpoint.Store
-	rules   *rules.Set
-	pub     *publisher
-	log     logrus.FieldLogger
-	metrics producerMetrics
+	cfg         producerSettings
+	couch       *couch.Client
+	store       *checkpoint.Store         // the producer's position
+	checkpoints *checkpoint.OnChangeStore // on_change checkpoints, to forget those of deleted dbs
+	rules       *rules.Set
+	pub         *publisher
+	log         logrus.FieldLogger
+	metrics     producerMetrics
 
 	feedMu     sync.Mutex // guards the fields below; never held across network I/O
 	source     string
@@ -75,28 +76,24 @@ func (p *producer) handle(ctx context.Context, ev couch.DBEvent) error {
 		return p.pub.Enqueue(ctx, ev.Seq, false, ev.DB, "", nil)
 	}
 	if ev.Type == couch.EventDeleted {
-		p.removeCheckpoints(ctx, ev.DB)
+		p.forgetCheckpoints(ctx, ev.DB)
 		return p.pub.Enqueue(ctx, ev.Seq, true, ev.DB, events.TypeDeleted, nil)
 	}
 	groups := p.rules.Groups(ev.DB).Groups()
 	return p.pub.Enqueue(ctx, ev.Seq, true, ev.DB, ev.Type, groups)
 }
 
-// removeCheckpoints deletes the on_change checkpoints of a deleted db, so a recreated db is
-// processed from its beginning. A failure is logged; the consumer also notices a recreated db by
-// its instance start time.
-func (p *producer) removeCheckpoints(ctx context.Context, db string) {
-	var ids []string
-	for _, r := range p.rules.All() {
-		if r.Kind() == rules.KindOnChange {
-			ids = append(ids, r.ID())
-		}
-	}
-	if len(ids) == 0 {
+// forgetCheckpoints drops the cached on_change checkpoints of a deleted db (their _local docs
+// went with it), so that a recreated db is read from its beginning without a check. Best effort:
+// the consumer also finds a cached checkpoint of an earlier db gone (checkpoint.OnChangeStore).
+func (p *producer) forgetCheckpoints(ctx context.Context, db string) {
+	if p.checkpoints == nil {
 		return
 	}
-	if err := p.store.DeleteDB(ctx, db, ids); err != nil {
-		p.log.WithField("db", db).WithError(err).Warn("remove checkpoints of deleted db")
+	for _, r := range p.rules.All() {
+		if r.Kind() == rules.KindOnChange {
+			p.checkpoints.Forget(ctx, r.ID(), db)
+		}
 	}
 }
 

@@ -67,6 +67,11 @@ func runProducer(ctx context.Context, cfg *config.Producer, log *logrus.Logger) 
 		return fmt.Errorf("the spiegel db %q does not exist: %w", cfg.DBName, natsjs.ErrNotInstalled)
 	}
 
+	kv, err := natsjs.OnChangeBucket(ctx, d.js, d.topo)
+	if err != nil {
+		return err
+	}
+
 	reg := metrics.NewRegistry("producer")
 	pm := metrics.NewProducer(reg)
 	metrics.RegisterJobGauges(reg, d.js, d.topo.Subjects.WorkStream())
@@ -77,12 +82,13 @@ func runProducer(ctx context.Context, cfg *config.Producer, log *logrus.Logger) 
 			PollInterval: cfg.PollInterval, SweepInterval: cfg.SweepInterval, SaveInterval: cfg.PositionSaveInterval,
 			Grace: cfg.ShutdownGrace,
 		},
-		couch:   d.couch,
-		store:   checkpoint.NewStore(d.couch, cfg.DBName),
-		rules:   rules.NewSet(),
-		log:     plog,
-		metrics: producerMetrics{m: pm},
-		resync:  make(chan struct{}, 1),
+		couch:       d.couch,
+		store:       checkpoint.NewStore(d.couch, cfg.DBName),
+		checkpoints: checkpoint.NewOnChangeStore(d.couch, kv),
+		rules:       rules.NewSet(),
+		log:         plog,
+		metrics:     producerMetrics{m: pm},
+		resync:      make(chan struct{}, 1),
 	}
 	p.pub = newPublisher(natsjs.NewJobs(d.js, d.topo.Subjects), cfg.MaxInflight, p.metrics, plog)
 

@@ -7,7 +7,6 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptest"
-	"net/url"
 	"os"
 	"strings"
 	"sync"
@@ -20,9 +19,11 @@ import (
 	"github.com/spiegel-nats/spiegel/pkg/checkpoint"
 	"github.com/spiegel-nats/spiegel/pkg/config"
 	"github.com/spiegel-nats/spiegel/pkg/consumer"
+	"github.com/spiegel-nats/spiegel/pkg/couch"
 	"github.com/spiegel-nats/spiegel/pkg/couchtest"
 	"github.com/spiegel-nats/spiegel/pkg/events"
 	"github.com/spiegel-nats/spiegel/pkg/logtest"
+	"github.com/spiegel-nats/spiegel/pkg/natsjs"
 	"github.com/spiegel-nats/spiegel/pkg/spiegeltest"
 	"github.com/spiegel-nats/spiegel/pkg/worker"
 )
@@ -107,12 +108,24 @@ func (e *env) enqueue(t testing.TB, db string) { e.Enqueue(t, events.GroupOnChan
 
 // checkpoint returns the rule's checkpoint in db ("" and false when there is none).
 func (e *env) checkpoint(t testing.TB, rule, db string) (string, bool) {
-	var doc checkpoint.OnChange
-	err := e.Couch.Do(t, "GET", "/"+couchtest.PathDB(e.cfg.DBName)+"/"+url.PathEscape(checkpoint.ID(rule, db)), nil, &doc)
-	if err != nil {
+	var doc struct {
+		LastSeq string `json:"last_seq"`
+	}
+	path := "/" + couchtest.PathDB(db) + "/_local/" + couchtest.PathDB(checkpoint.LocalPrefix+rule)
+	if err := e.Couch.Do(t, "GET", path, nil, &doc); err != nil {
 		return "", false
 	}
 	return doc.LastSeq, true
+}
+
+// replay resets rule's checkpoint in db to the beginning, as `producer replay` does.
+func (e *env) replay(t testing.TB, rule, db string) {
+	t.Helper()
+	c, err := couch.New(couch.Config{URL: e.Couch.URL}, nil)
+	require.NoError(t, err)
+	kv, err := natsjs.OnChangeBucket(t.Context(), e.JS, natsjs.DefaultTopology(""))
+	require.NoError(t, err)
+	require.NoError(t, checkpoint.NewOnChangeStore(c, kv).Reset(t.Context(), rule, db, ""))
 }
 
 // hit is one request the sink received.

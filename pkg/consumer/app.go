@@ -53,10 +53,10 @@ type App struct {
 type Deps struct {
 	Log         logrus.FieldLogger
 	Couch       *couch.Client
-	Rules       *rules.Set          // the live rule set
-	Passwords   *passwords.File     // reloaded on SIGHUP
-	Store       *checkpoint.Store   // checkpoints of on_change rules
-	DeadLetters *worker.DeadLetters // the dead-letter stream
+	Rules       *rules.Set                // the live rule set
+	Passwords   *passwords.File           // reloaded on SIGHUP
+	Checkpoints *checkpoint.OnChangeStore // checkpoints of on_change rules (onchange only)
+	DeadLetters *worker.DeadLetters       // the dead-letter stream
 	Metrics     *metrics.Consumer
 	JS          jetstream.JetStream // publishes of subject rules
 }
@@ -97,9 +97,24 @@ func Open(ctx context.Context, cfg *config.Consumer, group events.Group, log log
 	reg := metrics.NewRegistry(group.ConsumerName())
 	m := metrics.NewConsumer(reg)
 	metrics.RegisterJobGauges(reg, js, topo.Subjects.WorkStream())
+	var checkpoints *checkpoint.OnChangeStore
+	if group == events.GroupOnChange {
+		kv, err := natsjs.OnChangeBucket(ctx, js, topo)
+		if err != nil {
+			return fail(err)
+		}
+		checkpoints = checkpoint.NewOnChangeStore(cc, kv)
+		// Earlier releases kept the checkpoints in the spiegel db: move them, once. A failure
+		// leaves them for the next start (until then those rules start over in those dbs).
+		if n, err := checkpoints.MigrateLegacy(ctx, cfg.DBName); err != nil {
+			log.WithError(err).Warn("move the on_change checkpoints of an earlier release out of the spiegel db; retried at the next start")
+		} else if n > 0 {
+			log.WithField("checkpoints", n).Info("moved the on_change checkpoints of an earlier release into _local docs of their dbs")
+		}
+	}
 	a := &App{
 		Deps: Deps{
-			Log: log, Couch: cc, Passwords: pw, Rules: rules.NewSet(), Store: checkpoint.NewStore(cc, cfg.DBName),
+			Log: log, Couch: cc, Passwords: pw, Rules: rules.NewSet(), Checkpoints: checkpoints,
 			DeadLetters: worker.NewDeadLetters(js, topo.Subjects), Metrics: m, JS: js,
 		},
 		log: log, nc: nc, topology: topo, registry: reg, spiegelDB: cfg.DBName, cfg: cfg, group: group,

@@ -61,6 +61,10 @@ func (s Subjects) WorkStream() string { return s.streamBase() + "_WORK" }
 // ChangesStream captures the changes published by `subject` rules: SPIEGEL_CHANGES.
 func (s Subjects) ChangesStream() string { return s.streamBase() + "_CHANGES" }
 
+// OnChangeBucket is the key-value bucket caching the checkpoints of on_change rules:
+// SPIEGEL_ONCHANGE (its stream is KV_SPIEGEL_ONCHANGE).
+func (s Subjects) OnChangeBucket() string { return s.streamBase() + "_ONCHANGE" }
+
 // WakeupStream keeps the wakeup markers: SPIEGEL_WAKEUPS (see natsjs.Jobs.Offer).
 func (s Subjects) WakeupStream() string { return s.streamBase() + "_WAKEUPS" }
 

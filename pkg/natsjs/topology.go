@@ -82,6 +82,18 @@ func (t Topology) WakeupStreamConfig() jetstream.StreamConfig {
 	}
 }
 
+// OnChangeBucketConfig is the cache of on_change checkpoints (their home is a _local doc in the
+// watched db: see checkpoint.OnChangeStore). One value per (rule, db).
+func (t Topology) OnChangeBucketConfig() jetstream.KeyValueConfig {
+	return jetstream.KeyValueConfig{
+		Bucket:      t.Subjects.OnChangeBucket(),
+		Description: "Spiegel: cache of the checkpoints of on_change rules (the _local docs in the watched dbs hold them)",
+		History:     1,
+		Storage:     jetstream.FileStorage,
+		Replicas:    t.replicas(),
+	}
+}
+
 // DeadLetterStreamConfig keeps records of requests and replications given up.
 func (t Topology) DeadLetterStreamConfig() jetstream.StreamConfig {
 	return jetstream.StreamConfig{
@@ -143,6 +155,9 @@ func Ensure(ctx context.Context, js jetstream.JetStream, t Topology) error {
 			return err
 		}
 	}
+	if err := ensureBucket(ctx, js, t.OnChangeBucketConfig()); err != nil {
+		return err
+	}
 	for _, g := range events.Groups {
 		cfg := t.ConsumerConfig(g)
 		var err error
@@ -159,6 +174,32 @@ func Ensure(ctx context.Context, js jetstream.JetStream, t Topology) error {
 		}
 	}
 	return nil
+}
+
+func ensureBucket(ctx context.Context, js jetstream.JetStream, cfg jetstream.KeyValueConfig) error {
+	var err error
+	for attempt := 0; attempt < 5; attempt++ {
+		if _, err = js.CreateOrUpdateKeyValue(ctx, cfg); err == nil {
+			return nil
+		}
+		if !isRace(err) {
+			break
+		}
+	}
+	return fmt.Errorf("create key-value bucket %s: %w", cfg.Bucket, err)
+}
+
+// OnChangeBucket opens the cache of on_change checkpoints; a missing bucket is an error wrapping
+// ErrNotInstalled.
+func OnChangeBucket(ctx context.Context, js jetstream.JetStream, t Topology) (jetstream.KeyValue, error) {
+	kv, err := js.KeyValue(ctx, t.Subjects.OnChangeBucket())
+	if errors.Is(err, jetstream.ErrBucketNotFound) {
+		return nil, fmt.Errorf("key-value bucket %s is missing: %w", t.Subjects.OnChangeBucket(), ErrNotInstalled)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("open key-value bucket %s: %w", t.Subjects.OnChangeBucket(), err)
+	}
+	return kv, nil
 }
 
 func ensureStream(ctx context.Context, js jetstream.JetStream, cfg jetstream.StreamConfig) error {
@@ -216,13 +257,16 @@ func CheckInstalled(ctx context.Context, js jetstream.JetStream, t Topology, gro
 	return nil
 }
 
-// Remove deletes the work, wakeup and dead-letter streams (and so their consumers) and the
-// changes stream. Missing streams are not an error.
+// Remove deletes the work, wakeup and dead-letter streams (and so their consumers), the changes
+// stream and the checkpoint cache. Missing ones are not an error.
 func Remove(ctx context.Context, js jetstream.JetStream, t Topology) error {
 	for _, name := range []string{t.Subjects.WorkStream(), t.Subjects.WakeupStream(), t.Subjects.DeadLetterStream(), t.Subjects.ChangesStream()} {
 		if err := js.DeleteStream(ctx, name); err != nil && !errors.Is(err, jetstream.ErrStreamNotFound) {
 			return fmt.Errorf("delete stream %s: %w", name, err)
 		}
+	}
+	if err := js.DeleteKeyValue(ctx, t.Subjects.OnChangeBucket()); err != nil && !errors.Is(err, jetstream.ErrBucketNotFound) {
+		return fmt.Errorf("delete key-value bucket %s: %w", t.Subjects.OnChangeBucket(), err)
 	}
 	return nil
 }
