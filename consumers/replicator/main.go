@@ -13,6 +13,7 @@ import (
 	"github.com/spiegel-nats/spiegel/pkg/config"
 	"github.com/spiegel-nats/spiegel/pkg/consumer"
 	"github.com/spiegel-nats/spiegel/pkg/events"
+	"github.com/spiegel-nats/spiegel/pkg/replicate"
 	"github.com/spiegel-nats/spiegel/pkg/rules"
 )
 
@@ -47,7 +48,8 @@ func newHandler(app consumer.Deps, cfg *config.Replicator) *replicator {
 		log: app.Log.WithField("component", "replicator"), base: app.Couch.BaseURL(), passwords: app.Passwords,
 		engines: map[string]engine{
 			rules.EngineCouchDB: couchEngine{server: app.Couch},
-			rules.EngineNative:  nativeEngine{hc: app.Couch.HTTPClient(), log: app.Log.WithField("component", "replicate"), checkpointDefer: nativeCheckpointDefer},
+			rules.EngineNative: nativeEngine{hc: app.Couch.HTTPClient(), log: app.Log.WithField("component", "replicate"),
+				checkpointDefer: nativeCheckpointDefer, checkpoints: replicate.NewCheckpointCache(nativeCheckpointCacheAge, nativeCheckpointCacheSize)},
 		},
 		defaultEngine: cfg.Engine, timeout: cfg.ReplicationTimeout,
 	}

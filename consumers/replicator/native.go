@@ -21,6 +21,8 @@ import (
 type nativeEngine struct {
 	hc  *http.Client // shared by every run, so connections are reused
 	log logrus.FieldLogger
+	// checkpoints caches the replications' checkpoints between runs (nil: none)
+	checkpoints *replicate.CheckpointCache
 	// checkpointDefer batches the checkpoints of a burst of small runs of one replication
 	// (replicate.Options.CheckpointDefer).
 	checkpointDefer time.Duration
@@ -29,6 +31,14 @@ type nativeEngine struct {
 // nativeCheckpointDefer is the checkpoint batching window of the consumer's native runs: a db
 // written every few seconds gets a checkpoint pair at most every 10 s instead of every run.
 const nativeCheckpointDefer = 10 * time.Second
+
+// The consumer's native runs cache their replications' checkpoints for up to a minute, for up to
+// 10,000 replications: a db written every few seconds reads no checkpoint, and a side that was
+// deleted and recreated behind the cache's back is noticed within the minute.
+const (
+	nativeCheckpointCacheAge  = time.Minute
+	nativeCheckpointCacheSize = 10000
+)
 
 // nativeOp names the native engine in its errors.
 const nativeOp = "native replication"
@@ -148,7 +158,7 @@ func (e nativeEngine) Replicate(ctx context.Context, body map[string]any, secret
 	if err != nil {
 		return result{}, err
 	}
-	opt.HTTPClient, opt.CheckpointDefer = e.hc, e.checkpointDefer
+	opt.HTTPClient, opt.CheckpointDefer, opt.Checkpoints = e.hc, e.checkpointDefer, e.checkpoints
 	res, err := replicate.Run(ctx, opt, e.log)
 	if err == nil {
 		return result{DocsWritten: res.DocsWritten, DocWriteFailures: res.DocWriteFailures,
