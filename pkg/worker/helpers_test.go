@@ -254,3 +254,13 @@ func (o *results) sequence() []string {
 	defer o.mu.Unlock()
 	return append([]string(nil), o.order...)
 }
+
+// holdsFor checks cond every tick for d and fails as soon as it is false. Unlike require.Never,
+// cond runs on the test's goroutine: it may use t (and t.Context()) and is never left running
+// when the test ends.
+func holdsFor(t *testing.T, d time.Duration, cond func() bool, what string) {
+	t.Helper()
+	for deadline := time.Now().Add(d); time.Now().Before(deadline); time.Sleep(tick) {
+		require.True(t, cond(), what)
+	}
+}
