@@ -52,3 +52,21 @@ func (p producerMetrics) sweepEnqueued() {
 		p.m.SweepEnqueued.Inc()
 	}
 }
+
+func (p producerMetrics) hotFeeds(n int) {
+	if p.m != nil {
+		p.m.HotFeeds.Set(float64(n))
+	}
+}
+
+func (p producerMetrics) hotFeedJob() {
+	if p.m != nil {
+		p.m.HotFeedJobs.Inc()
+	}
+}
+
+func (p producerMetrics) eventCovered() {
+	if p.m != nil {
+		p.m.EventsCovered.Inc()
+	}
+}

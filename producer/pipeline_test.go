@@ -218,3 +218,46 @@ func TestPublisherSaveDueAndFlush(t *testing.T) {
 	assert.Equal(t, "2", safe, "a job without a position does not move Safe")
 	assert.Equal(t, uint64(1), due)
 }
+
+// Covered events move Safe but hold the position a save may write before them for the hold
+// time; jobs published with EnqueueThen call back once settled, in order.
+func TestPublisherCoveredHoldsSaveCandidate(t *testing.T) {
+	t.Parallel()
+	jobs := newFakeJobs()
+	p, _ := runPublisher(t, jobs, time.Minute)
+	enqueue(t, p, "1")
+	jobs.answer("1", nil)
+	requireSafe(t, p, "1")
+	require.NoError(t, p.Covered(t.Context(), "2"))
+	requireSafe(t, p, "2")
+	seq, due, held := p.SaveCandidate(time.Hour)
+	assert.Equal(t, "1", seq, "the candidate stays before the covered event")
+	assert.True(t, held)
+	assert.Equal(t, uint64(2), due, "a covered event makes a save due")
+
+	require.NoError(t, p.Covered(t.Context(), "3"))
+	enqueue(t, p, "4")
+	jobs.answer("4", nil)
+	requireSafe(t, p, "4")
+	seq, _, held = p.SaveCandidate(time.Hour)
+	assert.Equal(t, "1", seq, "the oldest covered event within the hold time decides")
+	assert.True(t, held)
+	seq, _, held = p.SaveCandidate(0)
+	assert.Equal(t, "4", seq, "once the hold time is over, the candidate is Safe")
+	assert.False(t, held)
+
+	var calls []string
+	var mu sync.Mutex
+	done := func(name string) func() {
+		return func() { mu.Lock(); calls = append(calls, name); mu.Unlock() }
+	}
+	require.NoError(t, p.EnqueueThen(t.Context(), "a", events.TypeUpdated, []events.Group{events.GroupReplicate}, done("a")))
+	require.NoError(t, p.EnqueueThen(t.Context(), "b", events.TypeUpdated, []events.Group{events.GroupReplicate}, done("b")))
+	jobs.answer("b", nil)
+	require.Never(t, func() bool { mu.Lock(); defer mu.Unlock(); return len(calls) > 0 }, 50*time.Millisecond, time.Millisecond,
+		"b's callback ran before a was settled")
+	jobs.answer("a", nil)
+	require.Eventually(t, func() bool { mu.Lock(); defer mu.Unlock(); return len(calls) == 2 }, 5*time.Second, time.Millisecond)
+	assert.Equal(t, []string{"a", "b"}, calls)
+	assert.Equal(t, "4", p.Safe(), "jobs without a position do not move Safe")
+}

@@ -32,6 +32,7 @@ type producer struct {
 	checkpoints *checkpoint.OnChangeStore // on_change checkpoints, to forget those of deleted dbs
 	rules       *rules.Set
 	pub         *publisher
+	hot         *hotFeeds // nil: off
 	log         logrus.FieldLogger
 	metrics     producerMetrics
 
@@ -46,6 +47,7 @@ type producer struct {
 
 	saveMu     sync.Mutex // serializes saves
 	savedDue   uint64     // the publisher's due count at the last save
+	heldBack   bool       // the last save stopped before the safe position (SaveCandidate)
 	lastSaveAt time.Time
 }
 
@@ -59,6 +61,8 @@ type producerSettings struct {
 	SweepInterval time.Duration
 	SaveInterval  time.Duration
 	Grace         time.Duration
+	// HoldFor is how long the saved position stays before events a hot feed covered (hotFeeds).
+	HoldFor time.Duration
 }
 
 // skip reports whether db's updates never produce jobs: the spiegel db and CouchDB's own dbs.
@@ -76,11 +80,24 @@ func (p *producer) handle(ctx context.Context, ev couch.DBEvent) error {
 		return p.pub.Enqueue(ctx, ev.Seq, false, ev.DB, "", nil)
 	}
 	if ev.Type == couch.EventDeleted {
+		p.hot.Close(ev.DB, closeDeleted)
 		p.forgetCheckpoints(ctx, ev.DB)
 		return p.pub.Enqueue(ctx, ev.Seq, true, ev.DB, events.TypeDeleted, nil)
 	}
 	groups := p.rules.Groups(ev.DB).Groups()
-	return p.pub.Enqueue(ctx, ev.Seq, true, ev.DB, ev.Type, groups)
+	if len(groups) == 0 {
+		return p.pub.Enqueue(ctx, ev.Seq, true, ev.DB, ev.Type, nil)
+	}
+	if ev.Type == couch.EventUpdated && p.hot.Covers(ev.DB) {
+		p.metrics.eventCovered()
+		p.log.WithField("db", ev.DB).Debug("db update passed over: the db's hot feed publishes its jobs")
+		return p.pub.Covered(ctx, ev.Seq)
+	}
+	if err := p.pub.Enqueue(ctx, ev.Seq, true, ev.DB, ev.Type, groups); err != nil {
+		return err
+	}
+	p.hot.Open(ev.DB)
+	return nil
 }
 
 // forgetCheckpoints drops the cached on_change checkpoints of a deleted db (their _local docs
@@ -320,7 +337,7 @@ func (p *producer) save(ctx context.Context, rulesSeq string) {
 			p.metrics.m.FeedPositionAge.Set(time.Since(p.lastSaveAt).Seconds())
 		}
 	}()
-	safe, due := p.pub.SafeDue()
+	safe, due, held := p.pub.SaveCandidate(p.cfg.HoldFor)
 	if safe == couch.SinceNow {
 		safe = ""
 	}
@@ -329,16 +346,17 @@ func (p *producer) save(ctx context.Context, rulesSeq string) {
 	p.feedMu.Unlock()
 
 	next := saved
-	if safe != "" && (due != p.savedDue || source != saved.Source) {
+	if safe != "" && (due != p.savedDue || p.heldBack || source != saved.Source) {
 		next.LastSeq, next.Source = safe, source
 	}
 	if rulesSeq != "" {
 		next.RulesSeq = rulesSeq
 	}
 	if next.LastSeq == saved.LastSeq && next.RulesSeq == saved.RulesSeq && next.Source == saved.Source {
-		if p.pub.Idle() {
+		if p.pub.Idle() && !held {
 			p.lastSaveAt = time.Now()
 		}
+		p.heldBack = held
 		return
 	}
 	if err := p.store.SavePosition(ctx, next); err != nil {
@@ -348,7 +366,7 @@ func (p *producer) save(ctx context.Context, rulesSeq string) {
 	p.feedMu.Lock()
 	p.savedState = next
 	p.feedMu.Unlock()
-	p.savedDue = due
+	p.savedDue, p.heldBack = due, held
 	p.lastSaveAt = time.Now()
 	p.log.WithField("seq", next.LastSeq).Debug("saved producer position")
 }

@@ -80,7 +80,7 @@ func runProducer(ctx context.Context, cfg *config.Producer, log *logrus.Logger) 
 		cfg: producerSettings{
 			SpiegelDB: cfg.DBName, Source: cfg.Source, Start: cfg.Start, Heartbeat: cfg.FeedHeartbeat,
 			PollInterval: cfg.PollInterval, SweepInterval: cfg.SweepInterval, SaveInterval: cfg.PositionSaveInterval,
-			Grace: cfg.ShutdownGrace,
+			Grace: cfg.ShutdownGrace, HoldFor: holdFor(cfg.FeedHeartbeat),
 		},
 		couch:       d.couch,
 		store:       checkpoint.NewStore(d.couch, cfg.DBName),
@@ -91,6 +91,10 @@ func runProducer(ctx context.Context, cfg *config.Producer, log *logrus.Logger) 
 		resync:      make(chan struct{}, 1),
 	}
 	p.pub = newPublisher(natsjs.NewJobs(d.js, d.topo.Subjects), cfg.MaxInflight, p.metrics, plog)
+	if cfg.HotFeeds > 0 {
+		p.hot = newHotFeeds(d.couch, p.pub, func(db string) []events.Group { return p.rules.Groups(db).Groups() },
+			cfg.HotFeeds, cfg.HotFeedIdle, cfg.FeedHeartbeat, p.metrics, log.WithField("component", "hot"))
+	}
 
 	srv := health.New(cfg.HTTPAddr, reg, readiness(d, cfg.DBName, p.feedHealth), log.WithField("component", "http"))
 	var wg sync.WaitGroup
@@ -122,6 +126,10 @@ func runProducer(ctx context.Context, cfg *config.Producer, log *logrus.Logger) 
 	plog.WithFields(logrus.Fields{"replicators": st.Replicators, "on_changes": st.OnChanges, "rejected": st.Rejected}).Info("rules loaded")
 
 	var feedWG sync.WaitGroup
+	if p.hot != nil {
+		feedWG.Add(1)
+		go func() { defer feedWG.Done(); p.hot.Run(ctx) }()
+	}
 	feedWG.Add(4)
 	go func() {
 		defer feedWG.Done()

@@ -116,6 +116,13 @@ func Dashboard() (dashboard.Dashboard, error) {
 		"ops",
 		query{fmt.Sprintf("sum by (job, instance) (%s)", rate("spiegel_feed_errors_total")), "feed {{instance}}"},
 		query{fmt.Sprintf("sum by (group) (%s)", rate("spiegel_publish_errors_total")), "publish {{group}}"}))
+	p.add(graph("Hot feeds", "Continuous _changes feeds open on recently changed dbs (SPIEGEL_HOT_FEEDS), publishes "+
+		"of jobs on changes they delivered, and db-update events passed over because a hot feed covers the db. "+
+		"Open feeds pinned at SPIEGEL_HOT_FEEDS mean more dbs are busy than feeds allowed: the rest wait for _db_updates.",
+		"short",
+		query{fmt.Sprintf("sum by (job, instance) (%s)", sel("spiegel_hot_feeds")), "open {{instance}}"},
+		query{fmt.Sprintf("sum(%s)", rate("spiegel_hot_feed_publishes_total")), "publishes/s"},
+		query{fmt.Sprintf("sum(%s)", rate("spiegel_feed_events_covered_total")), "events passed over/s"}))
 	p.add(graph("Rules", "Valid rules loaded by kind, and rule docs rejected as invalid (producer status lists why).",
 		"short",
 		query{fmt.Sprintf("max by (kind) (%s)", sel("spiegel_rules_loaded")), "{{kind}}"},

@@ -58,6 +58,8 @@ type Producer struct {
 	SweepInterval        time.Duration `envconfig:"SPIEGEL_SWEEP_INTERVAL" default:"10m" desc:"reconciliation sweep period for db_updates/global_changes (0: off)"`
 	PositionSaveInterval time.Duration `envconfig:"SPIEGEL_POSITION_SAVE_INTERVAL" default:"2s" desc:"how often the feed position is saved"`
 	MaxInflight          int           `envconfig:"SPIEGEL_PUBLISH_MAX_INFLIGHT" default:"4096" desc:"job publishes awaiting JetStream's ack at once"`
+	HotFeeds             int           `envconfig:"SPIEGEL_HOT_FEEDS" default:"500" desc:"continuous _changes feeds kept open on the dbs that changed last, whose jobs are published the moment they change (0: off)"`
+	HotFeedIdle          time.Duration `envconfig:"SPIEGEL_HOT_FEED_IDLE" default:"1m" desc:"a hot feed without a change for this long is closed"`
 	ShutdownGrace        time.Duration `envconfig:"SPIEGEL_SHUTDOWN_GRACE" default:"10s" desc:"time allowed on SIGTERM to flush publishes and save the position"`
 }
 
@@ -79,7 +81,11 @@ func (c *Producer) Validate() error {
 		positive("SPIEGEL_FEED_HEARTBEAT", c.FeedHeartbeat),
 		positive("SPIEGEL_POLL_INTERVAL", c.PollInterval),
 		positive("SPIEGEL_POSITION_SAVE_INTERVAL", c.PositionSaveInterval),
-		positive("SPIEGEL_SHUTDOWN_GRACE", c.ShutdownGrace))
+		positive("SPIEGEL_SHUTDOWN_GRACE", c.ShutdownGrace),
+		positive("SPIEGEL_HOT_FEED_IDLE", c.HotFeedIdle))
+	if c.HotFeeds < 0 {
+		errs = append(errs, fmt.Errorf("SPIEGEL_HOT_FEEDS=%d: must not be negative", c.HotFeeds))
+	}
 	if c.SweepInterval < 0 {
 		errs = append(errs, fmt.Errorf("SPIEGEL_SWEEP_INTERVAL=%s: must not be negative", c.SweepInterval))
 	}
