@@ -24,8 +24,9 @@ import (
 //   - a change made before the feed was open is read by the first job the feed published, which
 //     was offered after the feed was open;
 //   - a change made after it is delivered by the feed, which publishes its jobs;
-//   - when a feed ends (idle, evicted, failed) after passing over an event whose change it has
-//     not delivered since, it publishes the db's jobs once more;
+//   - when a feed ends after passing over an event, it publishes the db's jobs once more — unless
+//     it is closed as idle, having stayed up (not torn down as stalled) for longer after its
+//     last change than a stalled feed lasts, so it delivered every change there was;
 //   - should the process die, the saved position stays before every passed-over event for
 //     holdFor (publisher.SaveCandidate), longer than a feed takes to deliver a change or be torn
 //     down as stalled (twice its heartbeat): the next producer reads those events again.
@@ -62,9 +63,8 @@ type hotFeed struct {
 	// kick asks publishLoop for the db's jobs; a burst of changes while one publish is in
 	// flight is one more publish, not one each
 	kick chan struct{}
-	// passed: a db-updates event was passed over since the feed last delivered a change;
-	// passedEver: one was, at any time
-	passed, passedEver bool
+	// passedOver: a db-updates event of the db was passed over (see follow)
+	passedOver bool
 }
 
 // Reasons a hot feed is closed.
@@ -137,7 +137,7 @@ func (h *hotFeeds) Covers(db string) bool {
 	if !ok || !f.covers || f.closing != "" {
 		return false
 	}
-	f.passed, f.passedEver = true, true
+	f.passedOver = true
 	return true
 }
 
@@ -219,7 +219,7 @@ func (h *hotFeeds) follow(ctx context.Context, f *hotFeed) {
 		h.failed[f.db] = time.Now().Add(h.retryAfter)
 		h.pruneFailedLocked()
 	}
-	why, passed, passedEver := f.closing, f.passed, f.passedEver
+	why, passedOver := f.closing, f.passedOver
 	h.mu.Unlock()
 	<-pubDone
 	if why == closeFailed && !errors.Is(err, couch.ErrNotFound) {
@@ -227,9 +227,10 @@ func (h *hotFeeds) follow(ctx context.Context, f *hotFeed) {
 	} else {
 		log.WithField("reason", why).Debug("hot feed closed")
 	}
-	// After an idle minute the feed has delivered every change it passed over an event for; a
-	// feed that ended otherwise may not have.
-	again := passed || passedEver && why != closeIdle
+	// A feed closed as idle stayed up (it was not torn down as stalled) for longer than a stalled
+	// one lasts after its last change: it delivered the change of every event it passed over.
+	// A feed that ended otherwise may not have.
+	again := passedOver && (why != closeIdle || h.idle <= 2*h.heartbeat)
 	if why == closeStopped || why == closeDeleted || why == closeNoRule || !again {
 		// Stopping: the saved position holds the passed-over events. Deleted or unmatched: no
 		// job is wanted.
@@ -253,7 +254,7 @@ func (h *hotFeeds) runCtx() context.Context {
 func (h *hotFeeds) changed(f *hotFeed) {
 	h.mu.Lock()
 	if f.closing == "" {
-		f.changed, f.passed = time.Now(), false
+		f.changed = time.Now()
 		h.order.MoveToFront(f.elem)
 	}
 	h.mu.Unlock()

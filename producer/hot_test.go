@@ -152,3 +152,21 @@ func TestHotFeedKilledProducerReadsPassedOverEventsAgain(t *testing.T) {
 	e.startProducer(t)
 	e.waitJob(t, rep, db, 20*time.Second)
 }
+
+// A feed closed as idle publishes nothing: it stayed up longer after its last change than a
+// stalled feed lasts, so it delivered every change whose event it passed over.
+func TestHotFeedIdleClosesQuietly(t *testing.T) {
+	e := newHotEnv(t, 10)
+	e.cfg.HotFeedIdle = 5 * time.Second // more than twice the heartbeat (2s)
+	db := e.Prefix + "quiet"
+	e.Couch.CreateDB(t, db)
+	e.putRule(t, "rep", map[string]any{"type": "replicator", "source": db, "target": db + "_copy"})
+	e.startProducer(t)
+	e.waitJob(t, rep, db, 20*time.Second)
+	e.writeUntil(t, db, 30*time.Second, func() bool { return e.passedOverFor(db) }, "event of quiet passed over")
+	e.quiet(t, rep, db)
+	require.Eventually(t, func() bool {
+		return strings.Contains(e.Logs.String(), `"msg":"hot feed closed","reason":"idle"`)
+	}, 20*time.Second, 50*time.Millisecond, "the feed was not closed as idle")
+	e.noJobFor(t, rep, db, 500*time.Millisecond)
+}
