@@ -45,10 +45,11 @@ type producer struct {
 	savedState checkpoint.Position
 	resync     chan struct{} // runResyncs enqueues every matched db on a signal
 
-	saveMu     sync.Mutex // serializes saves
-	savedDue   uint64     // the publisher's due count at the last save
-	heldBack   bool       // the last save stopped before the safe position (SaveCandidate)
-	lastSaveAt time.Time
+	saveMu      sync.Mutex // serializes saves
+	savedDue    uint64     // the publisher's due count at the last save
+	heldBack    bool       // the last save stopped before the safe position (SaveCandidate)
+	lastSaveAt  time.Time
+	lastWriteAt time.Time // of the last position write
 }
 
 // producerSettings are the parts of the configuration the producer's loop uses.
@@ -346,7 +347,13 @@ func (p *producer) save(ctx context.Context, rulesSeq string) {
 	p.feedMu.Unlock()
 
 	next := saved
-	if safe != "" && (due != p.savedDue || p.heldBack || source != saved.Source) {
+	move := safe != "" && (due != p.savedDue || p.heldBack || source != saved.Source)
+	if move && held && source == saved.Source && time.Since(p.lastWriteAt) < p.cfg.HoldFor {
+		// Held back by hot feeds, the candidate creeps forward as holds expire: write it at
+		// most once per hold time, and the whole position once no hold is left.
+		move = false
+	}
+	if move {
 		next.LastSeq, next.Source = safe, source
 	}
 	if rulesSeq != "" {
@@ -367,7 +374,7 @@ func (p *producer) save(ctx context.Context, rulesSeq string) {
 	p.savedState = next
 	p.feedMu.Unlock()
 	p.savedDue, p.heldBack = due, held
-	p.lastSaveAt = time.Now()
+	p.lastSaveAt, p.lastWriteAt = time.Now(), time.Now()
 	p.log.WithField("seq", next.LastSeq).Debug("saved producer position")
 }
 
