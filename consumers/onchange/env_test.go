@@ -20,7 +20,6 @@ import (
 	"github.com/spiegel-nats/spiegel/pkg/config"
 	"github.com/spiegel-nats/spiegel/pkg/consumer"
 	"github.com/spiegel-nats/spiegel/pkg/couch"
-	"github.com/spiegel-nats/spiegel/pkg/couchtest"
 	"github.com/spiegel-nats/spiegel/pkg/events"
 	"github.com/spiegel-nats/spiegel/pkg/logtest"
 	"github.com/spiegel-nats/spiegel/pkg/natsjs"
@@ -106,26 +105,32 @@ func waitRule(t testing.TB, id, rev string, apps ...*consumer.App) {
 // enqueue publishes an onchange job for db, as the producer would (deduplicated while pending).
 func (e *env) enqueue(t testing.TB, db string) { e.Enqueue(t, events.GroupOnChange, db) }
 
-// checkpoint returns the rule's checkpoint in db ("" and false when there is none).
+// checkpoint returns the rule's checkpoint in db ("" and false when there is none) as a job
+// reads it: from the cache, else from the _local doc (which may trail the cache, see
+// checkpoint.OnChangeStore.LocalEvery).
 func (e *env) checkpoint(t testing.TB, rule, db string) (string, bool) {
-	var doc struct {
-		LastSeq string `json:"last_seq"`
-	}
-	path := "/" + couchtest.PathDB(db) + "/_local/" + couchtest.PathDB(checkpoint.LocalPrefix+rule)
-	if err := e.Couch.Do(t, "GET", path, nil, &doc); err != nil {
+	t.Helper()
+	p, err := e.onChangeStore(t).Load(t.Context(), rule, db)
+	if err != nil {
 		return "", false
 	}
-	return doc.LastSeq, true
+	return p.LastSeq, p.Found
 }
 
-// replay resets rule's checkpoint in db to the beginning, as `producer replay` does.
-func (e *env) replay(t testing.TB, rule, db string) {
+// onChangeStore returns a checkpoint store over the env's server and cache.
+func (e *env) onChangeStore(t testing.TB) *checkpoint.OnChangeStore {
 	t.Helper()
 	c, err := couch.New(couch.Config{URL: e.Couch.URL}, nil)
 	require.NoError(t, err)
 	kv, err := natsjs.OnChangeBucket(t.Context(), e.JS, natsjs.DefaultTopology(""))
 	require.NoError(t, err)
-	require.NoError(t, checkpoint.NewOnChangeStore(c, kv).Reset(t.Context(), rule, db, ""))
+	return checkpoint.NewOnChangeStore(c, kv)
+}
+
+// replay resets rule's checkpoint in db to the beginning, as `producer replay` does.
+func (e *env) replay(t testing.TB, rule, db string) {
+	t.Helper()
+	require.NoError(t, e.onChangeStore(t).Reset(t.Context(), rule, db, ""))
 }
 
 // hit is one request the sink received.

@@ -28,13 +28,19 @@ var ErrMoved = errors.New("the checkpoint was moved meanwhile")
 // keeps its checkpoints: a _local doc in the watched db. _local docs appear in no _changes or
 // _db_updates feed, are not replicated, and vanish with a deleted db, so that a recreated db
 // starts from its beginning by itself. A NATS key-value bucket caches them, so that a job
-// reads no checkpoint from CouchDB: a job that makes progress costs its _changes read and one
-// _local write, and one that finds nothing new a _changes read and a _local read (the check
-// that the cached checkpoint still exists: see Verify). Every CouchDB request ends at the
-// client's request timeout. Safe for concurrent use.
+// reads no checkpoint from CouchDB: a job that makes progress costs its _changes read and a
+// _local write (at most one per LocalEvery, see Save), and one that finds nothing new a _changes
+// read and a _local read (the check that the cached checkpoint still exists: see Verify). Every
+// CouchDB request ends at the client's request timeout. Safe for concurrent use.
 type OnChangeStore struct {
 	couch *couch.Client
 	kv    jetstream.KeyValue // nil: no cache
+	// LocalEvery, when above 0 and a cache is there, batches the _local writes of a busy
+	// checkpoint: Save writes the cache entry (durable in JetStream) every time but the _local
+	// doc only when it is older than LocalEvery. The doc then trails the entry by at most that
+	// long; should the entry be lost, the changes in between are acted on once more
+	// (at-least-once). Set it before use.
+	LocalEvery time.Duration
 }
 
 // NewOnChangeStore returns the store over c's server, caching in kv (may be nil).
@@ -50,10 +56,11 @@ type OnChangePoint struct {
 	// Found is false when the rule has no checkpoint in the db (a new rule or db).
 	Found bool
 
-	rev      string // of the _local doc
-	replayed string // the doc's replayed_at: a replay changes it
-	kvRev    uint64 // revision of the cache entry read (0: none)
-	cached   bool   // read from the cache, not from CouchDB
+	rev      string    // of the _local doc
+	replayed string    // the doc's replayed_at: a replay changes it
+	storedAt time.Time // when the _local doc was last written (zero: unknown)
+	kvRev    uint64    // revision of the cache entry read (0: none)
+	cached   bool      // read from the cache, not from CouchDB
 }
 
 // localDoc is the body of a checkpoint's _local doc.
@@ -65,11 +72,13 @@ type localDoc struct {
 	UpdatedAt  time.Time `json:"updated_at"`
 }
 
-// cacheEntry is the cached form of a checkpoint.
+// cacheEntry is the cached form of a checkpoint. Its LastSeq may be ahead of the _local doc's
+// (OnChangeStore.LocalEvery); Rev and StoredAt are the doc's as last written.
 type cacheEntry struct {
-	LastSeq  string `json:"last_seq"`
-	Rev      string `json:"rev"`
-	Replayed string `json:"replayed,omitempty"`
+	LastSeq  string    `json:"last_seq"`
+	Rev      string    `json:"rev"`
+	Replayed string    `json:"replayed,omitempty"`
+	StoredAt time.Time `json:"stored_at,omitzero"`
 }
 
 // Load returns the checkpoint of rule in db: from the cache, else from the _local doc. A
@@ -81,6 +90,7 @@ func (s *OnChangeStore) Load(ctx context.Context, rule, db string) (OnChangePoin
 		var c cacheEntry
 		if err == nil && json.Unmarshal(e.Value(), &c) == nil {
 			p.LastSeq, p.rev, p.replayed, p.kvRev, p.Found, p.cached = c.LastSeq, c.Rev, c.Replayed, e.Revision(), true, true
+			p.storedAt = c.StoredAt
 			return p, nil
 		}
 		// No entry, or NATS did not answer: CouchDB has the checkpoint.
@@ -127,11 +137,11 @@ func (s *OnChangeStore) Verify(ctx context.Context, p OnChangePoint) error {
 // Save stores seq as p's checkpoint: first the cache entry, on condition that it is still the
 // one p was read from (a replay, or anything that forgot the entry, since then makes it
 // ErrMoved: CouchDB does not check the revs of _local docs, so the cache is what tells), then the
-// _local doc. When PouchDB Server refuses the doc's rev, the doc is read again: gone (the db was
-// deleted and maybe recreated) or reset by a replay is ErrMoved; advanced by another process
-// (whose run ended before this one started: one job per db at a time) is overwritten. On
-// ErrMoved nothing of this run's progress stays behind: the next Load reads the doc. p is
-// updated.
+// _local doc — unless the entry is stored and the doc was written less than LocalEvery ago. When
+// PouchDB Server refuses the doc's rev, the doc is read again: gone (the db was deleted and maybe
+// recreated) or reset by a replay is ErrMoved; advanced by another process (whose run ended
+// before this one started: one job per db at a time) is overwritten. On ErrMoved nothing of this
+// run's progress stays behind: the next Load reads the doc. p is updated.
 func (s *OnChangeStore) Save(ctx context.Context, p *OnChangePoint, seq string) error {
 	moved := func() error {
 		s.Forget(ctx, p.Rule, p.DB)
@@ -139,6 +149,11 @@ func (s *OnChangeStore) Save(ctx context.Context, p *OnChangePoint, seq string) 
 	}
 	if !s.claim(ctx, p, seq) {
 		return moved()
+	}
+	if p.kvRev != 0 && p.Found && p.rev != "" && s.LocalEvery > 0 && !p.storedAt.IsZero() && time.Since(p.storedAt) < s.LocalEvery {
+		// The entry holds seq; the doc, written lately, trails it for now.
+		p.LastSeq, p.cached = seq, true
+		return nil
 	}
 	d := localDoc{Rev: p.rev, Rule: p.Rule, LastSeq: seq, ReplayedAt: p.replayed, UpdatedAt: time.Now().UTC()}
 	rev, err := s.put(ctx, p.Rule, p.DB, d)
@@ -158,7 +173,7 @@ func (s *OnChangeStore) Save(ctx context.Context, p *OnChangePoint, seq string) 
 		s.Forget(ctx, p.Rule, p.DB) // the cache is ahead of the doc: let the next Load read the doc
 		return fmt.Errorf("save checkpoint of rule %s in %s: %w", p.Rule, p.DB, err)
 	}
-	p.LastSeq, p.rev, p.Found = seq, rev, true
+	p.LastSeq, p.rev, p.Found, p.storedAt = seq, rev, true, time.Now()
 	s.cache(ctx, p)
 	return nil
 }
@@ -170,7 +185,7 @@ func (s *OnChangeStore) claim(ctx context.Context, p *OnChangePoint, seq string)
 	if s.kv == nil {
 		return true
 	}
-	v, _ := json.Marshal(cacheEntry{LastSeq: seq, Rev: p.rev, Replayed: p.replayed})
+	v, _ := json.Marshal(cacheEntry{LastSeq: seq, Rev: p.rev, Replayed: p.replayed, StoredAt: p.storedAt})
 	var rev uint64
 	var err error
 	if p.kvRev == 0 {
@@ -262,7 +277,7 @@ func (s *OnChangeStore) cache(ctx context.Context, p *OnChangePoint) {
 		p.cached = false
 		return
 	}
-	v, _ := json.Marshal(cacheEntry{LastSeq: p.LastSeq, Rev: p.rev, Replayed: p.replayed})
+	v, _ := json.Marshal(cacheEntry{LastSeq: p.LastSeq, Rev: p.rev, Replayed: p.replayed, StoredAt: p.storedAt})
 	rev, err := s.kv.Update(ctx, cacheKey(p.Rule, p.DB), v, p.kvRev)
 	if err != nil {
 		s.Forget(ctx, p.Rule, p.DB)

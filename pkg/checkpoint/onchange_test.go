@@ -2,6 +2,7 @@ package checkpoint
 
 import (
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -101,4 +102,42 @@ func TestOnChangeStoreVerify(t *testing.T) {
 	fresh, err := a.Load(ctx, "r", db)
 	require.NoError(t, err)
 	assert.False(t, fresh.Found, "forgotten: read from CouchDB, where there is none")
+}
+
+// TestOnChangeStoreLocalEvery: with LocalEvery, saves within the interval move the cache entry
+// only; the _local doc trails it (what a lost entry falls back to), is still what Verify checks,
+// and is written again once the interval is over. A replay still wins.
+func TestOnChangeStoreLocalEvery(t *testing.T) {
+	a, b, db := newOnChangeStores(t)
+	a.LocalEvery, b.LocalEvery = time.Hour, time.Hour
+	ctx := t.Context()
+	p, err := a.Load(ctx, "r", db)
+	require.NoError(t, err)
+	require.NoError(t, a.Save(ctx, &p, "5-x"), "the first save writes the doc")
+	require.NoError(t, a.Save(ctx, &p, "9-x"))
+	require.NoError(t, a.Save(ctx, &p, "11-x"))
+
+	doc, err := a.read(ctx, OnChangePoint{Rule: "r", DB: db})
+	require.NoError(t, err)
+	assert.Equal(t, "5-x", doc.LastSeq, "the doc trails the entry")
+	q, err := b.Load(ctx, "r", db)
+	require.NoError(t, err)
+	assert.Equal(t, "11-x", q.LastSeq, "another process reads the entry")
+	require.NoError(t, b.Verify(ctx, q), "the trailing doc is still the entry's")
+
+	b.LocalEvery = time.Nanosecond // the interval is over
+	require.NoError(t, b.Save(ctx, &q, "13-x"))
+	doc, err = a.read(ctx, OnChangePoint{Rule: "r", DB: db})
+	require.NoError(t, err)
+	assert.Equal(t, "13-x", doc.LastSeq, "written again once the interval is over")
+
+	run, err := a.Load(ctx, "r", db)
+	require.NoError(t, err)
+	require.NoError(t, b.Reset(ctx, "r", db, "2-x"))
+	require.ErrorIs(t, a.Save(ctx, &run, "20-x"), ErrMoved, "a replay wins over a deferred save")
+
+	a.Forget(ctx, "r", db)
+	lost, err := a.Load(ctx, "r", db)
+	require.NoError(t, err)
+	assert.Equal(t, "2-x", lost.LastSeq, "without the entry, the doc is read")
 }

@@ -32,6 +32,10 @@ import (
 	"github.com/spiegel-nats/spiegel/pkg/worker"
 )
 
+// onChangeLocalEvery batches the _local writes of a busy on_change checkpoint: the cache entry
+// moves with every page, the _local doc at most every 10 s (checkpoint.OnChangeStore.LocalEvery).
+const onChangeLocalEvery = 10 * time.Second
+
 // App is one consumer process's shared state. Build it with Open, hand App.Deps to the
 // handler, then call Run.
 type App struct {
@@ -104,6 +108,7 @@ func Open(ctx context.Context, cfg *config.Consumer, group events.Group, log log
 			return fail(err)
 		}
 		checkpoints = checkpoint.NewOnChangeStore(cc, kv)
+		checkpoints.LocalEvery = onChangeLocalEvery
 		// Earlier releases kept the checkpoints in the spiegel db: move them, once. A failure
 		// leaves them for the next start (until then those rules start over in those dbs).
 		if n, err := checkpoints.MigrateLegacy(ctx, cfg.DBName); err != nil {
