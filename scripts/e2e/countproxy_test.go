@@ -37,6 +37,8 @@ func newCountingProxy(t testing.TB, upstream, spiegelDB string) *countingProxy {
 		},
 		FlushInterval: -1,
 		Transport:     &http.Transport{DisableCompression: true, MaxIdleConnsPerHost: 256},
+		// A process that stops reading (a hot feed closed, a request given up) is no news.
+		ErrorHandler: func(w http.ResponseWriter, _ *http.Request, _ error) { w.WriteHeader(http.StatusBadGateway) },
 	}
 	p.Server = httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		p.mu.Lock()
