@@ -27,7 +27,7 @@ import (
 // CouchDB and NATS (maxPending publishes in flight), checks that install has run (the streams and
 // the consumers of groups) and reads the rule set once. The caller closes d.nc.
 func openAdmin(ctx context.Context, cfg *config.Producer, log *logrus.Logger, maxPending int, groups ...events.Group) (*deps, *rules.Set, error) {
-	d, err := connect(ctx, cfg, log, maxPending)
+	d, err := connectAdmin(ctx, cfg, log, maxPending)
 	if err != nil {
 		return nil, nil, err
 	}

@@ -33,7 +33,7 @@ func runInstall(ctx context.Context, cfg *config.Producer, log *logrus.Logger, c
 	if len(cio.args) > 0 {
 		return usageError{fmt.Errorf("unexpected arguments %q", cio.args)}
 	}
-	d, err := connect(ctx, cfg, log, 256)
+	d, err := connectAdmin(ctx, cfg, log, 256)
 	if err != nil {
 		return err
 	}
@@ -167,7 +167,7 @@ func runUninstall(ctx context.Context, cfg *config.Producer, log *logrus.Logger,
 			return usageError{errors.New("not confirmed; nothing was deleted (use --yes to skip the question)")}
 		}
 	}
-	d, err := connect(ctx, cfg, log, 256)
+	d, err := connectAdmin(ctx, cfg, log, 256)
 	if err != nil {
 		return err
 	}

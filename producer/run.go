@@ -32,9 +32,7 @@ type deps struct {
 }
 
 func connect(ctx context.Context, cfg *config.Producer, log *logrus.Logger, maxPending int) (*deps, error) {
-	cc, err := couch.New(couch.Config{
-		URL: cfg.CouchDBURL, CAFile: cfg.CouchDBCAFile, InsecureSkipVerify: cfg.CouchDBInsecureTLS, RequestTimeout: cfg.CouchDBTimeout,
-	}, log.WithField("component", "couch"))
+	cc, err := newCouch(cfg, log)
 	if err != nil {
 		return nil, err
 	}
@@ -42,6 +40,17 @@ func connect(ctx context.Context, cfg *config.Producer, log *logrus.Logger, maxP
 	if err != nil {
 		return nil, err
 	}
+	return newDeps(cfg, log, cc, nc, maxPending)
+}
+
+func newCouch(cfg *config.Producer, log *logrus.Logger) (*couch.Client, error) {
+	return couch.New(couch.Config{
+		URL: cfg.CouchDBURL, CAFile: cfg.CouchDBCAFile, InsecureSkipVerify: cfg.CouchDBInsecureTLS, RequestTimeout: cfg.CouchDBTimeout,
+	}, log.WithField("component", "couch"))
+}
+
+// newDeps completes the connections of cfg over cc and nc (closed on error).
+func newDeps(cfg *config.Producer, log *logrus.Logger, cc *couch.Client, nc *nats.Conn, maxPending int) (*deps, error) {
 	js, err := jetstream.New(nc, jetstream.WithPublishAsyncMaxPending(maxPending))
 	if err != nil {
 		nc.Close()

@@ -61,6 +61,7 @@ type Producer struct {
 	HotFeeds             int           `envconfig:"SPIEGEL_HOT_FEEDS" default:"500" desc:"continuous _changes feeds kept open on the dbs that changed last, whose jobs are published the moment they change (0: off)"`
 	HotFeedIdle          time.Duration `envconfig:"SPIEGEL_HOT_FEED_IDLE" default:"1m" desc:"a hot feed without a change for this long is closed"`
 	ShutdownGrace        time.Duration `envconfig:"SPIEGEL_SHUTDOWN_GRACE" default:"10s" desc:"time allowed on SIGTERM to flush publishes and save the position"`
+	AdminTimeout         time.Duration `envconfig:"SPIEGEL_ADMIN_TIMEOUT" default:"15s" desc:"how long admin commands wait for CouchDB and NATS before giving up (also --timeout)"`
 }
 
 // Validate checks what envconfig cannot.
@@ -82,7 +83,8 @@ func (c *Producer) Validate() error {
 		positive("SPIEGEL_POLL_INTERVAL", c.PollInterval),
 		positive("SPIEGEL_POSITION_SAVE_INTERVAL", c.PositionSaveInterval),
 		positive("SPIEGEL_SHUTDOWN_GRACE", c.ShutdownGrace),
-		positive("SPIEGEL_HOT_FEED_IDLE", c.HotFeedIdle))
+		positive("SPIEGEL_HOT_FEED_IDLE", c.HotFeedIdle),
+		positive("SPIEGEL_ADMIN_TIMEOUT", c.AdminTimeout))
 	if c.HotFeeds < 0 {
 		errs = append(errs, fmt.Errorf("SPIEGEL_HOT_FEEDS=%d: must not be negative", c.HotFeeds))
 	}
