@@ -29,6 +29,7 @@ Usage:
   producer uninstall       remove streams and consumers (and the spiegel db unless --keep-db); asks first unless --yes
   producer resync          enqueue a job for every db a rule matches [--db REGEX]
   producer replay          dispatch an on_change rule's history again: --rule ID [--db REGEX] [--since SEQ]
+  producer deadletters     list, retry or purge dead letters: list|retry|purge [--group G] [--rule ID] [--db REGEX] [--since AGE]
   producer status          rules loaded and rejected, pending and in-flight jobs, producer position [--json]
 
 Every command accepts --help and --version. The admin commands wait at most --timeout (default
@@ -165,6 +166,8 @@ var commands = map[string]command{
 	"resync":    runResync,
 	"replay":    runReplay,
 	"status":    runStatus,
+
+	"deadletters": runDeadLetters,
 }
 
 // usageError marks a bad command line (exit code 2).
@@ -183,6 +186,16 @@ var commandHelp = map[string]string{
 	"replay": `producer replay --rule ID [--db REGEX] [--since SEQ] — reset the checkpoints of the on_change rule
   ID (in the dbs it matches, optionally only those matching REGEX) to the beginning or to SEQ, and
   enqueue those dbs, so the rule's history is dispatched again.`,
+	"deadletters": `producer deadletters list|retry|purge [--group G] [--rule ID] [--db REGEX] [--since AGE]
+      [--before ID] [--limit N] [--json] [--yes]
+  list: the dead-letter records that match, newest first (50 unless --limit; --before ID shows the
+    next page): id, time, group, rule, db, seq, doc id, status, attempts, error.
+  retry: re-drive them, then delete them. An on_change record resumes its rule in its db from just
+    before the failed change (the checkpoint moves back only if it is past that point; later
+    changes are dispatched again too); a replicator record enqueues its db. Records whose rule
+    or db is gone are kept, with the reason. Asks for confirmation unless --yes.
+  purge: delete them. Asks for confirmation unless --yes.
+  --group is replicate or onchange; --db an RE2 regex; --since an age such as 90m, 24h or 7d.`,
 	"status": `producer status [--json] — rules loaded and rejected (with reasons), pending and in-flight jobs
   per group, dead letters, and the producer's saved position.`,
 }

@@ -2,6 +2,7 @@ package main
 
 import (
 	"bytes"
+	"cmp"
 	"context"
 	"encoding/json"
 	"sync"
@@ -60,6 +61,7 @@ type action struct {
 	msg     *changeMsg     // subject rules: the message to publish (nil if it could not be built)
 	details map[string]any // for a dead-letter record; never a password
 	owner   int            // index of the action that covers this one (debounce), or its own
+	since   string         // the seq just before the change: where a re-drive of its dead letter resumes
 }
 
 // batchResult is how far a batch got.
@@ -83,16 +85,19 @@ const (
 // after the previous one finished; without it up to requestConcurrency run at once. Subject
 // rules publish in feed order whatever block says (see publishBatch). No request is started
 // after one has deferred or failed. The result's done counts the head of the batch that is
-// finished, the only part the checkpoint may pass.
-func (h *handler) processBatch(ctx context.Context, db string, rule *rules.OnChange, rows []couch.Change, log logrus.FieldLogger) batchResult {
+// finished, the only part the checkpoint may pass. since is the seq the page was read from.
+func (h *handler) processBatch(ctx context.Context, db string, rule *rules.OnChange, since string, rows []couch.Change, log logrus.FieldLogger) batchResult {
 	acts := make([]*action, len(rows))
 	seen := map[string]int{}
+	prev := cmp.Or(since, "0")
 	for i, row := range rows {
 		a := h.newAction(db, rule, change{row})
+		before := prev
+		prev = row.Seq
 		if a == nil {
 			continue
 		}
-		a.owner = i
+		a.owner, a.since = i, before
 		if rule.Debounce && rule.Subject == "" {
 			if first, ok := seen[a.key]; ok {
 				a.owner = first
@@ -251,7 +256,7 @@ func (h *handler) act(ctx context.Context, db string, rule *rules.OnChange, a *a
 		return stateFailed, 0, out.Err // ctx ended
 	}
 	rec := worker.DeadLetter{
-		Group: events.GroupOnChange, DB: db, Rule: rule.ID(), Seq: a.c.Seq, DocID: a.c.ID,
+		Group: events.GroupOnChange, DB: db, Rule: rule.ID(), Seq: a.c.Seq, Since: a.since, DocID: a.c.ID,
 		Status: out.Status, Error: logging.RedactText(out.Err.Error()), Attempts: out.Attempts, Details: a.details,
 	}
 	if err := h.dead.Publish(ctx, rec); err != nil {

@@ -104,6 +104,12 @@ func TestRetryLimitDeadLetter(t *testing.T) {
 	assert.Equal(t, db, d.DB)
 	assert.Equal(t, "bad", d.DocID)
 	assert.Equal(t, hs[first].param("seq"), d.Seq, "the record names the change's seq")
+	var after struct {
+		Results []struct{ ID string } `json:"results"`
+	}
+	require.NoError(t, e.Couch.Do(t, "GET", "/"+url.PathEscape(db)+"/_changes?limit=1&since="+url.QueryEscape(d.Since), nil, &after))
+	require.NotEmpty(t, after.Results, "since %q", d.Since)
+	assert.Equal(t, "bad", after.Results[0].ID, "the record's since is just before its change: a re-drive resumes there")
 	assert.Equal(t, 500, d.Status)
 	assert.Equal(t, 3, d.Attempts)
 	assert.Contains(t, d.Error, "500")

@@ -209,7 +209,7 @@ func (h *handler) runRule(ctx context.Context, db string, rule *rules.OnChange) 
 		if full && page.LastSeq != "" {
 			readFrom, pending = page.LastSeq, h.readPage(ctx, db, page.LastSeq)
 		}
-		b := h.processBatch(ctx, db, rule, page.Results, log)
+		b := h.processBatch(ctx, db, rule, since, page.Results, log)
 		next := since
 		switch {
 		case b.done == len(page.Results) && page.LastSeq != "":

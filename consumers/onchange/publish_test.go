@@ -147,7 +147,7 @@ func msgID(i int) string { return fmt.Sprintf("db/d%02d/1-a", i) }
 func runSettling(t *testing.T, h *handler, r *rules.OnChange, fs *fakeStream, ctx context.Context, n int) batchResult {
 	t.Helper()
 	done := make(chan batchResult, 1)
-	go func() { done <- h.processBatch(ctx, "db", r, rows(n), h.log) }()
+	go func() { done <- h.processBatch(ctx, "db", r, "", rows(n), h.log) }()
 	for {
 		select {
 		case res := <-done:
@@ -213,7 +213,7 @@ func TestPublishBatchCancelled(t *testing.T) {
 	h, r := subjectHandler(t, fs, fastRetry)
 	ctx, cancel := context.WithCancel(t.Context())
 	cancel()
-	res := h.processBatch(ctx, "db", r, rows(10), h.log)
+	res := h.processBatch(ctx, "db", r, "", rows(10), h.log)
 	assert.Equal(t, 0, res.done)
 	assert.True(t, errors.Is(res.err, context.Canceled), "%v", res.err)
 }

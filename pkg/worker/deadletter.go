@@ -20,6 +20,7 @@ type DeadLetter struct {
 	DB       string         `json:"db"`
 	Rule     string         `json:"rule,omitempty"`
 	Seq      string         `json:"seq,omitempty"`
+	Since    string         `json:"since,omitempty"` // on_change: the seq just before Seq, where a re-drive resumes
 	DocID    string         `json:"doc_id,omitempty"`
 	Status   int            `json:"status,omitempty"`
 	Error    string         `json:"error"`

@@ -150,6 +150,28 @@ func runCmd(t testing.TB, bin string, env []string, args ...string) (string, int
 	}
 }
 
+// runCmdIO runs bin args... with env and stdin to completion (bounded by 30s) and returns its
+// stdout, its stderr and its exit code (-1 when it could not run or was killed).
+func runCmdIO(t testing.TB, bin string, env []string, stdin string, args ...string) (stdout, stderr string, code int) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, bin, args...)
+	cmd.Env, cmd.Stdin = env, strings.NewReader(stdin)
+	var out, errOut strings.Builder
+	cmd.Stdout, cmd.Stderr = &out, &errOut
+	err := cmd.Run()
+	var ee *exec.ExitError
+	switch {
+	case err == nil:
+		return out.String(), errOut.String(), 0
+	case errors.As(err, &ee) && ee.ExitCode() >= 0:
+		return out.String(), errOut.String(), ee.ExitCode()
+	default:
+		return out.String(), errOut.String() + "\n(" + err.Error() + ")", -1
+	}
+}
+
 // waitFor polls cond every 100ms until it holds; it fails the test when within passes or when
 // one of procs exits meanwhile.
 func waitFor(t testing.TB, within time.Duration, what string, procs []*proc, cond func() bool) {

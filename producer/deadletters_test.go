@@ -1,0 +1,84 @@
+package main
+
+import (
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/spiegel-nats/spiegel/pkg/events"
+	"github.com/spiegel-nats/spiegel/pkg/rules"
+	"github.com/spiegel-nats/spiegel/pkg/worker"
+)
+
+func TestParseAge(t *testing.T) {
+	for in, want := range map[string]time.Duration{"": 0, "90m": 90 * time.Minute, "24h": 24 * time.Hour, "7d": 7 * 24 * time.Hour} {
+		got, err := parseAge(in)
+		require.NoError(t, err, in)
+		assert.Equal(t, want, got, in)
+	}
+	for _, in := range []string{"yesterday", "-1h", "0s", "0d", "xd", "1.5d"} {
+		_, err := parseAge(in)
+		assert.Error(t, err, in)
+	}
+}
+
+func TestSeqAfter(t *testing.T) {
+	assert.True(t, seqAfter("12", "3"), "PouchDB seqs are numbers")
+	assert.False(t, seqAfter("3", "12"))
+	assert.False(t, seqAfter("7", "7"))
+	assert.True(t, seqAfter("12-g1AAAAB5eJzLYWBgYMpgTmHgz8tPSTV0MDQy", "9-g1AAAACbeJzLYWBgYMpgTmHgz8tPST"), "CouchDB's lead with their sum")
+	assert.False(t, seqAfter("9-g1AAAACbeJzLYWBgYMpgTmHgz8tPST", "12-g1AAAAB5eJzLYWBgYMpgTmHgz8tPSTV0MDQy"))
+	assert.True(t, seqAfter("now", "3"), "without a number: after (move back rather than skip)")
+	assert.True(t, seqAfter("3", "opaque"))
+}
+
+func TestPlanRedrives(t *testing.T) {
+	set := rules.NewSet()
+	for id, doc := range map[string]string{
+		"hook":  `{"type":"on_change","db_name":"^user","url":"http://hooks.example/x"}`,
+		"off":   `{"type":"on_change","db_name":"^user","url":"http://hooks.example/x","disabled":true}`,
+		"copy":  `{"type":"replicator","db_name":"^user","source":"$db_name","target":"http://t.example/c_$db_name"}`,
+		"other": `{"type":"on_change","db_name":"^team","url":"http://hooks.example/x"}`,
+	} {
+		_, err := set.Apply(id, []byte(doc), false)
+		require.NoError(t, err, id)
+	}
+	rec := func(id uint64, g events.Group, rule, db, seq, since string) deadLetter {
+		return deadLetter{ID: id, DeadLetter: worker.DeadLetter{Group: g, Rule: rule, DB: db, Seq: seq, Since: since}}
+	}
+	// newest first, as read
+	recs := []deadLetter{
+		rec(9, events.GroupOnChange, "hook", "user1", "15-x", "14-x"),
+		rec(8, events.GroupOnChange, "hook", "user1", "5-x", "4-x"),
+		rec(7, events.GroupReplicate, "copy", "user1", "", ""),
+		rec(6, events.GroupOnChange, "hook", "user2", "8", ""),
+		rec(5, events.GroupOnChange, "off", "user1", "3", "2"),
+		rec(4, events.GroupOnChange, "gone", "user1", "3", "2"),
+		rec(3, events.GroupOnChange, "other", "user1", "3", "2"),
+		rec(2, events.GroupReplicate, "hook", "user3", "", ""),
+		rec(1, events.GroupOnChange, "hook", "user4", "", ""),
+	}
+	plans := planRedrives(recs, set)
+	got := map[string]*redrive{}
+	for _, p := range plans {
+		got[string(p.group)+"/"+p.rule+"/"+p.db] = p
+	}
+	require.Len(t, got, 8)
+	p := got["onchange/hook/user1"]
+	assert.Equal(t, "4-x", p.since, "the earliest resume point")
+	assert.Empty(t, p.skip)
+	assert.Equal(t, []uint64{8, 9}, []uint64{p.recs[0].ID, p.recs[1].ID}, "oldest first")
+	assert.Empty(t, got["replicate/copy/user1"].skip)
+	assert.Empty(t, got["replicate/copy/user1"].since)
+	assert.Contains(t, got["onchange/hook/user2"].skip, "without a resume point: use producer replay --rule hook --db '^user2$' --since")
+	assert.Contains(t, got["onchange/off/user1"].skip, `rule "off" no longer exists, is invalid or is disabled`)
+	assert.Contains(t, got["onchange/gone/user1"].skip, `rule "gone" no longer exists`)
+	assert.Contains(t, got["onchange/other/user1"].skip, "no longer matches the db")
+	assert.Contains(t, got["replicate/hook/user3"].skip, `rule "hook" is now of kind on_change`)
+	assert.Empty(t, got["onchange/hook/user4"].skip, "a record without a seq (unusable subject) only enqueues")
+	assert.Empty(t, got["onchange/hook/user4"].since)
+	assert.True(t, strings.HasPrefix(describePlans(plans), "This re-drives 4 dead letters and deletes them:"))
+}
