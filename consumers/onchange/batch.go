@@ -149,6 +149,11 @@ func (h *handler) processBatch(ctx context.Context, db string, rule *rules.OnCha
 			<-sem
 			break
 		}
+		if limit == 1 {
+			run(i) // one at a time: no goroutine to hand each request to
+			<-sem
+			continue
+		}
 		wg.Go(func() { defer func() { <-sem }(); run(i) })
 	}
 	wg.Wait()
@@ -238,16 +243,19 @@ func (h *handler) newAction(db string, rule *rules.OnChange, c change) *action {
 // counts as done.
 func (h *handler) act(ctx context.Context, db string, rule *rules.OnChange, a *action, log logrus.FieldLogger) (int, time.Duration, error) {
 	key := bookKey(rule.ID(), db, a.c.Seq, a.key)
-	done, wait := h.book.get(key)
+	done, wait, booked := h.book.get(key)
 	if wait > 0 {
 		return stateDeferred, wait, nil
 	}
 	out := webhook.Retrying(ctx, webhook.Retry{Policy: rule.Retry, Done: done, InlineMax: h.inlineRetry}, a.try)
+	if out.Err == nil {
+		if booked {
+			h.book.forget(key)
+		}
+		return stateDone, 0, nil
+	}
 	log = log.WithFields(logrus.Fields{"seq": a.c.Seq, "doc_id": a.c.ID, "attempt": out.Attempts})
 	switch {
-	case out.Err == nil:
-		h.book.forget(key)
-		return stateDone, 0, nil
 	case out.RetryIn > 0:
 		h.book.defer_(key, out.Attempts, out.RetryIn)
 		log.WithError(out.Err).WithField("delay", out.RetryIn.String()).Warn("request failed: retrying later")

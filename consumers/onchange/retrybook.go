@@ -37,15 +37,16 @@ func bookKey(rule, db, seq, requestKey string) string {
 	return rule + "\x00" + db + "\x00" + seq + "\x00" + requestKey
 }
 
-// get returns the attempts made so far and how long until the next one is due (≤ 0: now).
-func (b *retryBook) get(key string) (attempts int, wait time.Duration) {
+// get returns the attempts made so far and how long until the next one is due (≤ 0: now);
+// found is false when key has no entry.
+func (b *retryBook) get(key string) (attempts int, wait time.Duration, found bool) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	e, ok := b.entries[key]
 	if !ok {
-		return 0, 0
+		return 0, 0, false
 	}
-	return e.attempts, e.notBefore.Sub(b.now())
+	return e.attempts, e.notBefore.Sub(b.now()), true
 }
 
 // defer records that key was attempted attempts times and is due again after wait.
