@@ -1,7 +1,6 @@
 package main
 
 import (
-	"bufio"
 	"context"
 	_ "embed"
 	"encoding/json"
@@ -160,12 +159,8 @@ func runUninstall(ctx context.Context, cfg *config.Producer, log *logrus.Logger,
 	if !*keep {
 		what += fmt.Sprintf(", and the spiegel db %q with every rule and checkpoint", cfg.DBName)
 	}
-	if !*yes {
-		fmt.Fprintf(cio.stderr, "This deletes %s.\nType \"yes\" to continue: ", what)
-		answer, _ := bufio.NewReader(cio.stdin).ReadString('\n')
-		if strings.TrimSpace(answer) != "yes" {
-			return usageError{errors.New("not confirmed; nothing was deleted (use --yes to skip the question)")}
-		}
+	if !*yes && !confirm(cio, "This deletes "+what+".") {
+		return usageError{errors.New("not confirmed; nothing was deleted (use --yes to skip the question)")}
 	}
 	d, err := connectAdmin(ctx, cfg, log, 256)
 	if err != nil {
