@@ -2,8 +2,6 @@ package e2e
 
 import (
 	"fmt"
-	"maps"
-	"slices"
 	"strconv"
 	"strings"
 
@@ -53,30 +51,7 @@ func workloadReport(cs *couchtest.Server, w workload, results []workloadResult) 
 			continue
 		}
 		fmt.Fprintf(&sb, "\n### Requests per written doc: %s\n\n", r.setup.name)
-		sb.WriteString(endpointTable(r.record(cs, w)))
-	}
-	return sb.String()
-}
-
-// endpointTable renders a run's requests per written doc and per idle second, by process and
-// endpoint, as a Markdown table.
-func endpointTable(r benchdata.Run) string {
-	var sb strings.Builder
-	sb.WriteString("| process | endpoint | per doc | while idle, per s |\n|---|---|---|---|\n")
-	idleFor := r.IdleEndS - r.IdleStartS
-	names := slices.Sorted(maps.Keys(r.Requests))
-	for _, name := range names {
-		eps := maps.Clone(r.Requests[name])
-		for ep := range r.IdleRequests[name] {
-			eps[ep] += 0
-		}
-		for _, ep := range slices.Sorted(maps.Keys(eps)) {
-			idle := 0.0
-			if idleFor > 0 {
-				idle = float64(r.IdleRequests[name][ep]) / idleFor
-			}
-			fmt.Fprintf(&sb, "| %s | `%s` | %.2f | %.2f |\n", name, ep, r.PerDoc(r.Requests[name][ep]), idle)
-		}
+		sb.WriteString(benchdata.EndpointTable(r.record(cs, w)))
 	}
 	return sb.String()
 }

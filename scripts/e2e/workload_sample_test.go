@@ -21,9 +21,10 @@ type sampler struct {
 }
 
 // startSampler samples until ctx ends; procs (may be none) are matched to proxies by name, js
-// may be nil (the baseline has no JetStream). Samples are timed from started.
+// may be nil (the baseline has no JetStream). A serverPID above 0 is the CouchDB server's
+// process, sampled as "server" (its connections are not counted). Samples are timed from started.
 func startSampler(ctx context.Context, started time.Time, interval time.Duration, procs []*proc,
-	proxies map[string]*countingProxy, js jetstream.JetStream,
+	proxies map[string]*countingProxy, js jetstream.JetStream, serverPID int,
 ) *sampler {
 	s := &sampler{done: make(chan struct{})}
 	go func() {
@@ -36,8 +37,12 @@ func startSampler(ctx context.Context, started time.Time, interval time.Duration
 				_, open, _ := p.snapshot(false)
 				sample.ProxyConns[name] = open
 			}
-			if len(procs) > 0 {
+			if len(procs) > 0 || serverPID > 0 {
 				sample.Procs = map[string]benchdata.Proc{}
+				if st, err := readProc(serverPID, 0); serverPID > 0 && err == nil {
+					st.CouchConns = 0
+					sample.Procs["server"] = st
+				}
 				for _, p := range procs {
 					if !p.running() {
 						continue

@@ -44,7 +44,8 @@ import (
 // On PouchDB Server the _db_updates feed is the test proxy's (couchtest.UpdatesProxy), which
 // batches writes for 500 ms like CouchDB 3's default max_write_delay. Tunables: BENCH_DBS (100),
 // BENCH_RATE (10), BENCH_DURATION (20s), BENCH_IDLE (15s), BENCH_SYNC_LIMIT (5m: how long the
-// baseline may take for its initial sync before the writer starts anyway). BENCH_REPORT_DIR gets
+// baseline may take for its initial sync before the writer starts anyway), BENCH_SERVER_PID (the
+// server's process on this machine, sampled from /proc like the pipeline's). BENCH_REPORT_DIR gets
 // workload.md and, per setup, the run's record (scripts/benchreport/benchdata) for the
 // end-to-end report (make bench-e2e).
 func BenchmarkWorkload(b *testing.B) {
@@ -96,6 +97,7 @@ type workload struct {
 	rate                   float64
 	duration, idle         time.Duration
 	syncLimit              time.Duration // for the baseline's initial sync
+	serverPID              int           // the CouchDB server's process, when known and local
 }
 
 func workloadFromEnv(b *testing.B) workload {
@@ -122,6 +124,13 @@ func workloadFromEnv(b *testing.B) workload {
 			}
 			*d = x
 		}
+	}
+	if v := os.Getenv("BENCH_SERVER_PID"); v != "" {
+		pid, err := strconv.Atoi(v)
+		if err != nil || pid <= 0 {
+			b.Fatalf("BENCH_SERVER_PID=%q: want the pid of the CouchDB server's process", v)
+		}
+		w.serverPID = pid
 	}
 	w.active = max(1, w.dbs/10)
 	return w
@@ -266,7 +275,7 @@ func runWorkload(b *testing.B, root string, cs *couchtest.Server, up *couchtest.
 		_, js = ns.Connect(b)
 	}
 	sampleCtx, stopSampling := context.WithCancel(ctx)
-	smp := startSampler(sampleCtx, started, time.Second, procs, proxies, js)
+	smp := startSampler(sampleCtx, started, time.Second, procs, proxies, js, w.serverPID)
 	defer stopSampling()
 
 	var onTarget int

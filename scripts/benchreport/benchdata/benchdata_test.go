@@ -87,3 +87,19 @@ func TestFileRoundTrip(t *testing.T) {
 	assert.Equal(t, want.Samples, got.Samples)
 	assert.Equal(t, "workload-hot-100.json", filepath.Base(path))
 }
+
+func TestEndpointTable(t *testing.T) {
+	t.Parallel()
+	r := Run{
+		Writes:       make([]Write, 4),
+		IdleStartS:   0,
+		IdleEndS:     2,
+		Requests:     map[string]map[string]int{"replicator": {"POST db/_bulk_docs": 2}, "producer": {"GET /_db_updates": 1}},
+		IdleRequests: map[string]map[string]int{"producer": {"GET spiegel-db/doc": 4}, "onchange": {"GET db": 2}},
+	}
+	assert.Equal(t, "| process | endpoint | per doc | while idle, per s |\n|---|---|---|---|\n"+
+		"| onchange | `GET db` | 0.00 | 1.00 |\n"+
+		"| producer | `GET /_db_updates` | 0.25 | 0.00 |\n"+
+		"| producer | `GET spiegel-db/doc` | 0.00 | 2.00 |\n"+
+		"| replicator | `POST db/_bulk_docs` | 0.50 | 0.00 |\n", EndpointTable(r))
+}
