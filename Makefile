@@ -3,7 +3,7 @@ VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
 LDFLAGS := -s -w -X github.com/spiegel-nats/spiegel/pkg/config.Version=$(VERSION)
 BIN := bin
 
-.PHONY: all build run test bench fuzz vet clean
+.PHONY: all build run test bench bench-e2e fuzz vet clean
 
 all: build
 
@@ -20,6 +20,9 @@ test:
 
 bench:
 	@scripts/bench.sh
+
+bench-e2e:
+	@scripts/bench-e2e.sh
 
 FUZZTIME ?= 20s
 fuzz:

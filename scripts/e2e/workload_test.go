@@ -1,27 +1,24 @@
 package e2e
 
 import (
-	"bufio"
 	"cmp"
 	"context"
-	"encoding/json"
 	"fmt"
-	"math"
 	"math/rand/v2"
 	"net/http"
-	"net/http/httptest"
 	"os"
 	"path/filepath"
 	"slices"
-	"sort"
 	"strconv"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
+	"github.com/nats-io/nats.go/jetstream"
+
 	"github.com/spiegel-nats/spiegel/pkg/couchtest"
 	"github.com/spiegel-nats/spiegel/pkg/natstest"
+	"github.com/spiegel-nats/spiegel/scripts/benchreport/benchdata"
 )
 
 // BenchmarkWorkload runs the workload operators care about through the real binaries and
@@ -38,12 +35,19 @@ import (
 //   - hot: the defaults (native engine, hot feeds);
 //   - nohot: native engine, SPIEGEL_HOT_FEEDS=0 (the _db_updates path alone);
 //   - couchdb: the couchdb engine (POST /_replicate), SPIEGEL_HOT_FEEDS=0 — the earlier default;
-//   - replicator: CouchDB's own _replicator, one continuous job per user db (Apache CouchDB
-//     only; no on_change).
+//   - replicator: the server's own _replicator, one continuous job per user db (no on_change).
+//     On PouchDB Server that is express-pouchdb's replicator daemon (pouchdb-replicator), which
+//     runs a continuous PouchDB.replicate per doc inside the server. When the server is on this
+//     machine, the jobs' source and target go through a counting proxy, so their requests and
+//     connections are counted as the pipeline's are.
 //
 // On PouchDB Server the _db_updates feed is the test proxy's (couchtest.UpdatesProxy), which
 // batches writes for 500 ms like CouchDB 3's default max_write_delay. Tunables: BENCH_DBS (100),
-// BENCH_RATE (10), BENCH_DURATION (20s), BENCH_IDLE (15s). BENCH_REPORT_DIR gets workload.md.
+// BENCH_RATE (10), BENCH_DURATION (20s), BENCH_IDLE (15s), BENCH_SYNC_LIMIT (5m: how long the
+// baseline may take for its initial sync before the writer starts anyway), BENCH_SERVER_PID (the
+// server's process on this machine, sampled from /proc like the pipeline's). BENCH_REPORT_DIR gets
+// workload.md and, per setup, the run's record (scripts/benchreport/benchdata) for the
+// end-to-end report (make bench-e2e).
 func BenchmarkWorkload(b *testing.B) {
 	root := repoRoot(b, "producer", "replicator", "onchange")
 	cs := couchtest.Get(b)
@@ -53,10 +57,6 @@ func BenchmarkWorkload(b *testing.B) {
 	for range b.N {
 		results = results[:0]
 		for _, s := range workloadSetups() {
-			if s.replicatorDB && cs.PouchDB {
-				b.Logf("%s: skipped (PouchDB Server has no _replicator scheduler)", s.key)
-				continue
-			}
 			r := runWorkload(b, root, cs, up, w, s)
 			b.Logf("%s: %s", s.key, r.summary())
 			results = append(results, r)
@@ -67,14 +67,14 @@ func BenchmarkWorkload(b *testing.B) {
 		byKey[r.setup.key] = r
 	}
 	if hot, ok := byKey["hot"]; ok {
-		b.ReportMetric(ms(percentile(hot.repl, 0.99)), "repl-p99-ms")
-		b.ReportMetric(ms(percentile(hot.hook, 0.99)), "hook-p99-ms")
+		b.ReportMetric(ms(benchdata.Percentile(hot.repl, 0.99)), "repl-p99-ms")
+		b.ReportMetric(ms(benchdata.Percentile(hot.hook, 0.99)), "hook-p99-ms")
 		b.ReportMetric(hot.perDoc(hot.total()), "req/doc")
 		b.ReportMetric(hot.perDoc(hot.spiegelWrites()), "spiegel-writes/doc")
 		b.ReportMetric(hot.idleRate(), "idle-req/s")
 		for _, base := range []string{"nohot", "couchdb", "replicator"} {
 			if r, ok := byKey[base]; ok && len(r.repl) > 0 {
-				b.ReportMetric(ms(percentile(hot.repl, 0.99))/ms(percentile(r.repl, 0.99)), "repl-p99-vs-"+base)
+				b.ReportMetric(ms(benchdata.Percentile(hot.repl, 0.99))/ms(benchdata.Percentile(r.repl, 0.99)), "repl-p99-vs-"+base)
 			}
 		}
 	}
@@ -83,6 +83,12 @@ func BenchmarkWorkload(b *testing.B) {
 		if err := os.WriteFile(filepath.Join(dir, "workload.md"), []byte(report), 0o644); err != nil {
 			b.Fatalf("write report: %v", err)
 		}
+		for _, r := range results {
+			run := r.record(cs, w)
+			if err := benchdata.WriteFile(filepath.Join(dir, benchdata.FileName(run.Setup, run.DBs)), run); err != nil {
+				b.Fatal(err)
+			}
+		}
 	}
 }
 
@@ -90,10 +96,12 @@ type workload struct {
 	dbs, docsPerDB, active int
 	rate                   float64
 	duration, idle         time.Duration
+	syncLimit              time.Duration // for the baseline's initial sync
+	serverPID              int           // the CouchDB server's process, when known and local
 }
 
 func workloadFromEnv(b *testing.B) workload {
-	w := workload{dbs: 100, docsPerDB: 10, rate: 10, duration: 20 * time.Second, idle: 15 * time.Second}
+	w := workload{dbs: 100, docsPerDB: 10, rate: 10, duration: 20 * time.Second, idle: 15 * time.Second, syncLimit: 5 * time.Minute}
 	if v := os.Getenv("BENCH_DBS"); v != "" {
 		n, err := strconv.Atoi(v)
 		if err != nil || n < 10 {
@@ -108,7 +116,7 @@ func workloadFromEnv(b *testing.B) workload {
 		}
 		w.rate = r
 	}
-	for name, d := range map[string]*time.Duration{"BENCH_DURATION": &w.duration, "BENCH_IDLE": &w.idle} {
+	for name, d := range map[string]*time.Duration{"BENCH_DURATION": &w.duration, "BENCH_IDLE": &w.idle, "BENCH_SYNC_LIMIT": &w.syncLimit} {
 		if v := os.Getenv(name); v != "" {
 			x, err := time.ParseDuration(v)
 			if err != nil || x <= 0 {
@@ -116,6 +124,13 @@ func workloadFromEnv(b *testing.B) workload {
 			}
 			*d = x
 		}
+	}
+	if v := os.Getenv("BENCH_SERVER_PID"); v != "" {
+		pid, err := strconv.Atoi(v)
+		if err != nil || pid <= 0 {
+			b.Fatalf("BENCH_SERVER_PID=%q: want the pid of the CouchDB server's process", v)
+		}
+		w.serverPID = pid
 	}
 	w.active = max(1, w.dbs/10)
 	return w
@@ -133,7 +148,7 @@ func workloadSetups() []workloadSetup {
 		{key: "nohot", name: "native engine, no hot feeds", vars: []string{"SPIEGEL_HOT_FEEDS=0"}},
 		{key: "couchdb", name: "couchdb engine, no hot feeds (earlier default)",
 			vars: []string{"SPIEGEL_HOT_FEEDS=0", "SPIEGEL_REPLICATION_ENGINE=couchdb"}},
-		{key: "replicator", name: "CouchDB _replicator, one continuous job per db", replicatorDB: true},
+		{key: "replicator", name: "the server's _replicator, one continuous job per db", replicatorDB: true},
 	}
 	pick := os.Getenv("BENCH_SETUPS")
 	if pick == "" {
@@ -147,7 +162,8 @@ func workloadSetups() []workloadSetup {
 type workloadResult struct {
 	setup       workloadSetup
 	written     int
-	initialSync time.Duration
+	initialSync time.Duration   // -1: not within the limit (the baseline only)
+	synced      int             // docs on the target when the initial sync was judged
 	repl, hook  []time.Duration // per written doc that arrived
 	lostRepl    int             // written docs not on the target within the drain deadline
 	lostHook    int
@@ -156,6 +172,15 @@ type workloadResult struct {
 	idleFor        time.Duration
 	maxConns       map[string]int
 	idleConns      map[string]int
+
+	// for the end-to-end report (record)
+	started                 time.Time
+	loadStart, loadEnd      string
+	writerStart, writerEnd  time.Duration // since started
+	idleStart, idleEnd      time.Duration
+	writes                  []benchdata.Write
+	samples                 []benchdata.Sample
+	baselineConnsUnmeasured bool
 }
 
 func (r workloadResult) total() int {
@@ -204,15 +229,15 @@ func (r workloadResult) idleRate() float64 {
 func (r workloadResult) summary() string {
 	return fmt.Sprintf("written %d, replication p50/p99 %.0f/%.0f ms (lost %d), webhook p50/p99 %.0f/%.0f ms (lost %d), %.1f requests/doc, "+
 		"connections max %v, open when idle %v",
-		r.written, ms(percentile(r.repl, 0.5)), ms(percentile(r.repl, 0.99)), r.lostRepl,
-		ms(percentile(r.hook, 0.5)), ms(percentile(r.hook, 0.99)), r.lostHook, r.perDoc(r.total()), r.maxConns, r.idleConns)
+		r.written, ms(benchdata.Percentile(r.repl, 0.5)), ms(benchdata.Percentile(r.repl, 0.99)), r.lostRepl,
+		ms(benchdata.Percentile(r.hook, 0.5)), ms(benchdata.Percentile(r.hook, 0.99)), r.lostHook, r.perDoc(r.total()), r.maxConns, r.idleConns)
 }
 
 // runWorkload installs a fresh pipeline (or _replicator jobs), loads the dbs, waits for the
 // initial sync, runs the writer, waits for delivery and then watches the idle pipeline.
 func runWorkload(b *testing.B, root string, cs *couchtest.Server, up *couchtest.UpdatesProxy, w workload, s workloadSetup) workloadResult {
 	b.Helper()
-	res := workloadResult{setup: s}
+	res := workloadResult{setup: s, loadStart: loadAvg()}
 	writer := up.Server()
 	prefix := couchtest.UniqueName(b, "bench_"+s.key+"_") + "_"
 	target := prefix + "target"
@@ -238,35 +263,48 @@ func runWorkload(b *testing.B, root string, cs *couchtest.Server, up *couchtest.
 
 	var procs []*proc
 	var proxies map[string]*countingProxy
+	var js jetstream.JetStream
 	started := time.Now()
+	res.started = started
 	if s.replicatorDB {
-		for _, db := range users {
-			doc := map[string]any{"source": cs.URL + "/" + couchtest.PathDB(db), "target": cs.URL + "/" + couchtest.PathDB(target), "continuous": true}
-			id := "bench_" + db
-			cs.Put(b, "_replicator", id, doc)
-			b.Cleanup(func() {
-				var cur struct {
-					Rev string `json:"_rev"`
-				}
-				if cs.Do(b, http.MethodGet, "/_replicator/"+id, nil, &cur) == nil {
-					_ = cs.Do(b, http.MethodDelete, "/_replicator/"+id+"?rev="+cur.Rev, nil, nil)
-				}
-			})
-		}
+		proxies = startReplicatorJobs(b, cs, users, target)
+		res.baselineConnsUnmeasured = len(proxies) == 0
 	} else {
-		procs, proxies = startPipeline(b, root, up, prefix, target, sink.URL, s.vars)
+		var ns *natstest.Server
+		procs, proxies, ns = startPipeline(b, root, up, prefix, target, sink.URL, s.vars)
+		_, js = ns.Connect(b)
 	}
+	sampleCtx, stopSampling := context.WithCancel(ctx)
+	smp := startSampler(sampleCtx, started, time.Second, procs, proxies, js, w.serverPID)
+	defer stopSampling()
+
 	var onTarget int
 	b.Cleanup(func() {
 		if b.Failed() {
 			b.Logf("%s: %d of %d docs on the target, %d at the webhook", s.key, onTarget, initial, sink.distinct())
 		}
 	})
-	waitFor(b, 5*time.Minute, s.key+": initial sync", procs, func() bool {
+	synced := func() bool {
 		onTarget = docCount(b, cs, target)
 		return onTarget >= initial && (s.replicatorDB || sink.distinct() >= initial)
-	})
-	res.initialSync = time.Since(started)
+	}
+	if s.replicatorDB {
+		// The server's scheduler may not run every job at once (CouchDB's max_jobs): the initial
+		// sync is then not complete within the limit, which the report says, and the writer
+		// starts anyway.
+		res.initialSync = -1
+		for deadline := started.Add(w.syncLimit); time.Now().Before(deadline); time.Sleep(100 * time.Millisecond) {
+			if synced() {
+				res.initialSync = time.Since(started)
+				break
+			}
+		}
+		b.Logf("%s: initial sync %v, %d of %d docs on the target", s.key, res.initialSync, onTarget, initial)
+	} else {
+		waitFor(b, 5*time.Minute, s.key+": initial sync", procs, synced)
+		res.initialSync = time.Since(started)
+	}
+	res.synced = onTarget
 
 	arrived := watchArrivals(ctx, b, cs, target)
 	// Let the initial sync's last jobs and checkpoints settle before counting.
@@ -276,6 +314,7 @@ func runWorkload(b *testing.B, root string, cs *couchtest.Server, up *couchtest.
 	written := map[string]time.Time{}
 	rng := rand.New(rand.NewPCG(1, 2))
 	interval := time.Duration(float64(time.Second) / w.rate)
+	res.writerStart = time.Since(started)
 	end := time.Now().Add(w.duration)
 	for i, next := 0, time.Now(); next.Before(end); i, next = i+1, next.Add(interval) {
 		time.Sleep(time.Until(next))
@@ -284,6 +323,7 @@ func runWorkload(b *testing.B, root string, cs *couchtest.Server, up *couchtest.
 		writer.Put(b, db, id, map[string]any{"i": i, "at": time.Now().UnixNano()})
 		written[id] = time.Now()
 	}
+	res.writerEnd = time.Since(started)
 	res.written = len(written)
 	done := func() bool {
 		a, h := arrived.snapshot(), sink.snapshot()
@@ -303,40 +343,62 @@ func runWorkload(b *testing.B, root string, cs *couchtest.Server, up *couchtest.
 	after := snapshotAll(proxies, false)
 	a, h := arrived.snapshot(), sink.snapshot()
 	for id, at := range written {
+		rec := benchdata.Write{AtS: at.Sub(started).Seconds(), ReplMS: -1, HookMS: -1}
 		if t, ok := a[id]; ok {
 			res.repl = append(res.repl, max(0, t.Sub(at)))
+			rec.ReplMS = ms(max(0, t.Sub(at)))
 		} else {
 			res.lostRepl++
 		}
-		if s.replicatorDB {
-			continue
+		if !s.replicatorDB {
+			if t, ok := h[id]; ok {
+				res.hook = append(res.hook, max(0, t.Sub(at)))
+				rec.HookMS = ms(max(0, t.Sub(at)))
+			} else {
+				res.lostHook++
+			}
 		}
-		if t, ok := h[id]; ok {
-			res.hook = append(res.hook, max(0, t.Sub(at)))
-		} else {
-			res.lostHook++
-		}
+		res.writes = append(res.writes, rec)
 	}
+	slices.SortFunc(res.writes, func(x, y benchdata.Write) int { return cmp.Compare(x.AtS, y.AtS) })
 	res.requests, res.maxConns = diffCounts(before, after)
 
+	res.idleStart = time.Since(started)
 	idleStart := snapshotAll(proxies, true)
 	time.Sleep(w.idle)
 	idleEnd := snapshotAll(proxies, false)
+	res.idleEnd = time.Since(started)
 	res.idle, _ = diffCounts(idleStart, idleEnd)
 	res.idleFor = w.idle
 	res.idleConns = map[string]int{}
 	for name, s := range idleEnd {
 		res.idleConns[name] = s.open
 	}
+	stopSampling()
+	res.samples = smp.stop()
+	res.loadEnd = loadAvg()
 	for _, p := range procs {
 		_ = p.stop(20 * time.Second)
+	}
+	if s.replicatorDB {
+		stopReplicatorJobs(b, cs, users)
 	}
 	return res
 }
 
+// loadAvg returns the first three fields of /proc/loadavg ("" when unreadable).
+func loadAvg() string {
+	b, err := os.ReadFile("/proc/loadavg")
+	if err != nil {
+		return ""
+	}
+	f := strings.Fields(string(b))
+	return strings.Join(f[:min(3, len(f))], " ")
+}
+
 // startPipeline installs a spiegel db and starts the three binaries, each through its own
 // counting proxy in front of up, with rules for the workload.
-func startPipeline(b *testing.B, root string, up *couchtest.UpdatesProxy, prefix, target, hookURL string, vars []string) ([]*proc, map[string]*countingProxy) {
+func startPipeline(b *testing.B, root string, up *couchtest.UpdatesProxy, prefix, target, hookURL string, vars []string) ([]*proc, map[string]*countingProxy, *natstest.Server) {
 	b.Helper()
 	bin := func(name string) string { return filepath.Join(root, "bin", name) }
 	ns := natstest.Start(b)
@@ -370,7 +432,7 @@ func startPipeline(b *testing.B, root string, up *couchtest.UpdatesProxy, prefix
 	for _, p := range procs {
 		waitFor(b, 30*time.Second, p.name+" ready", procs, func() bool { code, _ := p.get("/readyz"); return code == http.StatusOK })
 	}
-	return procs, proxies
+	return procs, proxies, ns
 }
 
 type proxySnapshot struct {
@@ -403,189 +465,4 @@ func diffCounts(before, after map[string]proxySnapshot) (map[string]map[string]i
 	return reqs, conns
 }
 
-// latencySink is the webhook: it records when each doc id was first called for.
-type latencySink struct {
-	*httptest.Server
-	mu    sync.Mutex
-	first map[string]time.Time
-}
-
-func newLatencySink(b testing.TB) *latencySink {
-	s := &latencySink{first: map[string]time.Time{}}
-	s.Server = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		now := time.Now()
-		id := r.URL.Query().Get("id")
-		s.mu.Lock()
-		if _, ok := s.first[id]; !ok {
-			s.first[id] = now
-		}
-		s.mu.Unlock()
-	}))
-	b.Cleanup(s.Close)
-	return s
-}
-
-func (s *latencySink) snapshot() map[string]time.Time {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	out := make(map[string]time.Time, len(s.first))
-	for k, v := range s.first {
-		out[k] = v
-	}
-	return out
-}
-
-func (s *latencySink) distinct() int {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return len(s.first)
-}
-
-// arrivals records when each doc id first appeared on a db's continuous _changes feed.
-type arrivals struct {
-	mu    sync.Mutex
-	first map[string]time.Time
-}
-
-func (a *arrivals) snapshot() map[string]time.Time {
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	out := make(map[string]time.Time, len(a.first))
-	for k, v := range a.first {
-		out[k] = v
-	}
-	return out
-}
-
-// watchArrivals follows db's changes from now, straight from the server, until ctx ends.
-func watchArrivals(ctx context.Context, b testing.TB, cs *couchtest.Server, db string) *arrivals {
-	a := &arrivals{first: map[string]time.Time{}}
-	ready := make(chan struct{})
-	var connected sync.Once
-	go func() {
-		since := "now"
-		for ctx.Err() == nil {
-			req, err := http.NewRequestWithContext(ctx, http.MethodGet,
-				cs.URL+"/"+couchtest.PathDB(db)+"/_changes?feed=continuous&heartbeat=2000&since="+since, nil)
-			if err != nil {
-				return
-			}
-			resp, err := cs.HTTP.Do(req)
-			if err != nil {
-				time.Sleep(100 * time.Millisecond)
-				continue
-			}
-			connected.Do(func() { close(ready) })
-			sc := bufio.NewScanner(resp.Body)
-			sc.Buffer(make([]byte, 64<<10), 1<<20)
-			for sc.Scan() {
-				var row struct {
-					ID  string          `json:"id"`
-					Seq json.RawMessage `json:"seq"`
-				}
-				if json.Unmarshal(sc.Bytes(), &row) != nil || row.ID == "" {
-					continue
-				}
-				now := time.Now()
-				a.mu.Lock()
-				if _, ok := a.first[row.ID]; !ok {
-					a.first[row.ID] = now
-				}
-				a.mu.Unlock()
-				if s, err := strconv.Unquote(string(row.Seq)); err == nil {
-					since = s
-				} else if len(row.Seq) > 0 {
-					since = string(row.Seq)
-				}
-			}
-			resp.Body.Close()
-		}
-	}()
-	select {
-	case <-ready:
-	case <-time.After(30 * time.Second):
-		b.Fatalf("cannot follow the changes of %s", db)
-	}
-	return a
-}
-
-func docCount(b testing.TB, cs *couchtest.Server, db string) int {
-	var info struct {
-		DocCount int `json:"doc_count"`
-	}
-	if err := cs.Do(b, http.MethodGet, "/"+couchtest.PathDB(db), nil, &info); err != nil {
-		return 0
-	}
-	return info.DocCount
-}
-
-func percentile(ds []time.Duration, q float64) time.Duration {
-	if len(ds) == 0 {
-		return 0
-	}
-	s := slices.Clone(ds)
-	slices.Sort(s)
-	i := int(math.Ceil(q*float64(len(s)))) - 1
-	return s[max(0, min(i, len(s)-1))]
-}
-
 func ms(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
-
-// workloadReport renders the results as Markdown.
-func workloadReport(cs *couchtest.Server, w workload, results []workloadResult) string {
-	var sb strings.Builder
-	server := "Apache CouchDB " + cs.Version
-	if cs.PouchDB {
-		server = "PouchDB Server (its _db_updates from the test proxy, 500 ms batches)"
-	}
-	fmt.Fprintf(&sb, "## Workload: %d dbs × %d docs, %d active, %.0f docs/s for %s\n\n", w.dbs, w.docsPerDB, w.active, w.rate, w.duration)
-	fmt.Fprintf(&sb, "Server: %s. One pattern replicator rule (every user db into one target) and one on_change rule (a GET per change to a local webhook). "+
-		"Latency: from the write's answer to the doc on the target's feed, or at the webhook. Requests: CouchDB requests by the pipeline's processes while the writer ran and until every doc arrived, per written doc.\n\n", server)
-	sb.WriteString("| setup | initial sync | replication p50 / p95 / p99 | webhook p50 / p95 / p99 | lost | requests/doc | spiegel-db writes/doc | max connections | idle requests/s (connections open) |\n|---|---|---|---|---|---|---|---|---|\n")
-	for _, r := range results {
-		hook := "—"
-		if !r.setup.replicatorDB {
-			hook = fmt.Sprintf("%.0f / %.0f / %.0f ms", ms(percentile(r.hook, 0.5)), ms(percentile(r.hook, 0.95)), ms(percentile(r.hook, 0.99)))
-		}
-		reqs, writes, conns, idle := "—", "—", "—", "—"
-		if !r.setup.replicatorDB {
-			reqs = fmt.Sprintf("%.2f", r.perDoc(r.total()))
-			writes = fmt.Sprintf("%.2f", r.perDoc(r.spiegelWrites()))
-			n, o := 0, 0
-			for name, c := range r.maxConns {
-				n += c
-				o += r.idleConns[name]
-			}
-			conns = strconv.Itoa(n)
-			idle = fmt.Sprintf("%.2f (%d)", r.idleRate(), o)
-		}
-		fmt.Fprintf(&sb, "| %s | %.1f s | %.0f / %.0f / %.0f ms | %s | %d / %d | %s | %s | %s | %s |\n",
-			r.setup.name, r.initialSync.Seconds(), ms(percentile(r.repl, 0.5)), ms(percentile(r.repl, 0.95)), ms(percentile(r.repl, 0.99)),
-			hook, r.lostRepl, r.lostHook, reqs, writes, conns, idle)
-	}
-	for _, r := range results {
-		if r.setup.replicatorDB {
-			continue
-		}
-		fmt.Fprintf(&sb, "\n### Requests per written doc: %s\n\n| process | endpoint | per doc | while idle, per s |\n|---|---|---|---|\n", r.setup.name)
-		for _, name := range []string{"producer", "replicator", "onchange"} {
-			eps := map[string]bool{}
-			for ep := range r.requests[name] {
-				eps[ep] = true
-			}
-			for ep := range r.idle[name] {
-				eps[ep] = true
-			}
-			keys := make([]string, 0, len(eps))
-			for ep := range eps {
-				keys = append(keys, ep)
-			}
-			sort.Strings(keys)
-			for _, ep := range keys {
-				fmt.Fprintf(&sb, "| %s | `%s` | %.2f | %.2f |\n", name, ep, r.perDoc(r.requests[name][ep]),
-					float64(r.idle[name][ep])/r.idleFor.Seconds())
-			}
-		}
-	}
-	return sb.String()
-}

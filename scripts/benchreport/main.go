@@ -1,0 +1,57 @@
+// Command benchreport writes the end-to-end benchmark report (make bench-e2e): it reads the runs
+// the workload benchmark recorded (scripts/e2e, BenchmarkWorkload with BENCH_REPORT_DIR; one
+// file per setup and number of dbs) and writes report.md with its charts as PNG and SVG.
+//
+//	benchreport -in DIR_OF_RUNS -out REPORT_DIR [-load-start "1.00 0.50 0.20"]
+package main
+
+import (
+	"flag"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+)
+
+func main() {
+	in := flag.String("in", "", "directory of the recorded runs (workload-<setup>-<dbs>.json)")
+	out := flag.String("out", "", "directory to write report.md and the charts into")
+	loadStart := flag.String("load-start", "", "/proc/loadavg when the bench started (first three fields)")
+	flag.Parse()
+	if *in == "" || *out == "" {
+		flag.Usage()
+		os.Exit(2)
+	}
+	if err := run(*in, *out, *loadStart); err != nil {
+		fmt.Fprintln(os.Stderr, "benchreport:", err)
+		os.Exit(1)
+	}
+}
+
+func run(in, out, loadStart string) error {
+	runs, err := readRuns(in)
+	if err != nil {
+		return err
+	}
+	if len(runs) == 0 {
+		return fmt.Errorf("no runs in %s", in)
+	}
+	if err := os.MkdirAll(out, 0o755); err != nil {
+		return fmt.Errorf("create %s: %w", out, err)
+	}
+	loadEnd := ""
+	if b, err := os.ReadFile("/proc/loadavg"); err == nil {
+		f := strings.Fields(string(b))
+		loadEnd = strings.Join(f[:min(3, len(f))], " ")
+	}
+	md, err := render(runs, out, machine{loadStart: loadStart, loadEnd: loadEnd})
+	if err != nil {
+		return err
+	}
+	path := filepath.Join(out, "report.md")
+	if err := os.WriteFile(path, []byte(md), 0o644); err != nil {
+		return fmt.Errorf("write report: %w", err)
+	}
+	fmt.Println(path)
+	return nil
+}
