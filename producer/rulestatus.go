@@ -69,6 +69,9 @@ type ruleChecker struct {
 func (c *ruleChecker) perRule(ctx context.Context, rs []rules.Rule) (out []ruleStatus, incomplete string) {
 	var notes []string
 	out = make([]ruleStatus, len(rs))
+	if len(rs) == 0 {
+		return out, ""
+	}
 	for i, r := range rs {
 		out[i] = describeRule(r)
 	}
