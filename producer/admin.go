@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"regexp"
 	"sort"
+	"sync"
 	"sync/atomic"
 	"text/tabwriter"
 	"time"
@@ -21,6 +22,7 @@ import (
 	"github.com/spiegel-nats/spiegel/pkg/natsjs"
 	"github.com/spiegel-nats/spiegel/pkg/rulefeed"
 	"github.com/spiegel-nats/spiegel/pkg/rules"
+	"github.com/spiegel-nats/spiegel/pkg/status"
 )
 
 // openAdmin is the setup of the admin commands that act on an installation: it connects to
@@ -209,6 +211,12 @@ type statusReport struct {
 	Groups      map[string]groupStatus `json:"groups"`
 	DeadLetters uint64                 `json:"dead_letters"`
 	Position    *checkpoint.Position   `json:"producer_position,omitempty"`
+	// Processes are the answers of the running producers and consumers (their NATS services).
+	Processes []status.Report `json:"processes"`
+	// PerRule is every rule's status (only --rule's with that flag), by id.
+	PerRule []ruleStatus `json:"per_rule"`
+	// Incomplete, when set, says what of PerRule could not be gathered within --timeout.
+	Incomplete string `json:"per_rule_incomplete,omitempty"`
 }
 
 type groupStatus struct {
@@ -217,11 +225,13 @@ type groupStatus struct {
 	Redelivered int    `json:"redelivered"`
 }
 
-// runStatus reports rules, jobs and the producer's position. It prints nothing secret.
+// runStatus reports rules, jobs and the producer's position, then the running processes and
+// every rule's status (see ruleStatus). It prints nothing secret.
 func runStatus(ctx context.Context, cfg *config.Producer, log *logrus.Logger, cio cmdIO) error {
 	fs := flag.NewFlagSet("status", flag.ContinueOnError)
 	fs.SetOutput(cio.stderr)
 	asJSON := fs.Bool("json", false, "print JSON")
+	ruleID := fs.String("rule", "", "only this rule's status")
 	if err := fs.Parse(cio.args); err != nil {
 		return usageError{err}
 	}
@@ -232,6 +242,42 @@ func runStatus(ctx context.Context, cfg *config.Producer, log *logrus.Logger, ci
 	defer d.nc.Close()
 	var rep statusReport
 	st := set.Stats()
+	selected := set.All()
+	if *ruleID != "" {
+		r, ok := set.Rule(*ruleID)
+		_, rejected := st.RejectedIDs[*ruleID]
+		if !ok && !rejected {
+			return fmt.Errorf("status: no rule %q in %s", *ruleID, cfg.DBName)
+		}
+		selected = nil
+		if ok {
+			selected = []rules.Rule{r}
+		}
+	}
+	timeout := cfg.AdminTimeout
+	if timeout <= 0 {
+		timeout = defaultAdminTimeout
+	}
+	wctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	var collectErr error
+	var wg sync.WaitGroup
+	wg.Go(func() {
+		rep.Processes, collectErr = status.Collect(wctx, d.nc, cfg.SubjectPrefix, min(timeout, collectWait))
+	})
+	checker, err := openRuleChecker(wctx, d, cfg.DBName)
+	if err != nil {
+		return err
+	}
+	rep.PerRule, rep.Incomplete = checker.perRule(wctx, selected)
+	wg.Wait()
+	if collectErr != nil {
+		return collectErr
+	}
+	withProcesses(rep.PerRule, rep.Processes)
+	if rep.Processes == nil {
+		rep.Processes = []status.Report{}
+	}
 	rep.Rules.Replicators, rep.Rules.OnChanges, rep.Rules.Disabled = st.Replicators, st.OnChanges, st.Disabled
 	rep.Rules.Rejected = st.RejectedIDs
 	rep.Groups = map[string]groupStatus{}
@@ -279,7 +325,12 @@ func runStatus(ctx context.Context, cfg *config.Producer, log *logrus.Logger, ci
 	} else {
 		fmt.Fprintln(w, "producer position\tnone saved yet")
 	}
-	return w.Flush()
+	if err := w.Flush(); err != nil {
+		return err
+	}
+	printProcesses(cio.stdout, rep.Processes)
+	printPerRule(cio.stdout, rep.PerRule, rep.Incomplete)
+	return nil
 }
 
 func discardLogger() *logrus.Logger {

@@ -115,6 +115,11 @@ func TestResyncAndStatus(t *testing.T) {
 	js := e.run(t, "status", "--json")
 	assert.Contains(t, js, `"pending": 3`)
 	assert.NotContains(t, js, "SECRETPW")
+	// A rejected rule has no per-rule status; the summary names it.
+	js = e.run(t, "status", "--json", "--rule", "leaky")
+	assert.Contains(t, js, `"per_rule": []`)
+	assert.Contains(t, js, `"leaky"`)
+	assert.NotContains(t, js, "SECRETPW")
 }
 
 func ddocRev(t *testing.T, e *env) string {

@@ -125,6 +125,16 @@ func (h *hotFeeds) closeIdle() {
 	}
 }
 
+// Count returns the number of feeds open.
+func (h *hotFeeds) Count() int {
+	if h == nil {
+		return 0
+	}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return len(h.feeds)
+}
+
 // Covers reports whether a db-updates event of db is redundant because db's feed covers it; the
 // caller then passes over the event (publisher.Covered).
 func (h *hotFeeds) Covers(db string) bool {

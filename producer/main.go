@@ -30,7 +30,7 @@ Usage:
   producer resync          enqueue a job for every db a rule matches [--db REGEX]
   producer replay          dispatch an on_change rule's history again: --rule ID [--db REGEX] [--since SEQ]
   producer deadletters     list, retry or purge dead letters: list|retry|purge [--group G] [--rule ID] [--db REGEX] [--since AGE]
-  producer status          rules loaded and rejected, pending and in-flight jobs, producer position [--json]
+  producer status          rules, jobs, position, running processes, per-rule state [--rule ID] [--json]
 
 Every command accepts --help and --version. The admin commands wait at most --timeout (default
 15s, SPIEGEL_ADMIN_TIMEOUT) for CouchDB and NATS, then exit 1 naming each problem.`
@@ -196,8 +196,12 @@ var commandHelp = map[string]string{
     or db is gone are kept, with the reason. Asks for confirmation unless --yes.
   purge: delete them. Asks for confirmation unless --yes.
   --group is replicate or onchange; --db an RE2 regex; --since an age such as 90m, 24h or 7d.`,
-	"status": `producer status [--json] — rules loaded and rejected (with reasons), pending and in-flight jobs
-  per group, dead letters, and the producer's saved position.`,
+	"status": `producer status [--rule ID] [--json] — rules loaded and rejected (with reasons), pending and
+  in-flight jobs per group, dead letters, and the producer's saved position; then the running
+  producers and consumers (the answers of their NATS services); then every rule (or only ID):
+  kind, pattern, engine, enabled, dbs matched, for on_change rules the dbs behind their checkpoint
+  and the oldest unprocessed change's age, and the consumers' last run, result, failures in the
+  last hour and dead letters.`,
 }
 
 func printHelp(w io.Writer, cmd string, cfg *config.Producer) {

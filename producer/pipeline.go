@@ -213,6 +213,9 @@ func (p *publisher) SetSafe(seq string) {
 	p.mu.Unlock()
 }
 
+// InFlight returns the number of enqueued feed positions whose jobs are not all settled yet.
+func (p *publisher) InFlight() int { return int(p.enqueued.Load() - p.settled.Load()) }
+
 // Idle reports whether every enqueued batch is settled.
 func (p *publisher) Idle() bool { return p.settled.Load() == p.enqueued.Load() }
 

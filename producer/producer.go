@@ -13,7 +13,9 @@ import (
 	"github.com/spiegel-nats/spiegel/pkg/checkpoint"
 	"github.com/spiegel-nats/spiegel/pkg/couch"
 	"github.com/spiegel-nats/spiegel/pkg/events"
+	"github.com/spiegel-nats/spiegel/pkg/logging"
 	"github.com/spiegel-nats/spiegel/pkg/rules"
+	"github.com/spiegel-nats/spiegel/pkg/status"
 )
 
 // systemDBs are CouchDB's internal dbs: their updates never produce jobs.
@@ -38,10 +40,11 @@ type producer struct {
 
 	feedMu     sync.Mutex // guards the fields below; never held across network I/O
 	source     string
-	feedErr    error     // the feed's current failure, nil while it runs
-	failingAt  time.Time // when the current failure began
-	permanent  bool      // feedErr is one retrying alone cannot fix (credentials, a bad request)
-	resyncDue  bool      // enqueue every matched db once the feed runs (see startOver)
+	feedErr    error             // the feed's current failure, nil while it runs
+	failingAt  time.Time         // when the current failure began
+	lastErr    *status.ErrorNote // the feed's last failure, for status answers (redacted)
+	permanent  bool              // feedErr is one retrying alone cannot fix (credentials, a bad request)
+	resyncDue  bool              // enqueue every matched db once the feed runs (see startOver)
 	savedState checkpoint.Position
 	resync     chan struct{} // runResyncs enqueues every matched db on a signal
 
@@ -195,6 +198,9 @@ func (p *producer) feedState(err error) {
 		p.failingAt = time.Now()
 	case err == nil:
 		p.failingAt = time.Time{}
+	}
+	if err != nil {
+		p.lastErr = &status.ErrorNote{At: time.Now().UTC(), Text: logging.RedactText("db updates feed: " + err.Error())}
 	}
 	p.permanent = err != nil && couch.IsPermanent(err)
 	resync := err == nil && p.resyncDue

@@ -105,6 +105,12 @@ func runProducer(ctx context.Context, cfg *config.Producer, log *logrus.Logger) 
 			cfg.HotFeeds, cfg.HotFeedIdle, cfg.FeedHeartbeat, p.metrics, log.WithField("component", "hot"))
 	}
 
+	svc, err := p.registerService(d.nc, cfg.SubjectPrefix)
+	if err != nil {
+		return err
+	}
+	defer func() { _ = svc.Stop() }()
+
 	srv := health.New(cfg.HTTPAddr, reg, readiness(d, cfg.DBName, p.feedHealth), log.WithField("component", "http"))
 	var wg sync.WaitGroup
 	httpCtx, stopHTTP := context.WithCancel(context.WithoutCancel(ctx))

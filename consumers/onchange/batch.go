@@ -5,6 +5,7 @@ import (
 	"cmp"
 	"context"
 	"encoding/json"
+	"errors"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -273,6 +274,7 @@ func (h *handler) act(ctx context.Context, db string, rule *rules.OnChange, a *a
 	}
 	h.book.forget(key)
 	h.metrics.DeadLetter(events.GroupOnChange)
+	h.status.GaveUp(rule.ID(), errors.New(rec.Error))
 	log.WithError(out.Err).WithField("status", out.Status).Error("request given up at its retry limit: dead letter recorded")
 	return stateDone, 0, nil
 }

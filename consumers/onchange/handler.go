@@ -15,6 +15,7 @@ import (
 	"github.com/spiegel-nats/spiegel/pkg/couch"
 	"github.com/spiegel-nats/spiegel/pkg/metrics"
 	"github.com/spiegel-nats/spiegel/pkg/rules"
+	"github.com/spiegel-nats/spiegel/pkg/status"
 	"github.com/spiegel-nats/spiegel/pkg/webhook"
 	"github.com/spiegel-nats/spiegel/pkg/worker"
 )
@@ -28,6 +29,9 @@ const (
 	// rules of the db see their new changes soon even while one rule waits for a long backoff.
 	defaultMaxDefer = 30 * time.Second
 )
+
+// errNoStream is the status of a subject rule whose subject no stream captures.
+var errNoStream = errors.New("no stream captures the rule's subject")
 
 // ruleSource is the live rule set (*rules.Set).
 type ruleSource interface {
@@ -50,6 +54,7 @@ type handler struct {
 	publisher *changePublisher
 	dead      deadLetterer
 	metrics   *metrics.Consumer
+	status    *status.Recorder // may be nil
 	log       logrus.FieldLogger
 
 	batchSize          int
@@ -62,7 +67,7 @@ type handler struct {
 // newHandler wires a handler from an opened consumer app and the binary's config.
 func newHandler(app consumer.Deps, cfg *config.OnChange) *handler {
 	return &handler{
-		couch: app.Couch, store: app.Checkpoints, rules: app.Rules, dead: app.DeadLetters, metrics: app.Metrics,
+		couch: app.Couch, store: app.Checkpoints, rules: app.Rules, dead: app.DeadLetters, metrics: app.Metrics, status: app.Status,
 		log: app.Log.WithField("component", "onchange"),
 		hooks: webhook.New(webhook.Config{
 			Timeout: cfg.WebhookTimeout, AllowedHosts: cfg.AllowedHosts, Passwords: app.Passwords,
@@ -84,6 +89,24 @@ type ruleResult struct {
 	retryIn  time.Duration
 	deferErr error // why the rule deferred (with retryIn)
 	err      error // a transient failure: the job must run again
+	// outcome, when set, is the run's status result other than ok, error and deferred
+	// (status.ResultMissingSource, or status.ResultFailed with why).
+	outcome string
+	why     error
+}
+
+// record tells the status recorder how rule's run ended.
+func (h *handler) record(rule string, r ruleResult) {
+	switch {
+	case r.err != nil:
+		h.status.RuleRun(rule, status.ResultError, r.err)
+	case r.retryIn > 0:
+		h.status.RuleRun(rule, status.ResultDeferred, r.deferErr)
+	case r.outcome != "":
+		h.status.RuleRun(rule, r.outcome, r.why)
+	default:
+		h.status.RuleRun(rule, status.ResultOK, nil)
+	}
 }
 
 // handle is the worker.Handler of the onchange group. For every enabled rule that matches the
@@ -105,6 +128,9 @@ func (h *handler) handle(ctx context.Context, job *worker.Job) error {
 		wg.Go(func() { results[i] = h.runRule(ctx, job.DB, r) })
 	}
 	wg.Wait()
+	for i, res := range results {
+		h.record(rs[i].ID(), res)
+	}
 
 	var errs []error
 	var retryIn time.Duration
@@ -141,7 +167,7 @@ func (h *handler) runRule(ctx context.Context, db string, rule *rules.OnChange) 
 	cp, since, err := h.start(ctx, db, rule)
 	if errors.Is(err, couch.ErrNotFound) {
 		log.Warn("db does not exist: job dropped (it is enqueued again when the db is recreated)")
-		return ruleResult{}
+		return ruleResult{outcome: status.ResultMissingSource}
 	}
 	if err != nil {
 		return ruleResult{err: err}
@@ -171,7 +197,7 @@ func (h *handler) runRule(ctx context.Context, db string, rule *rules.OnChange) 
 		if rule.Subject != "" {
 			usable, err := h.publisher.check(ctx, db, rule, h.dead, log)
 			if err != nil || !usable {
-				return finish(ruleResult{err: err})
+				return finish(ruleResult{err: err, outcome: status.ResultFailed, why: errNoStream})
 			}
 		}
 		if readFrom != since { // the page read ahead starts elsewhere
@@ -182,7 +208,7 @@ func (h *handler) runRule(ctx context.Context, db string, rule *rules.OnChange) 
 		if errors.Is(err, couch.ErrNotFound) {
 			h.store.Forget(ctx, rule.ID(), db)
 			log.Warn("db does not exist: job dropped (it is enqueued again when the db is recreated)")
-			return finish(ruleResult{})
+			return finish(ruleResult{outcome: status.ResultMissingSource})
 		}
 		if err != nil {
 			return finish(ruleResult{err: fmt.Errorf("rule %s: %w", rule.ID(), err)})

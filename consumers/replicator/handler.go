@@ -13,6 +13,7 @@ import (
 	"github.com/spiegel-nats/spiegel/pkg/events"
 	"github.com/spiegel-nats/spiegel/pkg/metrics"
 	"github.com/spiegel-nats/spiegel/pkg/rules"
+	"github.com/spiegel-nats/spiegel/pkg/status"
 	"github.com/spiegel-nats/spiegel/pkg/worker"
 )
 
@@ -49,6 +50,7 @@ type replicator struct {
 	rules         ruleSource
 	deadLetters   deadLetterPublisher
 	metrics       *metrics.Consumer // may be nil
+	status        *status.Recorder  // may be nil
 	log           logrus.FieldLogger
 	base          *url.URL // the watched server with the service's credentials: never log it
 	passwords     injector
@@ -138,6 +140,7 @@ func (h *replicator) missingSource(rs []*rules.Replicator, log logrus.FieldLogge
 	log.Warn("source db does not exist: nothing to replicate; it is replicated again once it is recreated and written")
 	for _, r := range rs {
 		h.metrics.Replication(h.engineName(r), "missing_source", 0, 0)
+		h.status.RuleRun(r.ID(), status.ResultMissingSource, nil)
 	}
 }
 
@@ -166,6 +169,7 @@ func (h *replicator) runRule(ctx context.Context, job *worker.Job, r *rules.Repl
 
 	if err == nil {
 		h.metrics.Replication(engineName, "ok", res.DocsWritten, took)
+		h.status.RuleRun(r.ID(), status.ResultOK, nil)
 		l := log.WithFields(logrus.Fields{"docs_written": res.DocsWritten, "no_changes": res.NoChanges, "duration_ms": took.Milliseconds()})
 		if res.DocWriteFailures > 0 {
 			l.WithField("doc_write_failures", res.DocWriteFailures).Warn("replicated, but the target refused some docs")
@@ -180,7 +184,9 @@ func (h *replicator) runRule(ctx context.Context, job *worker.Job, r *rules.Repl
 	}
 	h.metrics.Replication(engineName, "error", 0, took)
 	if timedOut {
-		return fmt.Errorf("rule %s: replication %s → %s timed out after %s: %w", r.ID(), req.Source, req.Target, h.timeout, err)
+		err = fmt.Errorf("rule %s: replication %s → %s timed out after %s: %w", r.ID(), req.Source, req.Target, h.timeout, err)
+		h.status.RuleRun(r.ID(), status.ResultError, err)
+		return err
 	}
 	switch classify(err) {
 	case permanent:
@@ -191,7 +197,9 @@ func (h *replicator) runRule(ctx context.Context, job *worker.Job, r *rules.Repl
 			return h.giveUp(ctx, job, r, engineName, req, err, log)
 		}
 	}
-	return fmt.Errorf("rule %s: replication %s → %s: %w", r.ID(), req.Source, req.Target, err)
+	err = fmt.Errorf("rule %s: replication %s → %s: %w", r.ID(), req.Source, req.Target, err)
+	h.status.RuleRun(r.ID(), status.ResultError, err)
+	return err
 }
 
 // giveUp records a permanent failure of rule r: a dead letter naming the rule, and one error
@@ -222,8 +230,11 @@ func (h *replicator) giveUp(ctx context.Context, job *worker.Job, r *rules.Repli
 		rec.Error = "credentials of the source or target refused: " + rec.Error
 	}
 	if err := h.deadLetters.Publish(ctx, rec); err != nil {
-		return fmt.Errorf("rule %s failed permanently (%v), and its dead letter could not be stored: %w", r.ID(), cause, err)
+		err = fmt.Errorf("rule %s failed permanently (%v), and its dead letter could not be stored: %w", r.ID(), cause, err)
+		h.status.RuleRun(r.ID(), status.ResultError, err)
+		return err
 	}
+	h.status.RuleRun(r.ID(), status.ResultFailed, errors.New(rec.Error))
 	h.metrics.DeadLetter(events.GroupReplicate)
 	log.WithError(cause).Error("replication failed permanently: dead letter recorded; it runs again on the db's next change")
 	return nil

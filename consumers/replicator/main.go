@@ -15,6 +15,7 @@ import (
 	"github.com/spiegel-nats/spiegel/pkg/events"
 	"github.com/spiegel-nats/spiegel/pkg/replicate"
 	"github.com/spiegel-nats/spiegel/pkg/rules"
+	"github.com/spiegel-nats/spiegel/pkg/status"
 )
 
 const usage = `replicator — Spiegel for NATS: replicate each changed db with its replicator rules
@@ -37,6 +38,7 @@ func run(ctx context.Context, cfg *config.Replicator, log *logrus.Logger) error 
 	if err != nil {
 		return err
 	}
+	app.StatusExtra = func(rep *status.Report) { rep.DefaultEngine = cfg.Engine }
 	return app.Run(ctx, cfg.HTTPAddr, newHandler(app.Deps, cfg).handle)
 }
 
@@ -44,7 +46,7 @@ func run(ctx context.Context, cfg *config.Replicator, log *logrus.Logger) error 
 // client's transport (TLS settings, connection pool).
 func newHandler(app consumer.Deps, cfg *config.Replicator) *replicator {
 	return &replicator{
-		dbs: app.Couch, rules: app.Rules, deadLetters: app.DeadLetters, metrics: app.Metrics,
+		dbs: app.Couch, rules: app.Rules, deadLetters: app.DeadLetters, metrics: app.Metrics, status: app.Status,
 		log: app.Log.WithField("component", "replicator"), base: app.Couch.BaseURL(), passwords: app.Passwords,
 		engines: map[string]engine{
 			rules.EngineCouchDB: couchEngine{server: app.Couch},

@@ -29,6 +29,7 @@ import (
 	"github.com/spiegel-nats/spiegel/pkg/passwords"
 	"github.com/spiegel-nats/spiegel/pkg/rulefeed"
 	"github.com/spiegel-nats/spiegel/pkg/rules"
+	"github.com/spiegel-nats/spiegel/pkg/status"
 	"github.com/spiegel-nats/spiegel/pkg/worker"
 )
 
@@ -50,6 +51,10 @@ type App struct {
 	group     events.Group
 	follower  *rulefeed.Follower
 	rulesSeq  string
+
+	// StatusExtra, when set before Run, adds the binary's own parts to the process's status
+	// answers (see status.Config.Report).
+	StatusExtra func(*status.Report)
 }
 
 // Deps is what a consumer's handler may use: the parts of the process it needs, nothing of how
@@ -63,6 +68,9 @@ type Deps struct {
 	DeadLetters *worker.DeadLetters       // the dead-letter stream
 	Metrics     *metrics.Consumer
 	JS          jetstream.JetStream // publishes of subject rules
+	// Status keeps the per-rule figures of the process's status answers: handlers record every
+	// rule's run in a db (status.Recorder.RuleRun).
+	Status *status.Recorder
 }
 
 // Open connects to CouchDB and NATS, checks that install has run, loads the passwords file and
@@ -120,7 +128,7 @@ func Open(ctx context.Context, cfg *config.Consumer, group events.Group, log log
 	a := &App{
 		Deps: Deps{
 			Log: log, Couch: cc, Passwords: pw, Rules: rules.NewSet(), Checkpoints: checkpoints,
-			DeadLetters: worker.NewDeadLetters(js, topo.Subjects), Metrics: m, JS: js,
+			DeadLetters: worker.NewDeadLetters(js, topo.Subjects), Metrics: m, JS: js, Status: status.NewRecorder(),
 		},
 		log: log, nc: nc, topology: topo, registry: reg, spiegelDB: cfg.DBName, cfg: cfg, group: group,
 	}
@@ -134,8 +142,9 @@ func Open(ctx context.Context, cfg *config.Consumer, group events.Group, log log
 }
 
 // Run follows the rules, serves health and metrics on httpAddr, reloads the passwords file on
-// SIGHUP, and runs h on the group's jobs until ctx ends; then it lets running jobs finish within
-// the grace period, naks the rest and drains NATS.
+// SIGHUP, registers the process's NATS service (status.Register: spiegel-replicator or
+// spiegel-onchange), and runs h on the group's jobs until ctx ends; then it lets running jobs
+// finish within the grace period, naks the rest, stops the service and drains NATS.
 func (a *App) Run(ctx context.Context, httpAddr string, h worker.Handler) error {
 	defer func() { _ = a.nc.Drain() }()
 	var wg sync.WaitGroup
@@ -157,15 +166,40 @@ func (a *App) Run(ctx context.Context, httpAddr string, h worker.Handler) error 
 	runner, err := worker.New(a.JS, a.topology.Subjects, worker.Config{
 		Group: a.group, Concurrency: a.cfg.Concurrency, AckWait: a.cfg.AckWait, Grace: a.cfg.ShutdownGrace,
 		Retry:    backoff.Policy{Initial: a.cfg.RetryInitial, Max: a.cfg.RetryMax, Multiplier: 2, Jitter: 0.2},
-		Observer: a.Metrics,
+		Observer: observers{a.Metrics, a.Status},
 	}, h, a.log.WithField("component", "worker"))
 	if err != nil {
 		return err
 	}
+	svc, err := status.Register(a.nc, status.Config{
+		Prefix: a.cfg.SubjectPrefix, Component: a.group.ConsumerName(), Version: config.Version,
+		Report: func(rep *status.Report) {
+			st := a.Rules.Stats()
+			rep.Rules = status.RuleCounts{Replicators: st.Replicators, OnChanges: st.OnChanges, Disabled: st.Disabled, Rejected: st.Rejected}
+			rep.InFlight = runner.InFlight()
+			a.Status.Fill(rep)
+			if a.StatusExtra != nil {
+				a.StatusExtra(rep)
+			}
+		},
+	})
+	if err != nil {
+		return err
+	}
+	defer func() { _ = svc.Stop() }()
 	a.log.WithFields(logrus.Fields{"group": a.group, "concurrency": a.cfg.Concurrency}).Info("consumer running")
 	err = runner.Run(ctx)
 	a.log.WithField("group", a.group).Info("consumer stopped")
 	return err
+}
+
+// observers tells every Observer of the list about each job.
+type observers []worker.Observer
+
+func (o observers) JobDone(group events.Group, result string, d time.Duration) {
+	for _, x := range o {
+		x.JobDone(group, result, d)
+	}
 }
 
 // reloadOnHUP reloads the passwords file on SIGHUP; a broken file keeps the old passwords.

@@ -284,6 +284,23 @@ func TestSecretsNeverShown(t *testing.T) {
 		collect(b.name+" --help", out)
 		assert.Equal(t, 0, code, "%s --help:\n%s", b.name, out)
 	}
+	// What `nats micro list/info/stats` and the status endpoints answer (the per-rule last
+	// errors of refused replications and given-up webhook calls among them).
+	for _, subject := range []string{"$SRV.PING", "$SRV.INFO", "$SRV.STATS"} {
+		answers := natsAnswers(t, nc, subject, len(procs))
+		assert.Len(t, answers, len(procs), subject)
+		for i, a := range answers {
+			collect(fmt.Sprintf("NATS %s answer %d", subject, i), string(a))
+		}
+	}
+	for _, c := range []string{"producer", "replicator", "onchange"} {
+		subject := subjectPrefix + ".svc." + c + ".status"
+		answers := natsAnswers(t, nc, subject, 1)
+		assert.Len(t, answers, 1, subject)
+		for _, a := range answers {
+			collect("NATS "+subject+" answer", string(a))
+		}
+	}
 	for _, p := range procs {
 		for _, path := range []string{"/metrics", "/readyz", "/healthz"} {
 			code, body := p.get(path)
