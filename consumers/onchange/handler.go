@@ -72,6 +72,7 @@ func newHandler(app consumer.Deps, cfg *config.OnChange) *handler {
 		hooks: webhook.New(webhook.Config{
 			Timeout: cfg.WebhookTimeout, AllowedHosts: cfg.AllowedHosts, Passwords: app.Passwords,
 			SignatureSecret: cfg.SignatureSecret, Metrics: app.Metrics,
+			MaxParallel: max(cfg.Concurrency, 1) * max(cfg.RequestConcurrency, 1),
 		}),
 		publisher:          newChangePublisher(app.JS, app.Metrics),
 		batchSize:          max(cfg.BatchSize, 1),

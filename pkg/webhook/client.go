@@ -60,6 +60,9 @@ type Config struct {
 	// Transport sends the requests (default: a clone of http.DefaultTransport with more idle
 	// connections per host).
 	Transport http.RoundTripper
+	// MaxParallel is how many requests the caller may have in flight at once; the default
+	// transport keeps that many idle connections per host (at least 64).
+	MaxParallel int
 }
 
 // Client sends webhook requests. It is safe for concurrent use.
@@ -77,6 +80,13 @@ func New(cfg Config) *Client {
 	if tr == nil {
 		t := http.DefaultTransport.(*http.Transport).Clone()
 		t.MaxIdleConnsPerHost = 64
+		if cfg.MaxParallel > t.MaxIdleConnsPerHost {
+			// Keep a connection for every request that may run at once: with fewer, each
+			// request beyond them dials a new connection and closes it after (churn that
+			// costs more than the request itself on a fast receiver).
+			t.MaxIdleConnsPerHost = cfg.MaxParallel
+		}
+		t.MaxIdleConns = max(t.MaxIdleConns, t.MaxIdleConnsPerHost)
 		tr = t
 	}
 	c := &Client{cfg: cfg}

@@ -326,3 +326,16 @@ func TestDeliverRetries(t *testing.T) {
 		assert.Zero(t, out.RetryIn)
 	})
 }
+
+// TestIdleConnectionsCoverParallelRequests: the default transport keeps an idle connection for
+// every request the caller may run at once, so no request dials a connection that is closed
+// after it.
+func TestIdleConnectionsCoverParallelRequests(t *testing.T) {
+	for parallel, want := range map[int]int{0: 64, 10: 64, 200: 200} {
+		c := New(Config{MaxParallel: parallel})
+		tr, ok := c.hc.Transport.(*http.Transport)
+		require.True(t, ok)
+		assert.Equal(t, want, tr.MaxIdleConnsPerHost, "MaxParallel %d", parallel)
+		assert.GreaterOrEqual(t, tr.MaxIdleConns, want)
+	}
+}
