@@ -154,6 +154,10 @@ func TestProducerSIGKILL(t *testing.T) {
 			e.waitJob(t, rep, c, 20*time.Second)
 			if source == "db_updates" {
 				e.waitSettled(t, c, mark)
+				// The rule's catch-up is saved too (once its jobs are acknowledged): else the
+				// restart runs it again, and c gets a job for that reason.
+				require.Eventually(t, func() bool { return e.position(t).RulesSeq != "" }, 20*time.Second, 50*time.Millisecond,
+					"the saved position never recorded the rules seq")
 			}
 			require.NoError(t, p1.Process.Signal(syscall.SIGKILL))
 			_ = p1.Wait()
