@@ -94,3 +94,30 @@ func (s *Server) Connect(t testing.TB) (*nats.Conn, jetstream.JetStream) {
 	}
 	return nc, js
 }
+
+// Answers sends an empty request on subject and returns the non-empty answers that came within
+// within, or as soon as want of them came (a request many services answer, such as $SRV.PING).
+func Answers(t testing.TB, nc *nats.Conn, subject string, want int, within time.Duration) [][]byte {
+	t.Helper()
+	inbox := nc.NewRespInbox()
+	sub, err := nc.SubscribeSync(inbox)
+	if err != nil {
+		t.Fatalf("subscribe %s: %v", inbox, err)
+	}
+	defer func() { _ = sub.Unsubscribe() }()
+	if err := nc.PublishRequest(subject, inbox, nil); err != nil {
+		t.Fatalf("request %s: %v", subject, err)
+	}
+	var out [][]byte
+	deadline := time.Now().Add(within)
+	for len(out) < want {
+		m, err := sub.NextMsg(time.Until(deadline))
+		if err != nil {
+			break
+		}
+		if len(m.Data) > 0 {
+			out = append(out, m.Data)
+		}
+	}
+	return out
+}

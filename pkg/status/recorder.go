@@ -49,11 +49,7 @@ func (r *Recorder) RuleRun(rule, result string, err error) {
 	if r == nil {
 		return
 	}
-	now := r.now()
-	text := ""
-	if err != nil {
-		text = redact(err.Error())
-	}
+	now, text := r.now(), errText(err)
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	s := r.rule(rule)
@@ -71,11 +67,7 @@ func (r *Recorder) GaveUp(rule string, err error) {
 	if r == nil {
 		return
 	}
-	now := r.now()
-	text := ""
-	if err != nil {
-		text = redact(err.Error())
-	}
+	now, text := r.now(), errText(err)
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	r.failure(r.rule(rule), rule, now, text)
@@ -165,4 +157,12 @@ func redact(s string) string {
 		s = s[:cut] + "…"
 	}
 	return s
+}
+
+// errText is err's text without secrets ("" for nil).
+func errText(err error) string {
+	if err == nil {
+		return ""
+	}
+	return redact(err.Error())
 }

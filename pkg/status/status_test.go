@@ -143,29 +143,6 @@ func register(t *testing.T, nc *nats.Conn, prefix, component string) *Service {
 	return svc
 }
 
-// gather sends a request on subject and returns the answers that came within 2 s, or as soon
-// as want answers are there.
-func gather(t *testing.T, nc *nats.Conn, subject string, want int) [][]byte {
-	t.Helper()
-	inbox := nc.NewRespInbox()
-	sub, err := nc.SubscribeSync(inbox)
-	require.NoError(t, err)
-	defer func() { _ = sub.Unsubscribe() }()
-	require.NoError(t, nc.PublishRequest(subject, inbox, nil))
-	var out [][]byte
-	deadline := time.Now().Add(5 * time.Second)
-	for len(out) < want {
-		m, err := sub.NextMsg(time.Until(deadline))
-		if err != nil {
-			break
-		}
-		if len(m.Data) > 0 {
-			out = append(out, m.Data)
-		}
-	}
-	return out
-}
-
 // Every process is a micro service: $SRV discovery lists the three components of an
 // installation with their instance ids, its status endpoint answers with the process's rule
 // stats, and two installations (prefixes) on one NATS do not mix.
@@ -187,7 +164,7 @@ func TestServicesDiscoveredAndCollectedPerPrefix(t *testing.T) {
 
 	// Discovery, as `nats micro list` does it.
 	var pings []micro.Ping
-	for _, b := range gather(t, nc, "$SRV.PING", 5) {
+	for _, b := range natstest.Answers(t, nc, "$SRV.PING", 5, 5*time.Second) {
 		var p micro.Ping
 		require.NoError(t, json.Unmarshal(b, &p))
 		pings = append(pings, p)
@@ -204,7 +181,7 @@ func TestServicesDiscoveredAndCollectedPerPrefix(t *testing.T) {
 	assert.Equal(t, want, seen)
 
 	// `nats micro info spiegel-producer`
-	infos := gather(t, nc, "$SRV.INFO.spiegel-producer", 1)
+	infos := natstest.Answers(t, nc, "$SRV.INFO.spiegel-producer", 1, 5*time.Second)
 	require.Len(t, infos, 1)
 	var info micro.Info
 	require.NoError(t, json.Unmarshal(infos[0], &info))
@@ -237,7 +214,7 @@ func TestServicesDiscoveredAndCollectedPerPrefix(t *testing.T) {
 	assert.Equal(t, "staging-producer", reps[0].Service)
 
 	// `nats micro stats spiegel-onchange`: the framework's counts, one instance each.
-	stats := gather(t, nc, "$SRV.STATS.spiegel-onchange."+second.ID(), 1)
+	stats := natstest.Answers(t, nc, "$SRV.STATS.spiegel-onchange."+second.ID(), 1, 5*time.Second)
 	require.Len(t, stats, 1)
 	var st micro.Stats
 	require.NoError(t, json.Unmarshal(stats[0], &st))

@@ -19,29 +19,6 @@ import (
 	"github.com/spiegel-nats/spiegel/pkg/status"
 )
 
-// natsAnswers sends an empty request on subject and returns every answer that came within 3 s
-// (or as soon as want came).
-func natsAnswers(t testing.TB, nc *nats.Conn, subject string, want int) [][]byte {
-	t.Helper()
-	inbox := nc.NewRespInbox()
-	sub, err := nc.SubscribeSync(inbox)
-	require.NoError(t, err)
-	defer func() { _ = sub.Unsubscribe() }()
-	require.NoError(t, nc.PublishRequest(subject, inbox, nil))
-	var out [][]byte
-	deadline := time.Now().Add(3 * time.Second)
-	for len(out) < want {
-		m, err := sub.NextMsg(time.Until(deadline))
-		if err != nil {
-			break
-		}
-		if len(m.Data) > 0 {
-			out = append(out, m.Data)
-		}
-	}
-	return out
-}
-
 // statusOf is the part of `producer status --json` the fleet test reads.
 type statusOf struct {
 	Processes []status.Report `json:"processes"`
@@ -122,7 +99,7 @@ func TestFleetVisibleInNATS(t *testing.T) {
 	var pings []micro.Ping
 	waitFor(t, 10*time.Second, "five services answering $SRV.PING", all, func() bool {
 		pings = nil
-		for _, data := range natsAnswers(t, nc, "$SRV.PING", len(wantNames)) {
+		for _, data := range natstest.Answers(t, nc, "$SRV.PING", len(wantNames), 3*time.Second) {
 			var p micro.Ping
 			if json.Unmarshal(data, &p) == nil {
 				pings = append(pings, p)
@@ -143,7 +120,7 @@ func TestFleetVisibleInNATS(t *testing.T) {
 	assert.Len(t, ids, len(wantNames), "instance ids are unique")
 
 	// `nats micro info fleeta-onchange`: the status endpoint on the installation's subject.
-	infos := natsAnswers(t, nc, "$SRV.INFO.fleeta-onchange", 1)
+	infos := natstest.Answers(t, nc, "$SRV.INFO.fleeta-onchange", 1, 3*time.Second)
 	require.Len(t, infos, 1)
 	var info micro.Info
 	require.NoError(t, json.Unmarshal(infos[0], &info))
@@ -154,11 +131,11 @@ func TestFleetVisibleInNATS(t *testing.T) {
 	// the failing hook's.
 	waitFor(t, 60*time.Second, "the replicate rule's run ok and the hook's failure in the status answers", all, func() bool {
 		var okRep, failedHook bool
-		for _, data := range natsAnswers(t, nc, "fleeta.svc.replicator.status", 1) {
+		for _, data := range natstest.Answers(t, nc, "fleeta.svc.replicator.status", 1, 3*time.Second) {
 			var rep status.Report
 			okRep = json.Unmarshal(data, &rep) == nil && rep.RuleStats["replicate"].LastResult == status.ResultOK
 		}
-		for _, data := range natsAnswers(t, nc, "fleeta.svc.onchange.status", 1) {
+		for _, data := range natstest.Answers(t, nc, "fleeta.svc.onchange.status", 1, 3*time.Second) {
 			var rep status.Report
 			failedHook = json.Unmarshal(data, &rep) == nil && rep.RuleStats["hook"].FailuresLastHour > 0
 		}

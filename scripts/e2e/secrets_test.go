@@ -287,7 +287,7 @@ func TestSecretsNeverShown(t *testing.T) {
 	// What `nats micro list/info/stats` and the status endpoints answer (the per-rule last
 	// errors of refused replications and given-up webhook calls among them).
 	for _, subject := range []string{"$SRV.PING", "$SRV.INFO", "$SRV.STATS"} {
-		answers := natsAnswers(t, nc, subject, len(procs))
+		answers := natstest.Answers(t, nc, subject, len(procs), 3*time.Second)
 		assert.Len(t, answers, len(procs), subject)
 		for i, a := range answers {
 			collect(fmt.Sprintf("NATS %s answer %d", subject, i), string(a))
@@ -295,7 +295,7 @@ func TestSecretsNeverShown(t *testing.T) {
 	}
 	for _, c := range []string{"producer", "replicator", "onchange"} {
 		subject := subjectPrefix + ".svc." + c + ".status"
-		answers := natsAnswers(t, nc, subject, 1)
+		answers := natstest.Answers(t, nc, subject, 1, 3*time.Second)
 		assert.Len(t, answers, 1, subject)
 		for _, a := range answers {
 			collect("NATS "+subject+" answer", string(a))
