@@ -29,8 +29,10 @@ type nativeEngine struct {
 }
 
 // nativeCheckpointDefer is the checkpoint batching window of the consumer's native runs: a db
-// written every few seconds gets a checkpoint pair at most every 10 s instead of every run.
-const nativeCheckpointDefer = 10 * time.Second
+// written every few seconds gets a checkpoint pair at most every 30 s instead of every run, as
+// CouchDB's own replicator checkpoints every 30 s (a killed process costs a re-check of those
+// changes, which the target already holds).
+const nativeCheckpointDefer = 30 * time.Second
 
 // The consumer's native runs cache their replications' checkpoints for up to a minute, for up to
 // 10,000 replications: a db written every few seconds reads no checkpoint, and a side that was

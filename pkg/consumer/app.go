@@ -34,8 +34,9 @@ import (
 )
 
 // onChangeLocalEvery batches the _local writes of a busy on_change checkpoint: the cache entry
-// moves with every page, the _local doc at most every 10 s (checkpoint.OnChangeStore.LocalEvery).
-const onChangeLocalEvery = 10 * time.Second
+// moves with every page, the _local doc at most every 30 s (checkpoint.OnChangeStore.LocalEvery).
+// The doc matters only when the cache entry is lost; then up to 30 s of changes are acted on again.
+const onChangeLocalEvery = 30 * time.Second
 
 // App is one consumer process's shared state. Build it with Open, hand App.Deps to the
 // handler, then call Run.
