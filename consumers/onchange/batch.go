@@ -243,6 +243,9 @@ func (h *handler) newAction(db string, rule *rules.OnChange, c change) *action {
 // deferred (remembered in the retry book); at the retry limit the action is dead-lettered and
 // counts as done.
 func (h *handler) act(ctx context.Context, db string, rule *rules.OnChange, a *action, log logrus.FieldLogger) (int, time.Duration, error) {
+	if !worker.Held(ctx) { // paused past AckWait: another instance may be acting on this db
+		return stateFailed, 0, worker.ErrLeaseLost
+	}
 	key := bookKey(rule.ID(), db, a.c.Seq, a.key)
 	done, wait, booked := h.book.get(key)
 	if wait > 0 {

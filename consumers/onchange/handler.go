@@ -245,6 +245,9 @@ func (h *handler) runRule(ctx context.Context, db string, rule *rules.OnChange) 
 			next = page.Results[b.done-1].Seq
 		}
 		if next != since {
+			if !worker.Held(ctx) {
+				return finish(ruleResult{err: worker.ErrLeaseLost})
+			}
 			if err := cps.save(ctx, next); err != nil {
 				return finish(ruleResult{err: err})
 			}

@@ -178,6 +178,10 @@ func (p *changePublisher) publishPipelined(ctx context.Context, acts []*action, 
 			sent = append(sent, pipelined{index: i, err: errUnpublishable})
 			break
 		}
+		if !worker.Held(ctx) { // paused past AckWait: another instance may publish these now
+			sent = append(sent, pipelined{index: i, err: worker.ErrLeaseLost})
+			break
+		}
 		m := *acts[i].msg
 		f, err := p.js.PublishMsgAsync(m.nats())
 		sent = append(sent, pipelined{index: i, future: f, err: err})

@@ -22,6 +22,8 @@ type Job struct {
 	// (RetryAfter with a nil error, e.g. a replicator rule's dirty_after delay) rather than
 	// failures. The handler sets it; Tries, and so the retry backoff, leave them out.
 	Postponed int
+
+	lease *lease // nil: not tracked (a job made outside a Runner)
 }
 
 // Tries returns the delivery count without the postponements: 1 on the first real try. The

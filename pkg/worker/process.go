@@ -42,9 +42,10 @@ func (r *Runner) process(handlerCtx context.Context, msg jetstream.Msg) {
 		job.Reason, job.Seq = payload.Reason, payload.Seq
 	}
 
-	ctx, cancel := context.WithCancel(withJob(handlerCtx, job))
-	defer cancel()
-	stopKeepAlive := r.keepAlive(ctx, msg, log)
+	job.lease = newLease(r.cfg.AckWait, r.now)
+	ctx, cancel := context.WithCancelCause(withJob(handlerCtx, job))
+	defer cancel(nil)
+	stopKeepAlive := r.keepAlive(ctx, msg, job.lease, cancel, log)
 	r.clearWakeup(ctx, job, log)
 	started := time.Now()
 	herr := r.runHandler(ctx, job)
@@ -70,7 +71,11 @@ func (r *Runner) runHandler(ctx context.Context, job *Job) (err error) {
 // keepAlive sends InProgress at once (the job may have waited in a client buffer) and then every
 // AckWait/3 until the returned stop is called or ctx ends; stop returns once no InProgress can be
 // sent any more.
-func (r *Runner) keepAlive(ctx context.Context, msg jetstream.Msg, log logrus.FieldLogger) (stop func()) {
+//
+// With a lease (nil for a message that is no job), each InProgress sent renews it; when it has
+// run out before one could be sent (the process was paused), the job is lost: lost is called
+// with ErrLeaseLost and nothing more is sent.
+func (r *Runner) keepAlive(ctx context.Context, msg jetstream.Msg, l *lease, lost context.CancelCauseFunc, log logrus.FieldLogger) (stop func()) {
 	ctx, cancel := context.WithCancel(ctx)
 	var wg sync.WaitGroup
 	wg.Add(1)
@@ -79,8 +84,16 @@ func (r *Runner) keepAlive(ctx context.Context, msg jetstream.Msg, log logrus.Fi
 		tick := time.NewTicker(max(r.cfg.AckWait/3, time.Millisecond))
 		defer tick.Stop()
 		for {
+			if l != nil && !l.held() {
+				log.WithError(ErrLeaseLost).Warn("job not kept alive within AckWait: stopped; another instance runs it")
+				lost(ErrLeaseLost)
+				return
+			}
+			sent := r.now()
 			if err := msg.InProgress(); err != nil {
 				log.WithError(err).Debug("keep job alive failed")
+			} else if l != nil {
+				l.renewed(sent)
 			}
 			select {
 			case <-ctx.Done():
@@ -98,6 +111,12 @@ func (r *Runner) settle(handlerCtx context.Context, msg jetstream.Msg, job *Job,
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(handlerCtx), settleTimeout)
 	defer cancel()
 
+	if !job.Held() {
+		// Another consumer may be running the job: settling this delivery could end its run.
+		stopKeepAlive()
+		log.WithError(ErrLeaseLost).Warn("job not settled: it was not kept alive within AckWait")
+		return ResultRetry
+	}
 	if handlerCtx.Err() != nil {
 		// The grace period is over: whatever the handler returned, it may have been cut short.
 		stopKeepAlive()
@@ -165,7 +184,7 @@ func (r *Runner) rejectSubject(handlerCtx context.Context, msg jetstream.Msg, at
 	log := r.log.WithFields(logrus.Fields{"subject": msg.Subject(), "attempt": attempt})
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(handlerCtx), settleTimeout)
 	defer cancel()
-	stopKeepAlive := r.keepAlive(ctx, msg, log)
+	stopKeepAlive := r.keepAlive(ctx, msg, nil, nil, log)
 	rec := DeadLetter{Group: r.cfg.Group, DB: msg.Subject(), Error: perr.Error(), Attempts: attempt,
 		Details: map[string]any{"subject": msg.Subject()}}
 	err := r.deadLetters.Publish(ctx, rec)

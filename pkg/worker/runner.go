@@ -40,6 +40,7 @@ type Runner struct {
 	deadLetters *DeadLetters
 	subjects    events.Subjects
 	log         logrus.FieldLogger
+	now         func() time.Time // the clock of job leases (a test moves it past AckWait)
 
 	inFlight       atomic.Int64
 	running        atomic.Bool
@@ -83,6 +84,7 @@ func New(js jetstream.JetStream, subjects events.Subjects, cfg Config, h Handler
 		deadLetters: NewDeadLetters(js, subjects),
 		subjects:    subjects,
 		log:         log.WithField("group", string(cfg.Group)),
+		now:         time.Now,
 	}, nil
 }
 

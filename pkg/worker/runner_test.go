@@ -273,3 +273,56 @@ func TestBadMessages(t *testing.T) {
 	assert.Equal(t, group, dl.Group)
 	assert.Contains(t, dl.Error, "parse work subject")
 }
+
+// A process paused past AckWait (here: its lease clock jumps ahead) finds its job lost on
+// resuming: the handler's context ends with ErrLeaseLost, Held turns false, the delivery is
+// neither acked nor nak'ed, and JetStream hands the job out again.
+func TestLostLeaseStopsTheJobUnsettled(t *testing.T) {
+	e := newEnv(t, time.Second)
+	var skew atomic.Int64
+	rec := &recorder{}
+	causes := make(chan error, 2)
+	r := e.newRunner(t, nil, testConfig(), func(ctx context.Context, job *Job) error {
+		if rec.add(job) > 1 {
+			return nil
+		}
+		skew.Add(int64(2 * time.Second)) // the process "sleeps" through two AckWaits
+		assert.False(t, Held(ctx), "a lease past AckWait is not held")
+		select {
+		case <-ctx.Done():
+			causes <- context.Cause(ctx)
+		case <-time.After(waitFor):
+			causes <- errors.New("the handler's context did not end")
+		}
+		return nil // a handler that finishes anyway must not get the job acked
+	})
+	r.now = func() time.Time { return time.Now().Add(time.Duration(skew.Load())) }
+	start(t, r)
+	e.publish(t, "paused", "")
+
+	select {
+	case cause := <-causes:
+		assert.ErrorIs(t, cause, ErrLeaseLost)
+	case <-time.After(waitFor):
+		t.Fatal("handler did not run")
+	}
+	e.requireDrained(t)
+	calls := rec.all()
+	require.Len(t, calls, 2, "the job ran again: the lost delivery was not acked")
+	assert.Equal(t, 2, calls[1].Attempt)
+}
+
+func TestLeaseRunsOutForGood(t *testing.T) {
+	now := time.Unix(1000, 0)
+	l := newLease(time.Second, func() time.Time { return now })
+	assert.True(t, l.held())
+	now = now.Add(900 * time.Millisecond)
+	l.renewed(now)
+	now = now.Add(900 * time.Millisecond)
+	assert.True(t, l.held(), "renewed from the last InProgress")
+	now = now.Add(200 * time.Millisecond)
+	assert.False(t, l.held(), "AckWait after the last InProgress")
+	l.renewed(now)
+	assert.False(t, l.held(), "an InProgress after the lease ran out does not take the job back")
+	assert.True(t, (&Job{}).Held(), "a job without a lease is held")
+}
