@@ -1,0 +1,377 @@
+package chaos
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"slices"
+	"sort"
+	"strings"
+	"sync"
+	"time"
+)
+
+// The oracle's semantics of deleted and recreated source dbs:
+//
+//   - The writer deletes a source db and then its target db (as an operator retiring a db
+//     would), and before recreating a source it deletes whatever is left of both (so the new
+//     incarnation starts empty on both sides).
+//   - Doc ids carry the incarnation ("i<inc>_d<k>"). Only the live incarnation (the one the plan
+//     ends with) is checked: its docs must be in the target exactly (same doc ids, same leaf
+//     revisions, deleted leaves and conflicts included, same winner), delivered to the webhook
+//     with their final winning revision, and in the change stream.
+//   - Docs of an earlier incarnation found in a target are leftovers: a replication that was
+//     running while the writer deleted the dbs may write them back (no replicator can know of
+//     the deletion). They are counted and reported, not failures. A source db the plan ends
+//     deleted may likewise exist again, empty (PouchDB Server recreates a db a request writes
+//     into): reported, not checked.
+
+// dbEnd is the plan's final state of one source db.
+type dbEnd struct {
+	live bool
+	inc  int
+}
+
+// finalState replays the plan's db-level ops.
+func finalState(ops []Op, dbs int) []dbEnd {
+	out := make([]dbEnd, dbs)
+	for _, op := range ops {
+		switch op.Kind {
+		case OpCreateDB:
+			out[op.DB] = dbEnd{live: true, inc: op.Inc}
+		case OpDeleteDB:
+			out[op.DB].live = false
+		}
+	}
+	return out
+}
+
+// docState is one doc as a db's feed shows it.
+type docState struct {
+	Winner  string
+	Deleted bool
+	Leaves  []string // sorted, deleted leaves included
+}
+
+// readDB returns db's docs (from _changes and _changes?style=all_docs); exists is false for a
+// missing db.
+func (r *run) readDB(ctx context.Context, db string) (docs map[string]docState, exists bool, err error) {
+	type rows struct {
+		Results []struct {
+			ID      string `json:"id"`
+			Deleted bool   `json:"deleted"`
+			Changes []struct {
+				Rev string `json:"rev"`
+			} `json:"changes"`
+		} `json:"results"`
+	}
+	var main, all rows
+	status, err := r.couch.do(ctx, http.MethodGet, "/"+db+"/_changes", nil, &main)
+	if err == nil && status == http.StatusNotFound {
+		return nil, false, nil
+	}
+	if err != nil || status != http.StatusOK {
+		return nil, false, fmt.Errorf("read _changes of %s: status %d, %v", db, status, err)
+	}
+	if status, err := r.couch.do(ctx, http.MethodGet, "/"+db+"/_changes?style=all_docs", nil, &all); err != nil || status != http.StatusOK {
+		return nil, false, fmt.Errorf("read _changes?style=all_docs of %s: status %d, %v", db, status, err)
+	}
+	docs = map[string]docState{}
+	for _, row := range main.Results {
+		if len(row.Changes) > 0 {
+			docs[row.ID] = docState{Winner: row.Changes[0].Rev, Deleted: row.Deleted}
+		}
+	}
+	for _, row := range all.Results {
+		d := docs[row.ID]
+		for _, c := range row.Changes {
+			d.Leaves = append(d.Leaves, c.Rev)
+		}
+		sort.Strings(d.Leaves)
+		docs[row.ID] = d
+	}
+	return docs, true, nil
+}
+
+// verdict is what the oracle found at one moment.
+type verdict struct {
+	LiveDBs, DeletedDBs, Docs, Leaves int
+	ReplMismatch                      []string // target differs from its source (live incarnation)
+	Leftovers, LeftoverTargets        int      // docs of earlier incarnations in targets
+	Resurrected                       []string // sources the plan ends deleted that exist (empty)
+	Foreign                           []string // source docs not of the live incarnation
+
+	HookExpected   int
+	HookMissing    []string // (db, doc, final rev) never answered 200
+	HookDuplicates int      // 200 answers beyond the first per (db, doc, rev)
+
+	StreamMsgs, StreamExpected int
+	StreamMissing              []string // (db, doc, final rev) not in the change stream
+	StreamDuplicates           int      // messages stored with a message id already stored
+	OrderViolations            []string // a db incarnation's changes stored against feed order
+
+	WorkPending uint64       // messages in the work stream (pending or in flight)
+	DeadLetters []deadLetter // dead-letter records
+	Errors      []string     // what could not be checked
+}
+
+// converged reports whether the pipeline has caught up with everything the writer did.
+func (v *verdict) converged() bool {
+	return len(v.ReplMismatch) == 0 && len(v.Foreign) == 0 && len(v.HookMissing) == 0 &&
+		len(v.StreamMissing) == 0 && v.WorkPending == 0 && len(v.Errors) == 0
+}
+
+// deadLetter is one record of the dead-letter stream. Accounted says why the run expected it
+// ("" = unexpected: a failure).
+type deadLetter struct {
+	Seq                                      uint64
+	Group, Rule, DB, DocID, Error, Accounted string
+	Status                                   int
+	At                                       time.Time
+}
+
+func (d deadLetter) String() string {
+	s := fmt.Sprintf("#%d group=%s rule=%s db=%s doc=%s status=%d at=%s error=%s", d.Seq, d.Group, d.Rule, d.DB, d.DocID, d.Status,
+		d.At.Format("15:04:05.000"), d.Error)
+	if d.Accounted != "" {
+		s += " — accounted: " + d.Accounted
+	}
+	return s
+}
+
+// unaccounted returns the dead letters the run did not expect.
+func (v *verdict) unaccounted() []string {
+	var out []string
+	for _, d := range v.DeadLetters {
+		if d.Accounted == "" {
+			out = append(out, d.String())
+		}
+	}
+	return out
+}
+
+// pending says what keeps the verdict from converging, with the first item of each kind.
+func (v *verdict) pending(ready bool) string {
+	var parts []string
+	add := func(what string, items []string) {
+		if len(items) > 0 {
+			parts = append(parts, fmt.Sprintf("%s %d (%s)", what, len(items), items[0]))
+		}
+	}
+	add("replication mismatches", v.ReplMismatch)
+	add("foreign docs", v.Foreign)
+	add("webhook missing", v.HookMissing)
+	add("change stream missing", v.StreamMissing)
+	add("errors", v.Errors)
+	if v.WorkPending > 0 {
+		parts = append(parts, fmt.Sprintf("work stream holds %d", v.WorkPending))
+	}
+	if !ready {
+		parts = append(parts, "a process is not ready")
+	}
+	return strings.Join(parts, "; ")
+}
+
+// check reads every source and target db, the sink's deliveries and the change stream, and
+// compares them (see the semantics above).
+func (r *run) check(ctx context.Context) *verdict {
+	v := &verdict{}
+	ends := finalState(r.plan.Ops, r.cfg.DBs)
+	type dbPair struct {
+		src, tgt       map[string]docState
+		srcOK, tgtOK   bool
+		srcErr, tgtErr error
+	}
+	pairs := make([]dbPair, r.cfg.DBs)
+	var wg sync.WaitGroup
+	sem := make(chan struct{}, 8)
+	for i := range pairs {
+		wg.Go(func() {
+			sem <- struct{}{}
+			defer func() { <-sem }()
+			p := &pairs[i]
+			p.src, p.srcOK, p.srcErr = r.readDB(ctx, r.sourceDB(i))
+			p.tgt, p.tgtOK, p.tgtErr = r.readDB(ctx, r.targetDB(r.sourceDB(i)))
+		})
+	}
+	wg.Wait()
+
+	var hookWant, streamWant [][3]string
+	for i, p := range pairs {
+		src := r.sourceDB(i)
+		if p.srcErr != nil || p.tgtErr != nil {
+			v.Errors = append(v.Errors, fmt.Sprint(errorsOf(p.srcErr, p.tgtErr)))
+			continue
+		}
+		end := ends[i]
+		if !end.live {
+			v.DeletedDBs++
+			if p.srcOK {
+				v.Resurrected = append(v.Resurrected, fmt.Sprintf("%s (%d docs)", src, len(p.src)))
+			}
+			for range p.tgt {
+				v.Leftovers++
+			}
+			if len(p.tgt) > 0 {
+				v.LeftoverTargets++
+			}
+			continue
+		}
+		v.LiveDBs++
+		if !p.srcOK {
+			v.ReplMismatch = append(v.ReplMismatch, src+": the source db is missing although the plan ends with it live")
+			continue
+		}
+		leftovers := 0
+		for id := range p.tgt {
+			if incarnation(id) != end.inc {
+				leftovers++
+			}
+		}
+		v.Leftovers += leftovers
+		if leftovers > 0 {
+			v.LeftoverTargets++
+		}
+		if !p.tgtOK && len(p.src) > 0 {
+			v.ReplMismatch = append(v.ReplMismatch, fmt.Sprintf("%s: no target db (the source has %d docs)", src, len(p.src)))
+		}
+		for _, id := range sortedKeys(p.src) {
+			d := p.src[id]
+			if incarnation(id) != end.inc {
+				v.Foreign = append(v.Foreign, fmt.Sprintf("%s/%s (live incarnation %d)", src, id, end.inc))
+				continue
+			}
+			v.Docs++
+			v.Leaves += len(d.Leaves)
+			hookWant = append(hookWant, [3]string{src, id, d.Winner})
+			streamWant = append(streamWant, [3]string{src, id, d.Winner})
+			t, ok := p.tgt[id]
+			switch {
+			case !p.tgtOK:
+			case !ok:
+				v.ReplMismatch = append(v.ReplMismatch, fmt.Sprintf("%s/%s: missing in the target (winner %s)", src, id, d.Winner))
+			case t.Winner != d.Winner || t.Deleted != d.Deleted || !slices.Equal(t.Leaves, d.Leaves):
+				v.ReplMismatch = append(v.ReplMismatch, fmt.Sprintf("%s/%s: source winner %s deleted=%t leaves %v; target winner %s deleted=%t leaves %v",
+					src, id, d.Winner, d.Deleted, d.Leaves, t.Winner, t.Deleted, t.Leaves))
+			}
+		}
+		for _, id := range sortedKeys(p.tgt) {
+			if _, ok := p.src[id]; !ok && incarnation(id) == end.inc {
+				v.ReplMismatch = append(v.ReplMismatch, fmt.Sprintf("%s/%s: in the target, not in the source", src, id))
+			}
+		}
+	}
+
+	delivered := r.sink.delivered()
+	v.HookExpected = len(hookWant)
+	for _, k := range hookWant {
+		if delivered[k] == 0 {
+			v.HookMissing = append(v.HookMissing, strings.Join(k[:], " "))
+		}
+	}
+	for _, n := range delivered {
+		v.HookDuplicates += n - 1
+	}
+	r.checkStream(ctx, v, streamWant)
+	r.checkQueues(ctx, v)
+	return v
+}
+
+// checkStream compares the change stream with want and checks its order: per db incarnation,
+// the feed position (feedOrder) of the stored changes never goes back.
+func (r *run) checkStream(ctx context.Context, v *verdict, want [][3]string) {
+	if _, err := r.changes.catchUp(ctx); err != nil {
+		v.Errors = append(v.Errors, "read the change stream: "+err.Error())
+	}
+	msgs := r.changes.all()
+	v.StreamMsgs, v.StreamExpected = len(msgs), len(want)
+	have := map[[3]string]bool{}
+	ids := map[string]bool{}
+	type key struct {
+		db  string
+		inc int
+	}
+	last := map[key]streamMsg{}
+	for _, m := range msgs {
+		have[[3]string{m.DB, m.ID, m.Rev}] = true
+		if ids[m.MsgID] {
+			v.StreamDuplicates++
+		}
+		ids[m.MsgID] = true
+		k := key{m.DB, incarnation(m.ID)}
+		cur, ok1 := feedOrder(m.Feed)
+		if prev, seen := last[k]; seen {
+			p, ok2 := feedOrder(prev.Feed)
+			if ok1 && ok2 && cur < p {
+				v.OrderViolations = append(v.OrderViolations, fmt.Sprintf("%s: %s (feed seq %d, stream seq %d) stored after %s (feed seq %d, stream seq %d)",
+					m.DB, m.ID, cur, m.Seq, prev.ID, p, prev.Seq))
+				continue // the highest position seen stays the reference
+			}
+		}
+		last[k] = m
+	}
+	for _, k := range want {
+		if !have[k] {
+			v.StreamMissing = append(v.StreamMissing, strings.Join(k[:], " "))
+		}
+	}
+}
+
+// checkQueues reads the work stream's depth and the dead-letter records.
+func (r *run) checkQueues(ctx context.Context, v *verdict) {
+	for _, name := range []string{r.subjects.WorkStream(), r.subjects.DeadLetterStream()} {
+		st, err := r.nats.js.Stream(ctx, name)
+		if err != nil {
+			v.Errors = append(v.Errors, fmt.Sprintf("stream %s: %v", name, err))
+			continue
+		}
+		info, err := st.Info(ctx)
+		if err != nil {
+			v.Errors = append(v.Errors, fmt.Sprintf("stream %s: %v", name, err))
+			continue
+		}
+		if name == r.subjects.WorkStream() {
+			v.WorkPending = info.State.Msgs
+			continue
+		}
+		for seq := info.State.FirstSeq; info.State.Msgs > 0 && seq <= info.State.LastSeq; seq++ {
+			m, err := st.GetMsg(ctx, seq)
+			if err != nil {
+				v.Errors = append(v.Errors, fmt.Sprintf("dead letter #%d: %v", seq, err))
+				continue
+			}
+			d := deadLetter{Seq: seq}
+			var rec struct {
+				Group, Rule, DB, Error string
+				DocID                  string    `json:"doc_id"`
+				Status                 int       `json:"status"`
+				At                     time.Time `json:"at"`
+			}
+			if err := json.Unmarshal(m.Data, &rec); err != nil {
+				d.Error = fmt.Sprintf("(undecodable: %q)", m.Data)
+			}
+			d.Group, d.Rule, d.DB, d.DocID, d.Status, d.Error, d.At = rec.Group, rec.Rule, rec.DB, rec.DocID, rec.Status, rec.Error, rec.At
+			v.DeadLetters = append(v.DeadLetters, d)
+		}
+	}
+}
+
+func sortedKeys(m map[string]docState) []string {
+	keys := make([]string, 0, len(m))
+	for k := range m {
+		keys = append(keys, k)
+	}
+	sort.Strings(keys)
+	return keys
+}
+
+func errorsOf(errs ...error) []string {
+	var out []string
+	for _, e := range errs {
+		if e != nil {
+			out = append(out, e.Error())
+		}
+	}
+	return out
+}
