@@ -214,7 +214,7 @@ func (l *lane) put(ctx context.Context, db string, docs []int, op Op) error {
 	pending := docs
 	for round := 0; len(pending) > 0; round++ {
 		if round == 4 {
-			return errRetry
+			return fmt.Errorf("docs %v of %s still conflict after 4 lookups", pending, db)
 		}
 		var batch []any
 		for _, k := range pending {
@@ -233,6 +233,8 @@ func (l *lane) put(ctx context.Context, db string, docs []int, op Op) error {
 				break
 			}
 			if r.Error != "" {
+				l.w.journal.printf("  %s %s: %s (sent rev %q): looking it up", db, r.ID, r.Error, l.known(db, r.ID))
+				l.forget(db, r.ID)
 				rev, deleted, err := l.rev(ctx, db, r.ID)
 				if err != nil {
 					return err
