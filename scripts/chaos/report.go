@@ -163,6 +163,9 @@ func (res *Result) write(w io.Writer) {
 		}
 		p("changes:     %d messages, %d (db, doc, final rev) expected, %d missing; %d stored duplicates; feed-order violations %d",
 			v.StreamMsgs, v.StreamExpected, len(v.StreamMissing), v.StreamDuplicates, len(v.OrderViolations))
+		if n := violationsInRecreated(v.OrderViolations); n > 0 {
+			p("             %d of the %d feed-order violations are in recreated dbs (incarnation > 0)", n, len(v.OrderViolations))
+		}
 		if n := inRecreated(v.StreamMissing); n > 0 {
 			p("             %d of the %d missing are docs of recreated dbs (incarnation > 0)", n, len(v.StreamMissing))
 		}
@@ -231,6 +234,17 @@ func (res *Result) sinkStats() (map[string]int, string, []string) {
 
 // inRecreated counts the "db doc rev" items whose doc belongs to a recreated db.
 func inRecreated(items []string) int {
+	n := 0
+	for _, it := range items {
+		if f := strings.Fields(it); len(f) > 1 && incarnation(f[1]) > 0 {
+			n++
+		}
+	}
+	return n
+}
+
+// violationsInRecreated counts the order violations ("db: doc (…") of recreated dbs.
+func violationsInRecreated(items []string) int {
 	n := 0
 	for _, it := range items {
 		if f := strings.Fields(it); len(f) > 1 && incarnation(f[1]) > 0 {

@@ -8,6 +8,7 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"slices"
 	"sync"
 	"syscall"
 	"time"
@@ -170,7 +171,8 @@ func execute(ctx context.Context, cfg Config, out io.Writer) *Result {
 }
 
 // account marks the dead letters the run expects: a replication of a source db that the writer
-// deleted shortly before the record (the replication found the db gone).
+// deleted while it ran (the replication found the db gone). The deletion is the writer's start
+// of it, so a record may come a little before it.
 func account(v *verdict, deleted map[string][]time.Duration, started time.Time) {
 	for i := range v.DeadLetters {
 		d := &v.DeadLetters[i]
@@ -178,14 +180,22 @@ func account(v *verdict, deleted map[string][]time.Duration, started time.Time) 
 			continue
 		}
 		at := d.At.Sub(started)
-		latest, found := time.Duration(0), false
+		var before, after []time.Duration // deletions up to a minute before the record, and within a second after
 		for _, t := range deleted[d.DB] {
-			if t <= at+time.Second && at-t <= time.Minute && (!found || t > latest) {
-				latest, found = t, true
+			switch {
+			case t <= at && at-t <= time.Minute:
+				before = append(before, t)
+			case t > at && t-at <= time.Second:
+				after = append(after, t)
 			}
 		}
-		if found {
-			d.Accounted = fmt.Sprintf("the writer deleted %s at +%s, %s before the record, while it replicated", d.DB, latest, (at - latest).Round(time.Millisecond))
+		switch {
+		case len(before) > 0:
+			t := slices.Max(before)
+			d.Accounted = fmt.Sprintf("the writer deleted %s at +%s, %s before the record", d.DB, t, (at - t).Round(time.Millisecond))
+		case len(after) > 0:
+			t := slices.Min(after)
+			d.Accounted = fmt.Sprintf("the writer deleted %s at +%s, %s after the record (the requests raced)", d.DB, t, (t - at).Round(time.Millisecond))
 		}
 	}
 }
