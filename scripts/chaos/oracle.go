@@ -5,7 +5,6 @@ import (
 	"encoding/json"
 	"fmt"
 	"net/http"
-	"slices"
 	"sort"
 	"strings"
 	"sync"
@@ -178,11 +177,6 @@ func (v *verdict) pending(ready bool) string {
 func (r *run) check(ctx context.Context) *verdict {
 	v := &verdict{}
 	ends := finalState(r.plan.Ops, r.cfg.DBs)
-	type dbPair struct {
-		src, tgt       map[string]docState
-		srcOK, tgtOK   bool
-		srcErr, tgtErr error
-	}
 	pairs := make([]dbPair, r.cfg.DBs)
 	var wg sync.WaitGroup
 	sem := make(chan struct{}, 8)
@@ -197,125 +191,21 @@ func (r *run) check(ctx context.Context) *verdict {
 	}
 	wg.Wait()
 
-	var hookWant, streamWant [][3]string
+	var want [][3]string
 	for i, p := range pairs {
-		src := r.sourceDB(i)
 		if p.srcErr != nil || p.tgtErr != nil {
 			v.Errors = append(v.Errors, fmt.Sprint(errorsOf(p.srcErr, p.tgtErr)))
 			continue
 		}
-		end := ends[i]
-		if !end.live {
-			v.DeletedDBs++
-			if p.srcOK {
-				v.Resurrected = append(v.Resurrected, fmt.Sprintf("%s (%d docs)", src, len(p.src)))
-			}
-			for range p.tgt {
-				v.Leftovers++
-			}
-			if len(p.tgt) > 0 {
-				v.LeftoverTargets++
-			}
-			continue
-		}
-		v.LiveDBs++
-		if !p.srcOK {
-			v.ReplMismatch = append(v.ReplMismatch, src+": the source db is missing although the plan ends with it live")
-			continue
-		}
-		leftovers := 0
-		for id := range p.tgt {
-			if incarnation(id) != end.inc {
-				leftovers++
-			}
-		}
-		v.Leftovers += leftovers
-		if leftovers > 0 {
-			v.LeftoverTargets++
-		}
-		if !p.tgtOK && len(p.src) > 0 {
-			v.ReplMismatch = append(v.ReplMismatch, fmt.Sprintf("%s: no target db (the source has %d docs)", src, len(p.src)))
-		}
-		for _, id := range sortedKeys(p.src) {
-			d := p.src[id]
-			if incarnation(id) != end.inc {
-				v.Foreign = append(v.Foreign, fmt.Sprintf("%s/%s (live incarnation %d)", src, id, end.inc))
-				continue
-			}
-			v.Docs++
-			v.Leaves += len(d.Leaves)
-			hookWant = append(hookWant, [3]string{src, id, d.Winner})
-			streamWant = append(streamWant, [3]string{src, id, d.Winner})
-			t, ok := p.tgt[id]
-			switch {
-			case !p.tgtOK:
-			case !ok:
-				v.ReplMismatch = append(v.ReplMismatch, fmt.Sprintf("%s/%s: missing in the target (winner %s)", src, id, d.Winner))
-			case t.Winner != d.Winner || t.Deleted != d.Deleted || !slices.Equal(t.Leaves, d.Leaves):
-				v.ReplMismatch = append(v.ReplMismatch, fmt.Sprintf("%s/%s: source winner %s deleted=%t leaves %v; target winner %s deleted=%t leaves %v",
-					src, id, d.Winner, d.Deleted, d.Leaves, t.Winner, t.Deleted, t.Leaves))
-			}
-		}
-		for _, id := range sortedKeys(p.tgt) {
-			if _, ok := p.src[id]; !ok && incarnation(id) == end.inc {
-				v.ReplMismatch = append(v.ReplMismatch, fmt.Sprintf("%s/%s: in the target, not in the source", src, id))
-			}
-		}
+		want = append(want, v.compareDB(r.sourceDB(i), ends[i], p)...)
 	}
-
-	delivered := r.sink.delivered()
-	v.HookExpected = len(hookWant)
-	for _, k := range hookWant {
-		if delivered[k] == 0 {
-			v.HookMissing = append(v.HookMissing, strings.Join(k[:], " "))
-		}
-	}
-	for _, n := range delivered {
-		v.HookDuplicates += n - 1
-	}
-	r.checkStream(ctx, v, streamWant)
-	r.checkQueues(ctx, v)
-	return v
-}
-
-// checkStream compares the change stream with want and checks its order: per db incarnation,
-// the feed position (feedOrder) of the stored changes never goes back.
-func (r *run) checkStream(ctx context.Context, v *verdict, want [][3]string) {
+	v.compareDeliveries(want, r.sink.delivered())
 	if _, err := r.changes.catchUp(ctx); err != nil {
 		v.Errors = append(v.Errors, "read the change stream: "+err.Error())
 	}
-	msgs := r.changes.all()
-	v.StreamMsgs, v.StreamExpected = len(msgs), len(want)
-	have := map[[3]string]bool{}
-	ids := map[string]bool{}
-	type key struct {
-		db  string
-		inc int
-	}
-	last := map[key]streamMsg{}
-	for _, m := range msgs {
-		have[[3]string{m.DB, m.ID, m.Rev}] = true
-		if ids[m.MsgID] {
-			v.StreamDuplicates++
-		}
-		ids[m.MsgID] = true
-		k := key{m.DB, incarnation(m.ID)}
-		cur, ok1 := feedOrder(m.Feed)
-		if prev, seen := last[k]; seen {
-			p, ok2 := feedOrder(prev.Feed)
-			if ok1 && ok2 && cur < p {
-				v.OrderViolations = append(v.OrderViolations, fmt.Sprintf("%s: %s (feed seq %d, stream seq %d) stored after %s (feed seq %d, stream seq %d)",
-					m.DB, m.ID, cur, m.Seq, prev.ID, p, prev.Seq))
-				continue // the highest position seen stays the reference
-			}
-		}
-		last[k] = m
-	}
-	for _, k := range want {
-		if !have[k] {
-			v.StreamMissing = append(v.StreamMissing, strings.Join(k[:], " "))
-		}
-	}
+	v.compareStream(r.changes.all(), want)
+	r.checkQueues(ctx, v)
+	return v
 }
 
 // checkQueues reads the work stream's depth and the dead-letter records.
