@@ -79,11 +79,41 @@ cluster { name: chaos, listen: 127.0.0.1:%d, routes: [%s] }
 	if c.js, err = jetstream.New(c.nc); err != nil {
 		return nil, err
 	}
-	err = waitUntil(ctx, 30*time.Second, 200*time.Millisecond, "JetStream meta leader", func() bool {
-		_, err := c.metaLeader(ctx)
-		return err == nil
+	err = waitUntil(ctx, 30*time.Second, 200*time.Millisecond, "a meta leader with every peer current", func() bool {
+		return c.metaCurrent(ctx)
 	})
 	return c, err
+}
+
+// metaCurrent reports whether the meta group has a leader that sees the two other nodes as
+// current peers.
+func (c *cluster) metaCurrent(ctx context.Context) bool {
+	leader, err := c.metaLeader(ctx)
+	if err != nil {
+		return false
+	}
+	n, err := c.node(leader)
+	if err != nil {
+		return false
+	}
+	var jsz struct {
+		Meta struct {
+			Leader   string `json:"leader"`
+			Replicas []struct {
+				Current bool `json:"current"`
+			} `json:"replicas"`
+		} `json:"meta_cluster"`
+	}
+	if err := getJSON(ctx, fmt.Sprintf("http://127.0.0.1:%d/jsz", n.monitor), &jsz); err != nil || jsz.Meta.Leader != leader {
+		return false
+	}
+	current := 0
+	for _, r := range jsz.Meta.Replicas {
+		if r.Current {
+			current++
+		}
+	}
+	return current == len(c.nodes)-1
 }
 
 // URLs is the client URL list of all three nodes, as SPIEGEL_NATS_URL takes it.

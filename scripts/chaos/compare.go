@@ -114,8 +114,8 @@ func (v *verdict) compareStream(msgs []streamMsg, want [][3]string) {
 		k := key{m.DB, incarnation(m.ID)}
 		if prev, seen := highest[k]; seen {
 			if p, _ := feedOrder(prev.Feed); cur < p {
-				v.OrderViolations = append(v.OrderViolations, fmt.Sprintf("%s: %s (feed seq %d, stream seq %d) stored after %s (feed seq %d, stream seq %d)",
-					m.DB, m.ID, cur, m.Seq, prev.ID, p, prev.Seq))
+				v.OrderViolations = append(v.OrderViolations, orderViolation{DB: m.DB, ID: m.ID, PrevID: prev.ID, Feed: cur, PrevFeed: p,
+					Seq: m.Seq, PrevSeq: prev.Seq, Stored: m.Stored, PrevStore: prev.Stored})
 				continue
 			}
 		}

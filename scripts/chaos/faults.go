@@ -11,10 +11,12 @@ import (
 // faultRecord is what one fault did, as it happened.
 type faultRecord struct {
 	Fault
-	Started, Ended time.Duration // offsets on the run's clock: the planned moment, and when it was over
-	What           string        // e.g. "SIGKILL nats-n2 (leader of SPIEGEL_WORK)"
-	Skipped        string        // why it did not run
-	Err            error
+	// Offsets on the run's clock: the planned moment, when the fault took effect (after waiting
+	// for the previous fault on its resource), and when it was over.
+	Started, Began, Ended time.Duration
+	What                  string // e.g. "SIGKILL nats-n2 (leader of SPIEGEL_WORK)"
+	Skipped               string // why it did not run
+	Err                   error
 }
 
 // faults runs the plan's faults, each at its planned moment in its own goroutine. Faults on
@@ -41,7 +43,7 @@ func (f *faults) run(ctx context.Context, plan []Fault) {
 		}
 		wg.Go(func() {
 			rec := faultRecord{Fault: ft, Started: f.r.since()}
-			rec.What, rec.Skipped, rec.Err = f.execute(ctx, ft)
+			rec.What, rec.Skipped, rec.Err = f.execute(ctx, ft, &rec.Began)
 			rec.Ended = f.r.since()
 			f.mu.Lock()
 			f.records = append(f.records, rec)
@@ -59,14 +61,16 @@ func (f *faults) run(ctx context.Context, plan []Fault) {
 	wg.Wait()
 }
 
-// execute runs one fault and returns once it is over.
-func (f *faults) execute(ctx context.Context, ft Fault) (what, skipped string, err error) {
+// execute runs one fault and returns once it is over; began is set when it takes effect.
+func (f *faults) execute(ctx context.Context, ft Fault, began *time.Duration) (what, skipped string, err error) {
 	r := f.r
+	mark := func() { *began = r.since() }
 	switch ft.Kind {
 	case FaultKillProc:
 		p := r.procs[ft.Target]
 		p.Lock()
 		defer p.Unlock()
+		mark()
 		if err := p.restart(ctx, syscall.SIGKILL, ft.Down); err != nil {
 			return "SIGKILL " + p.name, "", err
 		}
@@ -75,6 +79,7 @@ func (f *faults) execute(ctx context.Context, ft Fault) (what, skipped string, e
 		p := r.procs[ft.Target]
 		p.Lock()
 		defer p.Unlock()
+		mark()
 		if err := p.signal(syscall.SIGSTOP); err != nil {
 			return "SIGSTOP " + p.name, "", err
 		}
@@ -90,6 +95,7 @@ func (f *faults) execute(ctx context.Context, ft Fault) (what, skipped string, e
 		if err != nil {
 			return what, "", err
 		}
+		mark()
 		return what, "", r.nats.killAndRestart(ctx, n, ft.Down)
 	case FaultCouchRestart:
 		if !r.couch.canRestart() {
@@ -97,6 +103,7 @@ func (f *faults) execute(ctx context.Context, ft Fault) (what, skipped string, e
 		}
 		f.couchMu.Lock()
 		defer f.couchMu.Unlock()
+		mark()
 		what = "SIGKILL CouchDB"
 		if ft.Term {
 			what = "SIGTERM CouchDB"
@@ -108,6 +115,7 @@ func (f *faults) execute(ctx context.Context, ft Fault) (what, skipped string, e
 	case FaultSink500, FaultSinkStall:
 		f.sinkMu.Lock()
 		defer f.sinkMu.Unlock()
+		mark()
 		mode, what := sinkFail, "sink answers 500"
 		if ft.Kind == FaultSinkStall {
 			mode, what = sinkStall, "sink stalls past the rule's timeout"
@@ -119,6 +127,7 @@ func (f *faults) execute(ctx context.Context, ft Fault) (what, skipped string, e
 	case FaultRotatePasswords:
 		f.rotateMu.Lock()
 		defer f.rotateMu.Unlock()
+		mark()
 		if err := r.sink.rotate(); err != nil {
 			return "rotate", "", err
 		}
@@ -191,6 +200,23 @@ func (f *faults) list() []faultRecord {
 	for i := 1; i < len(out); i++ {
 		for j := i; j > 0 && out[j].Started < out[j-1].Started; j-- {
 			out[j], out[j-1] = out[j-1], out[j]
+		}
+	}
+	return out
+}
+
+// natsWindows returns, for every NATS fault, the span from its SIGKILL to slack after the node
+// was back: the stream leader elections it caused fall inside.
+func (f *faults) natsWindows(slack time.Duration) [][2]time.Duration {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	var out [][2]time.Duration
+	for _, rec := range f.records {
+		switch rec.Kind {
+		case FaultNATSWorkLdr, FaultNATSMetaLdr, FaultNATSNode:
+			if rec.Began > 0 {
+				out = append(out, [2]time.Duration{rec.Began, rec.Ended + slack})
+			}
 		}
 	}
 	return out

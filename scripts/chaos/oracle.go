@@ -106,9 +106,9 @@ type verdict struct {
 	HookDuplicates int      // 200 answers beyond the first per (db, doc, rev)
 
 	StreamMsgs, StreamExpected int
-	StreamMissing              []string // (db, doc, final rev) not in the change stream
-	StreamDuplicates           int      // messages stored with a message id already stored
-	OrderViolations            []string // a db incarnation's changes stored against feed order
+	StreamMissing              []string         // (db, doc, final rev) not in the change stream
+	StreamDuplicates           int              // messages stored with a message id already stored
+	OrderViolations            []orderViolation // a db incarnation's changes stored against feed order
 
 	WorkPending uint64       // messages in the work stream (pending or in flight)
 	DeadLetters []deadLetter // dead-letter records
@@ -137,6 +137,36 @@ func (d deadLetter) String() string {
 		s += " — accounted: " + d.Accounted
 	}
 	return s
+}
+
+// orderViolation is a change stored after one that follows it in its db's feed. Accounted says
+// why the run expected it ("" = unexpected: a failure).
+type orderViolation struct {
+	DB, ID, PrevID    string
+	Feed, PrevFeed    int64
+	Seq, PrevSeq      uint64
+	Stored, PrevStore time.Time
+	Accounted         string
+}
+
+func (o orderViolation) String() string {
+	s := fmt.Sprintf("%s: %s (feed seq %d, stream seq %d, stored %s) after %s (feed seq %d, stream seq %d, stored %s)",
+		o.DB, o.ID, o.Feed, o.Seq, o.Stored.Format("15:04:05.000"), o.PrevID, o.PrevFeed, o.PrevSeq, o.PrevStore.Format("15:04:05.000"))
+	if o.Accounted != "" {
+		s += " — accounted: " + o.Accounted
+	}
+	return s
+}
+
+// unaccountedOrder returns the order violations the run did not expect.
+func (v *verdict) unaccountedOrder() []string {
+	var out []string
+	for _, o := range v.OrderViolations {
+		if o.Accounted == "" {
+			out = append(out, o.String())
+		}
+	}
+	return out
 }
 
 // unaccounted returns the dead letters the run did not expect.

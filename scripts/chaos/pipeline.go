@@ -47,16 +47,30 @@ func (r *run) commonEnv() []string {
 	)
 }
 
-// install runs `producer install` (streams with 3 replicas) and writes the three rules.
+// install runs `producer install` (streams with 3 replicas) — up to three times, as an operator
+// would on a timeout of a freshly formed cluster: install is idempotent — and writes the three
+// rules.
 func (r *run) install(ctx context.Context) error {
-	cctx, cancel := context.WithTimeout(ctx, 60*time.Second)
-	defer cancel()
-	cmd := exec.CommandContext(cctx, filepath.Join(r.cfg.Root, "bin", "producer"), "install")
-	cmd.Env = r.commonEnv()
-	out, err := cmd.CombinedOutput()
-	_ = os.WriteFile(filepath.Join(r.logDir, "producer-install.log"), out, 0o644)
+	logPath := filepath.Join(r.logDir, "producer-install.log")
+	var err error
+	for attempt := 1; attempt <= 3; attempt++ {
+		cctx, cancel := context.WithTimeout(ctx, 60*time.Second)
+		cmd := exec.CommandContext(cctx, filepath.Join(r.cfg.Root, "bin", "producer"), "install")
+		cmd.Env = r.commonEnv()
+		var out []byte
+		out, err = cmd.CombinedOutput()
+		cancel()
+		if f, ferr := os.OpenFile(logPath, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644); ferr == nil {
+			fmt.Fprintf(f, "=== chaos: producer install, attempt %d: %v\n%s", attempt, err, out)
+			_ = f.Close()
+		}
+		if err == nil {
+			break
+		}
+		r.logf("producer install failed (attempt %d, output in %s): %v", attempt, logPath, err)
+	}
 	if err != nil {
-		return fmt.Errorf("producer install: %v (output in %s)", err, filepath.Join(r.logDir, "producer-install.log"))
+		return fmt.Errorf("producer install: %v (output in %s)", err, logPath)
 	}
 	pattern := "^" + r.prefix + "src_"
 	retry := map[string]any{"backoff": "exponential", "delay_ms": 200, "multiplier": 2, "max_delay_ms": 2000, "limit": 0}

@@ -14,12 +14,13 @@ import (
 
 // streamMsg is one message of the change stream, as the oracle needs it.
 type streamMsg struct {
-	Seq   uint64 // stream sequence: the stored order
-	MsgID string // Nats-Msg-Id
-	DB    string
-	ID    string
-	Rev   string
-	Feed  string // the change's seq in its db's feed
+	Seq    uint64 // stream sequence: the stored order
+	MsgID  string // Nats-Msg-Id
+	DB     string
+	ID     string
+	Rev    string
+	Feed   string    // the change's seq in its db's feed
+	Stored time.Time // when the stream stored it
 }
 
 // streamReader reads a stream into memory, incrementally: each catchUp reads the messages
@@ -83,7 +84,7 @@ func (s *streamReader) catchUp(ctx context.Context) (int, error) {
 				return len(s.msgs), fmt.Errorf("message %d of %s is not a change: %q", s.last, s.stream, m.Data())
 			}
 			s.msgs = append(s.msgs, streamMsg{Seq: s.last, MsgID: m.Headers().Get(jetstream.MsgIDHeader),
-				DB: c.DB, ID: c.ID, Rev: c.Changes[0].Rev, Feed: c.Seq})
+				DB: c.DB, ID: c.ID, Rev: c.Changes[0].Rev, Feed: c.Seq, Stored: meta.Timestamp})
 		}
 		if err := batch.Error(); err != nil {
 			return len(s.msgs), err

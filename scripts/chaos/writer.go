@@ -25,7 +25,7 @@ type writer struct {
 	done    map[string]int // ops applied, by kind
 	skipped map[string]int // ops whose doc was not in the planned state (e.g. no conflict left)
 	retries int
-	failed  []string // ops given up (ctx ended)
+	failed  []string // ops given up: ctx ended, or 5 answers the writer did not expect
 
 	dbDeleted map[string][]time.Duration // when the writer deleted each source db (run clock)
 }
