@@ -19,9 +19,9 @@ import (
 // across restarts, each start marked by a line "=== chaos: start #n".
 //
 // Faults on one process are serialized by Lock/Unlock (the fault holds it for its whole
-// duration). An exit the run did not cause is recorded — as a crash when the process had been
-// ready, as a startup exit when not — and the process is started again a second later, as a
-// supervisor would, so that the run goes on.
+// duration). An exit the run did not cause is recorded — as a startup exit when the process
+// had not been ready yet or started less than startupGrace ago, as a crash otherwise — and the
+// process is started again a second later, as a supervisor would, so that the run goes on.
 type proc struct {
 	name    string
 	path    string
@@ -40,10 +40,16 @@ type proc struct {
 	exitErr      error
 	expectExit   bool
 	starts       int
+	startedAt    time.Time
 	wasReady     bool     // the current incarnation answered its ready URL once
-	crashes      []string // exits by itself after being ready
-	startupExits []string // exits by itself before being ready
+	crashes      []string // exits by itself once started (see startupGrace)
+	startupExits []string // exits by itself while starting
 }
+
+// startupGrace is how long after its start an exit still counts as a startup exit even if the
+// process answered its ready URL already: a consumer serves /readyz before its worker has
+// looked up the JetStream consumer, which can still fail.
+const startupGrace = 30 * time.Second
 
 // start starts the process. It must not be running.
 func (p *proc) start() error {
@@ -70,7 +76,7 @@ func (p *proc) startLocked() error {
 	}
 	p.run.track(cmd.Process.Pid)
 	done := make(chan struct{})
-	p.cmd, p.done, p.expectExit, p.exitErr, p.wasReady = cmd, done, false, nil, p.ready == ""
+	p.cmd, p.done, p.expectExit, p.exitErr, p.wasReady, p.startedAt = cmd, done, false, nil, p.ready == "", time.Now()
 	go p.watchReady(done)
 	go func() {
 		err := cmd.Wait()
@@ -84,11 +90,12 @@ func (p *proc) startLocked() error {
 		}
 		// Like a supervisor (systemd, Kubernetes), the run starts it again after a second.
 		last := lastLine(p.logTail(3))
-		if p.wasReady {
-			p.crashes = append(p.crashes, fmt.Sprintf("+%s %s exited by itself while running: %v; last log line: %s", p.run.since(), p.name, err, last))
+		if up := time.Since(p.startedAt); p.wasReady && up > startupGrace {
+			p.crashes = append(p.crashes, fmt.Sprintf("+%s %s exited by itself %s after its start: %v; last log line: %s", p.run.since(), p.name, up.Round(time.Second), err, last))
 			p.run.logf("CRASH: %s exited by itself (%v); starting it again", p.name, err)
 		} else {
-			p.startupExits = append(p.startupExits, fmt.Sprintf("+%s %s exited while starting: %v; last log line: %s", p.run.since(), p.name, err, last))
+			p.startupExits = append(p.startupExits, fmt.Sprintf("+%s %s exited while starting (%s after its start, ready: %t): %v; last log line: %s",
+				p.run.since(), p.name, time.Since(p.startedAt).Round(100*time.Millisecond), p.wasReady, err, last))
 			p.run.logf("STARTUP EXIT: %s exited before it was ready (%v): %s; starting it again", p.name, err, last)
 		}
 		starts := p.starts
