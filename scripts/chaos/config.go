@@ -4,7 +4,9 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
+	"strings"
 	"time"
 )
 
@@ -50,6 +52,10 @@ type Config struct {
 	Root   string // repository root: bin/ and scripts/pouchdb live there
 	OutDir string // logs, the plan, the summary, data dirs of the servers
 	Keep   bool   // keep OutDir after a passing run (CHAOS_KEEP=1)
+
+	// SkipFaults names fault classes (FaultKind names, CHAOS_SKIP_FAULTS, comma-separated) that
+	// stay in the plan but are not run: the plan, and so the replay, is the same.
+	SkipFaults map[string]bool
 
 	// LogLevel is SPIEGEL_LOG_LEVEL of the product processes (CHAOS_LOG_LEVEL, default info).
 	LogLevel string
@@ -104,7 +110,8 @@ func longConfig(root string) (Config, error) {
 
 // fromEnv applies the variables every run honours: the server (CHAOS_COUCHDB_URL,
 // CHAOS_COUCHDB_RESTART_CMD, CHAOS_Q), the sink's baseline fractions (CHAOS_SINK_FAIL,
-// CHAOS_SINK_STALL), CHAOS_RECREATE and CHAOS_QUICK_RECREATE (plan), CHAOS_LOG_LEVEL, the output dir
+// CHAOS_SINK_STALL), CHAOS_RECREATE and CHAOS_QUICK_RECREATE (plan), CHAOS_SKIP_FAULTS,
+// CHAOS_LOG_LEVEL, the output dir
 // (CHAOS_OUT), CHAOS_KEEP and CHAOS_STRICT.
 func (c *Config) fromEnv() error {
 	c.CouchURL = os.Getenv("CHAOS_COUCHDB_URL")
@@ -130,6 +137,16 @@ func (c *Config) fromEnv() error {
 	}
 	c.Keep = os.Getenv("CHAOS_KEEP") == "1"
 	c.Strict = os.Getenv("CHAOS_STRICT") == "1"
+	c.SkipFaults = map[string]bool{}
+	for _, name := range strings.Split(os.Getenv("CHAOS_SKIP_FAULTS"), ",") {
+		if name = strings.TrimSpace(name); name == "" {
+			continue
+		}
+		if !slices.Contains(faultNames[:], name) {
+			return fmt.Errorf("CHAOS_SKIP_FAULTS: %q is not one of %v", name, faultNames)
+		}
+		c.SkipFaults[name] = true
+	}
 	c.LogLevel = os.Getenv("CHAOS_LOG_LEVEL")
 	if c.LogLevel == "" {
 		c.LogLevel = "info"

@@ -65,6 +65,9 @@ func (f *faults) run(ctx context.Context, plan []Fault) {
 func (f *faults) execute(ctx context.Context, ft Fault, began *time.Duration) (what, skipped string, err error) {
 	r := f.r
 	mark := func() { *began = r.since() }
+	if r.cfg.SkipFaults[ft.Kind.String()] {
+		return "", "CHAOS_SKIP_FAULTS", nil
+	}
 	switch ft.Kind {
 	case FaultKillProc:
 		p := r.procs[ft.Target]
