@@ -64,19 +64,40 @@ func (res *Result) Pass() bool {
 		len(v.unaccounted()) == 0 && len(res.WriterFailed) == 0 && len(res.LogFindings) == 0
 }
 
-// replay is the command that runs the same plan again.
+// replay is the command that runs the same plan again, with the variables that made this run
+// differ from its kind's defaults.
 func (res *Result) replay() string {
-	if res.Cfg.Name == "short" {
-		return "go test ./scripts/chaos -run TestChaosShort -v (after make build)"
+	c := res.Cfg
+	def := shortConfig(c.Root)
+	cmd := "go test ./scripts/chaos -run TestChaosShort -v (after make build)"
+	if c.Name != "short" {
+		def, _ = longConfig(c.Root)
+		cmd = fmt.Sprintf("make chaos SEED=%d DURATION=%s", c.Seed, c.Duration)
 	}
-	cmd := fmt.Sprintf("make chaos SEED=%d DURATION=%s", res.Cfg.Seed, res.Cfg.Duration)
-	if res.Cfg.DBs != 200 {
-		cmd = fmt.Sprintf("CHAOS_DBS=%d ", res.Cfg.DBs) + cmd
+	var env []string
+	add := func(differs bool, kv string) {
+		if differs {
+			env = append(env, kv)
+		}
 	}
-	if res.Cfg.CouchURL != "" {
-		cmd = "COUCHDB_URL=… " + cmd
+	add(c.DBs != def.DBs, fmt.Sprintf("CHAOS_DBS=%d", c.DBs))
+	add(c.Recreate != def.Recreate, fmt.Sprintf("CHAOS_RECREATE=%d", map[bool]int{false: 0, true: 1}[c.Recreate]))
+	add(c.QuickRecreatePct != def.QuickRecreatePct, fmt.Sprintf("CHAOS_QUICK_RECREATE=%d", c.QuickRecreatePct))
+	add(c.SinkFail != def.SinkFail, fmt.Sprintf("CHAOS_SINK_FAIL=%g", c.SinkFail))
+	add(c.SinkStall != def.SinkStall, fmt.Sprintf("CHAOS_SINK_STALL=%g", c.SinkStall))
+	add(c.Q != def.Q, fmt.Sprintf("CHAOS_Q=%d", c.Q))
+	if len(c.SkipFaults) > 0 {
+		names := make([]string, 0, len(c.SkipFaults))
+		for n := range c.SkipFaults {
+			names = append(names, n)
+		}
+		sort.Strings(names)
+		env = append(env, "CHAOS_SKIP_FAULTS="+strings.Join(names, ","))
 	}
-	return cmd
+	if c.CouchURL != "" {
+		env = append(env, "CHAOS_COUCHDB_URL=…")
+	}
+	return strings.TrimSpace(strings.Join(env, " ") + " " + cmd)
 }
 
 // secretPattern matches the webhook passwords the run makes (hookS3cret-<hex>).
