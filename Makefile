@@ -24,7 +24,7 @@ bench:
 
 # The long chaos run (scripts/chaos): SEED (default: drawn and printed) and DURATION of writes
 # and faults. It runs against its own PouchDB Server on disk, or the CouchDB at COUCHDB_URL or
-# CHAOS_COUCHDB_URL (set CHAOS_COUCHDB_RESTART_CMD to restart that one). Output: .run/chaos/.
+# CHAOS_COUCHDB_URL (set CHAOS_COUCHDB_RESTART_CMD to restart that one). Output: .chaos/.
 SEED ?=
 DURATION ?= 30m
 chaos: build
@@ -43,4 +43,4 @@ vet:
 	cd deployments && go vet ./...
 
 clean:
-	rm -rf $(BIN) .run
+	rm -rf $(BIN) .run .chaos

@@ -163,7 +163,7 @@ func (c *Config) fromEnv() error {
 	}
 	base := os.Getenv("CHAOS_OUT")
 	if base == "" {
-		base = filepath.Join(c.Root, ".run", "chaos")
+		base = filepath.Join(c.Root, ".chaos") // not .run: the run command removes that at its start
 	}
 	c.OutDir = filepath.Join(base, fmt.Sprintf("%s-seed%d-%s", c.Name, c.Seed, time.Now().Format("20060102-150405")))
 	return nil

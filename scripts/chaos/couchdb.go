@@ -174,7 +174,7 @@ func redact(text, base string) string {
 }
 
 // installPouchDisk installs PouchDB Server from the pinned scripts/pouchdb/package-lock.json
-// with `npm ci --ignore-scripts` into .run/chaos-tools/pouchdb-disk, whenever the tree there was
+// with `npm ci --ignore-scripts` into .chaos/tools/pouchdb-disk, whenever the tree there was
 // not installed from the lock as it is now (a sha256 stamp, as scripts/lib.sh keeps). Unlike
 // the test command's `npm ci --omit=optional` (in-memory only), this keeps the optional
 // leveldown with its prebuilt binaries, so `-d DIR` (on disk) works; --ignore-scripts skips
@@ -187,7 +187,7 @@ func installPouchDisk(ctx context.Context, r *run) (string, error) {
 		return "", err
 	}
 	want := fmt.Sprintf("%x", sha256.Sum256(lock))
-	base := filepath.Join(r.cfg.Root, ".run", "chaos-tools")
+	base := filepath.Join(r.cfg.Root, ".chaos", "tools")
 	dir := filepath.Join(base, "pouchdb-disk")
 	stamp := func(d string) string { return filepath.Join(d, "node_modules", ".spiegel-lock.sha256") }
 	if have, err := os.ReadFile(stamp(dir)); err == nil && strings.TrimSpace(string(have)) == want {
