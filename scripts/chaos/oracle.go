@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"net/http"
+	"slices"
 	"sort"
 	"strings"
 	"sync"
@@ -294,4 +295,50 @@ func errorsOf(errs ...error) []string {
 		}
 	}
 	return out
+}
+
+// account marks the dead letters the run expects: a replication of a source db that the writer
+// deleted while it ran (the replication found the db gone). The deletion is the writer's start
+// of it, so a record may come a little before it.
+//
+// It also marks the change-stream order violations whose late change was stored during the
+// outage of a NATS node (windows: from its SIGKILL to a slack after it was back), the stream
+// leader elections for which the README documents that a refused publish is stored after the
+// changes that followed it.
+func account(v *verdict, deleted map[string][]time.Duration, natsWindows [][2]time.Duration, started time.Time) {
+	for i := range v.OrderViolations {
+		o := &v.OrderViolations[i]
+		at := o.Stored.Sub(started)
+		for _, w := range natsWindows {
+			if at >= w[0] && at <= w[1] {
+				o.Accounted = fmt.Sprintf("stored at +%s, during a NATS node's outage (+%s to +%s)", at.Round(time.Millisecond),
+					w[0].Round(time.Millisecond), w[1].Round(time.Millisecond))
+				break
+			}
+		}
+	}
+	for i := range v.DeadLetters {
+		d := &v.DeadLetters[i]
+		if d.Group != "replicate" {
+			continue
+		}
+		at := d.At.Sub(started)
+		var before, after []time.Duration // deletions up to a minute before the record, and within a second after
+		for _, t := range deleted[d.DB] {
+			switch {
+			case t <= at && at-t <= time.Minute:
+				before = append(before, t)
+			case t > at && t-at <= time.Second:
+				after = append(after, t)
+			}
+		}
+		switch {
+		case len(before) > 0:
+			t := slices.Max(before)
+			d.Accounted = fmt.Sprintf("the writer deleted %s at +%s, %s before the record", d.DB, t, (at - t).Round(time.Millisecond))
+		case len(after) > 0:
+			t := slices.Min(after)
+			d.Accounted = fmt.Sprintf("the writer deleted %s at +%s, %s after the record (the requests raced)", d.DB, t, (t - at).Round(time.Millisecond))
+		}
+	}
 }

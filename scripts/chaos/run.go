@@ -8,7 +8,6 @@ import (
 	"io"
 	"os"
 	"path/filepath"
-	"slices"
 	"sync"
 	"syscall"
 	"time"
@@ -47,39 +46,6 @@ func (r *run) logf(format string, args ...any) {
 	r.outMu.Lock()
 	defer r.outMu.Unlock()
 	fmt.Fprintf(r.out, "[chaos +%8.3fs] %s\n", time.Since(r.started).Seconds(), fmt.Sprintf(format, args...))
-}
-
-// journal is a log file of the run's own (writer ops, sink requests), one line per event.
-type journal struct {
-	mu sync.Mutex
-	f  *os.File
-	r  *run
-}
-
-// newJournal creates <OutDir>/<name>.log; on error the journal writes nothing.
-func (r *run) newJournal(name string) *journal {
-	f, _ := os.Create(filepath.Join(r.cfg.OutDir, name+".log"))
-	j := &journal{f: f, r: r}
-	r.mu.Lock()
-	r.journals = append(r.journals, j)
-	r.mu.Unlock()
-	return j
-}
-
-// printf writes one line stamped with the run's clock.
-func (j *journal) printf(format string, args ...any) {
-	if j == nil || j.f == nil {
-		return
-	}
-	j.mu.Lock()
-	defer j.mu.Unlock()
-	fmt.Fprintf(j.f, "+%8.3f %s\n", time.Since(j.r.started).Seconds(), fmt.Sprintf(format, args...))
-}
-
-func (j *journal) close() {
-	if j != nil && j.f != nil {
-		_ = j.f.Close()
-	}
 }
 
 // track records a started process id, for the final "none left running" check.
@@ -172,63 +138,6 @@ func execute(ctx context.Context, cfg Config, out io.Writer) *Result {
 	res.Verdict = v
 	r.dumpChanges()
 	return res
-}
-
-// account marks the dead letters the run expects: a replication of a source db that the writer
-// deleted while it ran (the replication found the db gone). The deletion is the writer's start
-// of it, so a record may come a little before it.
-//
-// It also marks the change-stream order violations whose late change was stored during the
-// outage of a NATS node (windows: from its SIGKILL to a slack after it was back), the stream
-// leader elections for which the README documents that a refused publish is stored after the
-// changes that followed it.
-func account(v *verdict, deleted map[string][]time.Duration, natsWindows [][2]time.Duration, started time.Time) {
-	for i := range v.OrderViolations {
-		o := &v.OrderViolations[i]
-		at := o.Stored.Sub(started)
-		for _, w := range natsWindows {
-			if at >= w[0] && at <= w[1] {
-				o.Accounted = fmt.Sprintf("stored at +%s, during a NATS node's outage (+%s to +%s)", at.Round(time.Millisecond),
-					w[0].Round(time.Millisecond), w[1].Round(time.Millisecond))
-				break
-			}
-		}
-	}
-	for i := range v.DeadLetters {
-		d := &v.DeadLetters[i]
-		if d.Group != "replicate" {
-			continue
-		}
-		at := d.At.Sub(started)
-		var before, after []time.Duration // deletions up to a minute before the record, and within a second after
-		for _, t := range deleted[d.DB] {
-			switch {
-			case t <= at && at-t <= time.Minute:
-				before = append(before, t)
-			case t > at && t-at <= time.Second:
-				after = append(after, t)
-			}
-		}
-		switch {
-		case len(before) > 0:
-			t := slices.Max(before)
-			d.Accounted = fmt.Sprintf("the writer deleted %s at +%s, %s before the record", d.DB, t, (at - t).Round(time.Millisecond))
-		case len(after) > 0:
-			t := slices.Min(after)
-			d.Accounted = fmt.Sprintf("the writer deleted %s at +%s, %s after the record (the requests raced)", d.DB, t, (t - at).Round(time.Millisecond))
-		}
-	}
-}
-
-// dumpChanges writes the change stream as read, in stream order, to changes.log.
-func (r *run) dumpChanges() {
-	if r.changes == nil {
-		return
-	}
-	j := r.newJournal("changes")
-	for _, m := range r.changes.all() {
-		j.printf("#%d %s %s %s feed=%s id=%s", m.Seq, m.DB, m.ID, m.Rev, m.Feed, m.MsgID)
-	}
 }
 
 // setup starts the servers, installs Spiegel, writes the rules and starts the pipeline.
