@@ -88,7 +88,7 @@ func checkEnv(t *testing.T, where, bin string, env map[string]string, files map[
 	t.Helper()
 	known := vars(t, bin)
 	for name := range env {
-		if !strings.HasPrefix(name, config.Prefix+"_") {
+		if !strings.HasPrefix(name, "SPIEGEL_") {
 			continue
 		}
 		_, ok := known[name]
@@ -101,7 +101,7 @@ func checkEnv(t *testing.T, where, bin string, env map[string]string, files map[
 	}
 	// config.Load reads the process environment: clear every SPIEGEL_* first.
 	for _, kv := range os.Environ() {
-		if name, _, _ := strings.Cut(kv, "="); strings.HasPrefix(name, config.Prefix+"_") {
+		if name, _, _ := strings.Cut(kv, "="); strings.HasPrefix(name, "SPIEGEL_") {
 			t.Setenv(name, "")
 			require.NoError(t, os.Unsetenv(name))
 		}

@@ -10,6 +10,7 @@ import (
 	"strings"
 	"testing"
 
+	monv1 "github.com/prometheus-operator/prometheus-operator/pkg/apis/monitoring/v1"
 	"github.com/santhosh-tekuri/jsonschema/v6"
 	"github.com/spiegel-nats/spiegel/pkg/events"
 	"github.com/spiegel-nats/spiegel/pkg/passwords"
@@ -30,7 +31,9 @@ import (
 // duplicate fields, a field of the wrong case or type, or a malformed quantity fail. Those Go
 // types are what the API server's OpenAPI schemas are generated from, pinned by go.mod, so
 // nothing is downloaded at test time. KEDA's ScaledObject is not a core type: it is validated
-// against schemas/keda.sh_v1alpha1_scaledobject.json, written from KEDA's CRD. Semantic checks
+// against schemas/keda.sh_v1alpha1_scaledobject.json, written from KEDA's CRD; the Prometheus
+// Operator's PodMonitor and PrometheusRule (component kubernetes/monitoring) are decoded strictly
+// into the operator's own Go types, from which its CRDs are generated. Semantic checks
 // follow: probes, ports, resources, security context, and every SPIEGEL_* variable checked
 // against pkg/config (config.Load must accept the rendered environment).
 
@@ -47,6 +50,9 @@ type rendered struct {
 	namespaces   map[string]*corev1.Namespace
 	hpas         map[string]*autoscalingv2.HorizontalPodAutoscaler
 	scaledObject map[string]*scaledObject
+
+	podMonitors     map[string]*monv1.PodMonitor
+	prometheusRules map[string]*monv1.PrometheusRule
 }
 
 // scaledObject is the part of a KEDA ScaledObject the semantic checks read (the schema checks
@@ -73,7 +79,13 @@ type scaledObject struct {
 
 func render(t *testing.T, dir string) *rendered {
 	t.Helper()
-	m, err := krusty.MakeKustomizer(krusty.MakeDefaultOptions()).Run(filesys.MakeFsOnDisk(), dir)
+	return renderFS(t, filesys.MakeFsOnDisk(), dir)
+}
+
+// renderFS renders the kustomization in dir of fs.
+func renderFS(t *testing.T, fs filesys.FileSystem, dir string) *rendered {
+	t.Helper()
+	m, err := krusty.MakeKustomizer(krusty.MakeDefaultOptions()).Run(fs, dir)
 	require.NoError(t, err, "kustomize build %s", dir)
 	r := &rendered{
 		deployments: map[string]*appsv1.Deployment{}, jobs: map[string]*batchv1.Job{},
@@ -81,6 +93,7 @@ func render(t *testing.T, dir string) *rendered {
 		configMaps: map[string]*corev1.ConfigMap{}, secrets: map[string]*corev1.Secret{},
 		namespaces: map[string]*corev1.Namespace{}, hpas: map[string]*autoscalingv2.HorizontalPodAutoscaler{},
 		scaledObject: map[string]*scaledObject{},
+		podMonitors:  map[string]*monv1.PodMonitor{}, prometheusRules: map[string]*monv1.PrometheusRule{},
 	}
 	keda := kedaSchema(t)
 	for _, res := range m.Resources() {
@@ -116,6 +129,10 @@ func render(t *testing.T, dir string) *rendered {
 			var so scaledObject
 			require.NoError(t, json.Unmarshal(data, &so))
 			r.scaledObject[name] = &so
+		case "monitoring.coreos.com/v1 PodMonitor":
+			r.podMonitors[name] = strict[monv1.PodMonitor](t, where, data)
+		case "monitoring.coreos.com/v1 PrometheusRule":
+			r.prometheusRules[name] = strict[monv1.PrometheusRule](t, where, data)
 		default:
 			t.Fatalf("%s: no schema for this kind: add one to the test", where)
 		}

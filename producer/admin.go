@@ -23,14 +23,25 @@ import (
 	"github.com/spiegel-nats/spiegel/pkg/rules"
 )
 
-// loadRules reads the rule set once.
-func loadRules(ctx context.Context, d *deps, log logrus.FieldLogger) (*rules.Set, error) {
-	set := rules.NewSet()
-	rf := &rulefeed.Follower{Couch: d.couch, DB: d.cfg.DBName, Set: set, Log: log}
-	if _, err := rf.Load(ctx); err != nil {
-		return nil, err
+// openAdmin is the setup of the admin commands that act on an installation: it connects to
+// CouchDB and NATS (maxPending publishes in flight), checks that install has run (the streams and
+// the consumers of groups) and reads the rule set once. The caller closes d.nc.
+func openAdmin(ctx context.Context, cfg *config.Producer, log *logrus.Logger, maxPending int, groups ...events.Group) (*deps, *rules.Set, error) {
+	d, err := connectAdmin(ctx, cfg, log, maxPending)
+	if err != nil {
+		return nil, nil, err
 	}
-	return set, nil
+	if err := natsjs.CheckInstalled(ctx, d.js, d.topo, groups...); err != nil {
+		d.nc.Close()
+		return nil, nil, err
+	}
+	set := rules.NewSet()
+	rf := &rulefeed.Follower{Couch: d.couch, DB: d.cfg.DBName, Set: set, Log: log.WithField("component", "rules")}
+	if _, err := rf.Load(ctx); err != nil {
+		d.nc.Close()
+		return nil, nil, err
+	}
+	return d, set, nil
 }
 
 // progress prints "scanned N dbs, enqueued M jobs" to w at most every second and at the end.
@@ -67,21 +78,22 @@ func enqueueDBs(ctx context.Context, d *deps, match func(db string) []events.Gro
 			case <-ctx.Done():
 				return ctx.Err()
 			}
-			if err != nil && !natsjs.IsDuplicateJob(err) {
-				// One synchronous retry path handles transient failures.
-				dedup, perr := jobs.Publish(ctx, w.g, w.j)
-				if perr != nil {
-					return perr
+			if err != nil {
+				// A job pending or running (then with its wakeup marker), or one synchronous
+				// retry for a failure.
+				var dedup bool
+				if natsjs.IsDuplicateJob(err) {
+					dedup, err = jobs.MarkAndRetry(ctx, w.g, w.j)
+				} else {
+					dedup, err = jobs.Offer(ctx, w.g, w.j)
+				}
+				if err != nil {
+					return err
 				}
 				if dedup {
-					err = perr
 					pr.deduped.Add(1)
 					continue
 				}
-			}
-			if natsjs.IsDuplicateJob(err) {
-				pr.deduped.Add(1)
-				continue
 			}
 			pr.enqueued.Add(1)
 		}
@@ -128,18 +140,11 @@ func runResync(ctx context.Context, cfg *config.Producer, log *logrus.Logger, ci
 	if err != nil {
 		return err
 	}
-	d, err := connect(ctx, cfg, log, 1024)
+	d, set, err := openAdmin(ctx, cfg, log, 1024)
 	if err != nil {
 		return err
 	}
 	defer func() { _ = d.nc.Drain() }()
-	if err := natsjs.CheckInstalled(ctx, d.js, d.topo); err != nil {
-		return err
-	}
-	set, err := loadRules(ctx, d, log.WithField("component", "rules"))
-	if err != nil {
-		return err
-	}
 	var pr progress
 	return enqueueDBs(ctx, d, func(db string) []events.Group {
 		if db == cfg.DBName || systemDBs[db] || re != nil && !re.MatchString(db) {
@@ -166,35 +171,26 @@ func runReplay(ctx context.Context, cfg *config.Producer, log *logrus.Logger, ci
 	if err != nil {
 		return err
 	}
-	d, err := connect(ctx, cfg, log, 1024)
+	d, set, err := openAdmin(ctx, cfg, log, 1024)
 	if err != nil {
 		return err
 	}
 	defer func() { _ = d.nc.Drain() }()
-	if err := natsjs.CheckInstalled(ctx, d.js, d.topo); err != nil {
-		return err
-	}
-	set, err := loadRules(ctx, d, log.WithField("component", "rules"))
-	if err != nil {
-		return err
-	}
 	r, ok := set.Rule(*ruleID)
 	if !ok || r.Kind() != rules.KindOnChange {
 		return fmt.Errorf("replay: no valid on_change rule %q in %s", *ruleID, cfg.DBName)
 	}
-	store := checkpoint.NewStore(d.couch, cfg.DBName)
+	kv, err := natsjs.OnChangeBucket(ctx, d.js, d.topo)
+	if err != nil {
+		return err
+	}
+	store := checkpoint.NewOnChangeStore(d.couch, kv)
 	var pr progress
 	return enqueueDBs(ctx, d, func(db string) []events.Group {
 		if db == cfg.DBName || systemDBs[db] || !r.MatchesDB(db) || re != nil && !re.MatchString(db) {
 			return nil
 		}
-		var err error
-		if *since == "" {
-			err = store.DeleteOnChange(ctx, r.ID(), db)
-		} else {
-			err = store.SaveOnChange(ctx, checkpoint.OnChange{Rule: r.ID(), DB: db, LastSeq: *since})
-		}
-		if err != nil {
+		if err := store.Reset(ctx, r.ID(), db, *since); err != nil {
 			log.WithFields(logrus.Fields{"rule": r.ID(), "db": db}).WithError(err).Warn("reset checkpoint")
 			return nil
 		}
@@ -229,18 +225,11 @@ func runStatus(ctx context.Context, cfg *config.Producer, log *logrus.Logger, ci
 	if err := fs.Parse(cio.args); err != nil {
 		return usageError{err}
 	}
-	d, err := connect(ctx, cfg, log, 16)
+	d, set, err := openAdmin(ctx, cfg, discardLogger(), 16, events.Groups...)
 	if err != nil {
 		return err
 	}
 	defer d.nc.Close()
-	if err := natsjs.CheckInstalled(ctx, d.js, d.topo, events.Groups...); err != nil {
-		return err
-	}
-	set, err := loadRules(ctx, d, logrus.NewEntry(discardLogger()))
-	if err != nil {
-		return err
-	}
 	var rep statusReport
 	st := set.Stats()
 	rep.Rules.Replicators, rep.Rules.OnChanges, rep.Rules.Disabled = st.Replicators, st.OnChanges, st.Disabled

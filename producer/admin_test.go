@@ -33,13 +33,13 @@ func TestInstallIdempotentAndConcurrent(t *testing.T) {
 		require.NoError(t, err)
 	}
 	var ddoc map[string]any
-	require.NoError(t, e.couch.Do(t, "GET", "/"+e.cfg.DBName+"/_design/spiegel", nil, &ddoc))
+	require.NoError(t, e.Couch.Do(t, "GET", "/"+e.cfg.DBName+"/_design/spiegel", nil, &ddoc))
 	assert.Contains(t, ddoc["validate_doc_update"], "password in URL")
 	var sec map[string]any
-	require.NoError(t, e.couch.Do(t, "GET", "/"+e.cfg.DBName+"/_security", nil, &sec))
+	require.NoError(t, e.Couch.Do(t, "GET", "/"+e.cfg.DBName+"/_security", nil, &sec))
 	assert.Contains(t, sec, "members")
 	for _, s := range []string{"SPIEGEL_WORK", "SPIEGEL_DEADLETTER", "SPIEGEL_CHANGES"} {
-		_, err := e.js.Stream(t.Context(), s)
+		_, err := e.JS.Stream(t.Context(), s)
 		assert.NoError(t, err, s)
 	}
 }
@@ -58,7 +58,7 @@ func TestValidateDocUpdateRejectsInvalidRules(t *testing.T) {
 		{map[string]any{"type": "on_change", "url": "http://h/", "db_name": "("}, "db_name"},
 	}
 	for i, c := range bad {
-		err := e.couch.Do(t, "PUT", "/"+e.cfg.DBName+"/bad"+string(rune('a'+i)), c.doc, nil)
+		err := e.Couch.Do(t, "PUT", "/"+e.cfg.DBName+"/bad"+string(rune('a'+i)), c.doc, nil)
 		require.Error(t, err, "%v", c.doc)
 		assert.Contains(t, err.Error(), c.want)
 	}
@@ -73,14 +73,14 @@ func TestUninstallAsksFirst(t *testing.T) {
 	err := runUninstall(t.Context(), &cfg, discardLogger(), cmdIO{stdin: strings.NewReader("no\n"), stdout: &out, stderr: &errOut})
 	require.Error(t, err)
 	assert.Contains(t, errOut.String(), "Type \"yes\"")
-	_, err = e.js.Stream(t.Context(), "SPIEGEL_WORK")
+	_, err = e.JS.Stream(t.Context(), "SPIEGEL_WORK")
 	require.NoError(t, err, "stream deleted without confirmation")
 
 	err = runUninstall(t.Context(), &cfg, discardLogger(), cmdIO{args: []string{"--yes"}, stdin: strings.NewReader(""), stdout: &out, stderr: &errOut})
 	require.NoError(t, err)
-	_, err = e.js.Stream(t.Context(), "SPIEGEL_WORK")
+	_, err = e.JS.Stream(t.Context(), "SPIEGEL_WORK")
 	assert.Error(t, err)
-	assert.Error(t, e.couch.Do(t, "GET", "/"+e.cfg.DBName, nil, nil), "spiegel db still there")
+	assert.Error(t, e.Couch.Do(t, "GET", "/"+e.cfg.DBName, nil, nil), "spiegel db still there")
 }
 
 // resync enqueues every matched db; status reports rules (with rejections, without secrets),
@@ -88,20 +88,20 @@ func TestUninstallAsksFirst(t *testing.T) {
 func TestResyncAndStatus(t *testing.T) {
 	e := newEnv(t)
 	for _, n := range []string{"r1", "r2", "r3", "x1"} {
-		e.couch.CreateDB(t, e.prefix+n)
+		e.Couch.CreateDB(t, e.Prefix+n)
 	}
-	e.putRule(t, "rep", map[string]any{"type": "replicator", "db_name": "^" + e.prefix + "r", "source": "$db_name", "target": e.prefix + "all"})
+	e.putRule(t, "rep", map[string]any{"type": "replicator", "db_name": "^" + e.Prefix + "r", "source": "$db_name", "target": e.Prefix + "all"})
 	// An invalid rule, written straight past the validation (as on a server without JavaScript):
 	// it must be reported, not loaded, and its URL's password must not leak.
-	require.NoError(t, e.couch.Do(t, "DELETE", "/"+e.cfg.DBName+"/_design/spiegel?rev="+ddocRev(t, e), nil, nil))
+	require.NoError(t, e.Couch.Do(t, "DELETE", "/"+e.cfg.DBName+"/_design/spiegel?rev="+ddocRev(t, e), nil, nil))
 	e.putRule(t, "leaky", map[string]any{"type": "on_change", "url": "http://u:SECRETPW@hook.example/"})
 
 	out := e.run(t, "resync", "--db", "r[12]$")
 	assert.Contains(t, out, "enqueued 2 jobs")
-	p := e.pending(t)
-	assert.Equal(t, uint64(1), p[work(events.GroupReplicate, e.prefix+"r1")])
-	assert.Equal(t, uint64(1), p[work(events.GroupReplicate, e.prefix+"r2")])
-	assert.Zero(t, p[work(events.GroupReplicate, e.prefix+"r3")])
+	p := e.Pending(t)
+	assert.Equal(t, uint64(1), p[work(events.GroupReplicate, e.Prefix+"r1")])
+	assert.Equal(t, uint64(1), p[work(events.GroupReplicate, e.Prefix+"r2")])
+	assert.Zero(t, p[work(events.GroupReplicate, e.Prefix+"r3")])
 
 	out = e.run(t, "resync")
 	assert.Contains(t, out, "enqueued 1 jobs (2 were already pending)")
@@ -121,7 +121,7 @@ func ddocRev(t *testing.T, e *env) string {
 	var d struct {
 		Rev string `json:"_rev"`
 	}
-	require.NoError(t, e.couch.Do(t, "GET", "/"+e.cfg.DBName+"/_design/spiegel", nil, &d))
+	require.NoError(t, e.Couch.Do(t, "GET", "/"+e.cfg.DBName+"/_design/spiegel", nil, &d))
 	return d.Rev
 }
 

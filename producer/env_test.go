@@ -10,15 +10,13 @@ import (
 	"testing"
 	"time"
 
-	"github.com/nats-io/nats.go/jetstream"
-	"github.com/sirupsen/logrus"
 	"github.com/stretchr/testify/require"
 
 	"github.com/spiegel-nats/spiegel/pkg/config"
 	"github.com/spiegel-nats/spiegel/pkg/couchtest"
 	"github.com/spiegel-nats/spiegel/pkg/events"
 	"github.com/spiegel-nats/spiegel/pkg/logtest"
-	"github.com/spiegel-nats/spiegel/pkg/natstest"
+	"github.com/spiegel-nats/spiegel/pkg/spiegeltest"
 )
 
 // TestMain lets the test binary act as the producer binary, so crash tests can SIGKILL a real
@@ -37,62 +35,30 @@ func TestMain(m *testing.M) {
 // positions on PouchDB Server as on CouchDB: a restart resumes from a saved position rather
 // than re-emitting every db, which the poll source would do and so hide position bugs.
 type env struct {
-	couch   *couchtest.Server       // through the updates proxy: writes are events
-	direct  *couchtest.Server       // the server itself: writes the feed never sees (a dropped event)
-	updates *couchtest.UpdatesProxy // the producer's CouchDB
-	nats    *natstest.Server
-	js      jetstream.JetStream
-	cfg     config.Producer
-	prefix  string // every db of this test starts with it
-	logs    *syncBuffer
+	*spiegeltest.Env                         // its Couch goes through the updates proxy: writes are events
+	direct           *couchtest.Server       // the server itself: writes the feed never sees (a dropped event)
+	updates          *couchtest.UpdatesProxy // the producer's CouchDB
+	cfg              config.Producer
 }
 
 // syncBuffer captures logs while they are written.
 type syncBuffer = logtest.Buffer
 
-// newEnv installs a fresh environment; opts tune its updates proxy.
+// newEnv installs a fresh environment with `producer install`; opts tune its updates proxy.
 func newEnv(t *testing.T, opts ...couchtest.UpdatesProxyOption) *env {
 	t.Helper()
 	direct := couchtest.Get(t)
 	updates := direct.NewUpdatesProxy(t, opts...)
-	cs := updates.Server()
-	ns := natstest.Start(t)
-	_, js := ns.Connect(t)
-	e := &env{couch: cs, direct: direct, updates: updates, nats: ns, js: js, logs: &syncBuffer{}}
-	e.prefix = couchtest.UniqueName(t, "p") + "_"
+	e := &env{Env: spiegeltest.New(t, spiegeltest.Options{Name: "p", Couch: updates.Server()}), direct: direct, updates: updates}
 	e.cfg = config.Producer{
-		CouchDB: config.CouchDB{CouchDBURL: updates.URL(), DBName: e.prefix + "spiegel", CouchDBTimeout: 30 * time.Second},
-		NATS:    config.NATS{NATSURL: ns.URL(), SubjectPrefix: "spiegel", StreamReplicas: 1, AckWait: 60 * time.Second},
-		Log:     config.Log{LogLevel: "debug", LogFormat: "json"},
-		Source:  "auto", Start: "beginning", FeedHeartbeat: 2 * time.Second, PollInterval: 200 * time.Millisecond,
+		CouchDB: e.CouchDBConfig(), NATS: e.NATSConfig(60 * time.Second), Log: e.LogConfig(),
+		Source: "auto", Start: "beginning", FeedHeartbeat: 2 * time.Second, PollInterval: 200 * time.Millisecond,
 		SweepInterval: 10 * time.Minute, PositionSaveInterval: 200 * time.Millisecond, MaxInflight: 256,
 		ShutdownGrace: 5 * time.Second,
 	}
-	cs.Cleanup(t, e.cfg.DBName)
 	out := e.run(t, "install")
 	require.Contains(t, out, "install complete")
 	return e
-}
-
-func (e *env) logger(t *testing.T) *logrus.Logger {
-	l := logrus.New()
-	l.SetOutput(e.logs)
-	l.SetLevel(logrus.DebugLevel)
-	l.SetFormatter(&logrus.JSONFormatter{})
-	t.Cleanup(func() {
-		if t.Failed() {
-			t.Logf("producer logs:\n%s", tail(e.logs.String(), 60))
-		}
-	})
-	return l
-}
-
-func tail(s string, n int) string {
-	lines := strings.Split(s, "\n")
-	if len(lines) > n {
-		lines = lines[len(lines)-n:]
-	}
-	return strings.Join(lines, "\n")
 }
 
 // run runs an admin command in-process and returns its stdout; it fails the test on error.
@@ -102,7 +68,7 @@ func (e *env) run(t *testing.T, cmd string, args ...string) string {
 	fn := commands[cmd]
 	require.NotNil(t, fn, cmd)
 	cfg := e.cfg
-	err := fn(t.Context(), &cfg, e.logger(t), cmdIO{args: args, stdin: strings.NewReader(""), stdout: &out, stderr: &errOut})
+	err := fn(t.Context(), &cfg, e.Logger(), cmdIO{args: args, stdin: strings.NewReader(""), stdout: &out, stderr: &errOut})
 	require.NoError(t, err, "producer %s: %s", cmd, errOut.String())
 	return out.String() + errOut.String()
 }
@@ -113,7 +79,7 @@ func (e *env) startProducer(t *testing.T) (stop func()) {
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	cfg := e.cfg
-	log := e.logger(t)
+	log := e.Logger()
 	go func() { done <- runProducer(ctx, &cfg, log) }()
 	var once sync.Once
 	stop = func() {
@@ -134,27 +100,13 @@ func (e *env) startProducer(t *testing.T) (stop func()) {
 // putRule writes a rule doc into the spiegel db.
 func (e *env) putRule(t *testing.T, id string, doc map[string]any) string {
 	t.Helper()
-	return e.couch.Put(t, e.cfg.DBName, id, doc)
+	return e.Couch.Put(t, e.cfg.DBName, id, doc)
 }
 
 // deleteDoc deletes a doc with a plain DELETE (a tombstone without a body).
 func (e *env) deleteDoc(t *testing.T, db, id, rev string) {
 	t.Helper()
-	require.NoError(t, e.couch.Do(t, "DELETE", "/"+couchtest.PathDB(db)+"/"+id+"?rev="+rev, nil, nil))
-}
-
-// pending returns the number of pending messages per work subject.
-func (e *env) pending(t *testing.T) map[string]uint64 {
-	t.Helper()
-	s, err := e.js.Stream(t.Context(), "SPIEGEL_WORK")
-	require.NoError(t, err)
-	info, err := s.Info(t.Context(), jetstream.WithSubjectFilter("spiegel.work.>"))
-	require.NoError(t, err)
-	out := map[string]uint64{}
-	for k, v := range info.State.Subjects {
-		out[k] = v
-	}
-	return out
+	require.NoError(t, e.Couch.Do(t, "DELETE", "/"+couchtest.PathDB(db)+"/"+id+"?rev="+rev, nil, nil))
 }
 
 func work(g events.Group, db string) string { return events.NewSubjects("").Work(g, db) }
@@ -162,28 +114,20 @@ func work(g events.Group, db string) string { return events.NewSubjects("").Work
 // waitJob waits until a job for (g, db) is pending.
 func (e *env) waitJob(t *testing.T, g events.Group, db string, within time.Duration) {
 	t.Helper()
-	require.Eventually(t, func() bool { return e.pending(t)[work(g, db)] == 1 }, within, 50*time.Millisecond,
+	require.Eventually(t, func() bool { return e.Pending(t)[work(g, db)] == 1 }, within, 50*time.Millisecond,
 		"no %s job for %s within %s", g, db, within)
 }
 
 // jobReason returns the reason in the payload of the pending job of (g, db).
 func (e *env) jobReason(t *testing.T, g events.Group, db string) string {
 	t.Helper()
-	s, err := e.js.Stream(t.Context(), "SPIEGEL_WORK")
+	s, err := e.JS.Stream(t.Context(), "SPIEGEL_WORK")
 	require.NoError(t, err)
 	m, err := s.GetLastMsgForSubject(t.Context(), work(g, db))
 	require.NoError(t, err)
 	job, err := events.UnmarshalJob(m.Data)
 	require.NoError(t, err)
 	return job.Reason
-}
-
-// purge empties the work stream.
-func (e *env) purge(t *testing.T) {
-	t.Helper()
-	s, err := e.js.Stream(t.Context(), "SPIEGEL_WORK")
-	require.NoError(t, err)
-	require.NoError(t, s.Purge(t.Context()))
 }
 
 // writeDocs writes n docs to db with `workers` parallel writers.
@@ -197,7 +141,7 @@ func (e *env) writeDocs(t *testing.T, db string, n, workers int) {
 		go func() {
 			defer wg.Done()
 			for i := range ch {
-				_, err := e.couch.Client.DB(db).Put(context.Background(), fmt.Sprintf("doc%05d", i), map[string]any{"n": i})
+				_, err := e.Couch.Client.DB(db).Put(context.Background(), fmt.Sprintf("doc%05d", i), map[string]any{"n": i})
 				if err != nil {
 					errs <- err
 				}

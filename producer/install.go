@@ -13,9 +13,12 @@ import (
 
 	"github.com/sirupsen/logrus"
 
+	"github.com/spiegel-nats/spiegel/pkg/checkpoint"
 	"github.com/spiegel-nats/spiegel/pkg/config"
 	"github.com/spiegel-nats/spiegel/pkg/couch"
 	"github.com/spiegel-nats/spiegel/pkg/natsjs"
+	"github.com/spiegel-nats/spiegel/pkg/rulefeed"
+	"github.com/spiegel-nats/spiegel/pkg/rules"
 )
 
 //go:embed validate.js
@@ -30,7 +33,7 @@ func runInstall(ctx context.Context, cfg *config.Producer, log *logrus.Logger, c
 	if len(cio.args) > 0 {
 		return usageError{fmt.Errorf("unexpected arguments %q", cio.args)}
 	}
-	d, err := connect(ctx, cfg, log, 256)
+	d, err := connectAdmin(ctx, cfg, log, 256)
 	if err != nil {
 		return err
 	}
@@ -164,11 +167,16 @@ func runUninstall(ctx context.Context, cfg *config.Producer, log *logrus.Logger,
 			return usageError{errors.New("not confirmed; nothing was deleted (use --yes to skip the question)")}
 		}
 	}
-	d, err := connect(ctx, cfg, log, 256)
+	d, err := connectAdmin(ctx, cfg, log, 256)
 	if err != nil {
 		return err
 	}
 	defer d.nc.Close()
+	n, err := removeCheckpoints(ctx, d, log)
+	if err != nil {
+		return err
+	}
+	fmt.Fprintf(cio.stdout, "on_change checkpoints (_local docs in the watched dbs): %d removed\n", n)
 	if err := natsjs.Remove(ctx, d.js, d.topo); err != nil {
 		return err
 	}
@@ -181,4 +189,39 @@ func runUninstall(ctx context.Context, cfg *config.Producer, log *logrus.Logger,
 		fmt.Fprintf(cio.stdout, "spiegel db %q: removed\n", cfg.DBName)
 	}
 	return nil
+}
+
+// removeCheckpoints deletes the _local checkpoint docs of every on_change rule in every db it
+// matches, and returns how many it deleted. Without the spiegel db there are no rules, and so
+// nothing to find.
+func removeCheckpoints(ctx context.Context, d *deps, log *logrus.Logger) (int, error) {
+	set := rules.NewSet()
+	rf := &rulefeed.Follower{Couch: d.couch, DB: d.cfg.DBName, Set: set, Log: log.WithField("component", "rules")}
+	if _, err := rf.Load(ctx); err != nil {
+		if errors.Is(err, couch.ErrNotFound) || strings.Contains(err.Error(), "does not exist") {
+			return 0, nil
+		}
+		return 0, err
+	}
+	store := checkpoint.NewOnChangeStore(d.couch, nil)
+	n := 0
+	err := d.couch.EachDB(ctx, func(db string) error {
+		if db == d.cfg.DBName || systemDBs[db] {
+			return nil
+		}
+		for _, r := range set.All() {
+			if r.Kind() != rules.KindOnChange || !r.MatchesDB(db) {
+				continue
+			}
+			found, err := store.DeleteIfAny(ctx, r.ID(), db)
+			if err != nil {
+				return err
+			}
+			if found {
+				n++
+			}
+		}
+		return nil
+	})
+	return n, err
 }

@@ -10,7 +10,9 @@ import (
 	"io"
 	"os"
 	"os/signal"
+	"strings"
 	"syscall"
+	"time"
 
 	"github.com/sirupsen/logrus"
 
@@ -29,7 +31,8 @@ Usage:
   producer replay          dispatch an on_change rule's history again: --rule ID [--db REGEX] [--since SEQ]
   producer status          rules loaded and rejected, pending and in-flight jobs, producer position [--json]
 
-Every command accepts --help and --version.`
+Every command accepts --help and --version. The admin commands wait at most --timeout (default
+15s, SPIEGEL_ADMIN_TIMEOUT) for CouchDB and NATS, then exit 1 naming each problem.`
 
 func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
@@ -45,6 +48,15 @@ func realMain(ctx context.Context, args []string, stdin io.Reader, stdout, stder
 		cmd, args = args[0], args[1:]
 	}
 	var cfg config.Producer
+	var timeout time.Duration
+	var err error
+	if cmd != "" {
+		args, timeout, err = timeoutFlag(args)
+	}
+	if err != nil {
+		fmt.Fprintf(stderr, "producer %s: %v\n", cmd, err)
+		return 2
+	}
 	for _, a := range args {
 		switch a {
 		case "--help", "-h", "-help":
@@ -63,6 +75,12 @@ func realMain(ctx context.Context, args []string, stdin io.Reader, stdout, stder
 	if err := config.Load(&cfg); err != nil {
 		fmt.Fprintf(stderr, "producer: %v\n(run `producer --help` for every variable)\n", err)
 		return 2
+	}
+	if timeout > 0 {
+		cfg.AdminTimeout = timeout
+	}
+	if _, set := os.LookupEnv("SPIEGEL_LOG_FORMAT"); cmd != "" && !set && isTerminal(stderr) {
+		cfg.LogFormat = "text" // an admin command at a terminal speaks to a person
 	}
 	log, err := logging.New(cfg.LogLevel, cfg.LogFormat, stderr)
 	if err != nil {
@@ -83,8 +101,47 @@ func realMain(ctx context.Context, args []string, stdin io.Reader, stdout, stder
 		fmt.Fprintf(stderr, "producer: %s\nRun `producer install` to create the spiegel db, streams and consumers.\n", msg)
 		return 1
 	}
-	log.WithField("component", "producer").Error(msg)
+	if cmd == "" {
+		log.WithField("component", "producer").Error(msg)
+		return 1
+	}
+	// An admin command's failure is for the person who ran it: one plain line per problem.
+	var problems serverProblems
+	if errors.As(err, &problems) {
+		for _, p := range problems {
+			fmt.Fprintf(stderr, "producer %s: %s\n", cmd, logging.RedactText(p))
+		}
+		return 1
+	}
+	if errors.Is(err, context.Canceled) {
+		msg = "interrupted"
+	}
+	fmt.Fprintf(stderr, "producer %s: %s\n", cmd, msg)
 	return 1
+}
+
+// timeoutFlag takes the admin commands' --timeout DURATION (or --timeout=DURATION) out of args.
+func timeoutFlag(args []string) (rest []string, timeout time.Duration, err error) {
+	for i := 0; i < len(args); i++ {
+		a := args[i]
+		name, value, hasValue := strings.Cut(strings.TrimLeft(a, "-"), "=")
+		if !strings.HasPrefix(a, "-") || name != "timeout" {
+			rest = append(rest, a)
+			continue
+		}
+		if !hasValue {
+			if i+1 >= len(args) {
+				return nil, 0, errors.New("--timeout needs a duration, e.g. --timeout 30s")
+			}
+			i++
+			value = args[i]
+		}
+		timeout, err = time.ParseDuration(value)
+		if err != nil || timeout <= 0 {
+			return nil, 0, fmt.Errorf("--timeout %q: want a positive duration, e.g. 30s", value)
+		}
+	}
+	return rest, timeout, nil
 }
 
 // cmdIO is what a command reads and writes besides its configuration.

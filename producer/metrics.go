@@ -20,6 +20,15 @@ func (p producerMetrics) deduplicated(g events.Group) {
 	}
 }
 
+// settled counts a job that is stored (deduplicated false) or stood for by the pending one.
+func (p producerMetrics) settled(g events.Group, deduplicated bool) {
+	if deduplicated {
+		p.deduplicated(g)
+	} else {
+		p.published(g)
+	}
+}
+
 func (p producerMetrics) publishError(g events.Group) {
 	if p.m != nil {
 		p.m.PublishErrors.WithLabelValues(string(g)).Inc()
@@ -41,5 +50,23 @@ func (p producerMetrics) feedError() {
 func (p producerMetrics) sweepEnqueued() {
 	if p.m != nil {
 		p.m.SweepEnqueued.Inc()
+	}
+}
+
+func (p producerMetrics) hotFeeds(n int) {
+	if p.m != nil {
+		p.m.HotFeeds.Set(float64(n))
+	}
+}
+
+func (p producerMetrics) hotFeedJob() {
+	if p.m != nil {
+		p.m.HotFeedJobs.Inc()
+	}
+}
+
+func (p producerMetrics) eventCovered() {
+	if p.m != nil {
+		p.m.EventsCovered.Inc()
 	}
 }

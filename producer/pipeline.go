@@ -20,10 +20,12 @@ import (
 // without an answer by then is published again (a duplicate is harmless).
 const ackTimeout = 30 * time.Second
 
-// jobPublisher publishes jobs to the work stream (*natsjs.Jobs).
+// jobPublisher publishes jobs to the work stream (*natsjs.Jobs): asynchronously, then, when the
+// answer says a job is pending, or when the publish failed, with the wakeup marker (Offer).
 type jobPublisher interface {
 	PublishAsync(g events.Group, job events.Job) (jetstream.PubAckFuture, error)
-	Publish(ctx context.Context, g events.Group, job events.Job) (deduplicated bool, err error)
+	MarkAndRetry(ctx context.Context, g events.Group, job events.Job) (deduplicated bool, err error)
+	Offer(ctx context.Context, g events.Group, job events.Job) (deduplicated bool, err error)
 }
 
 // publisher is the producer's publish pipeline. Enqueue publishes a position's jobs
@@ -42,10 +44,19 @@ type publisher struct {
 	// due counts settled positions that make a save due (see Enqueue); the saver compares it
 	// with the count it last saved.
 	due uint64
+	// holds are the spans of the feed that hot feeds covered recently (see Covered), oldest
+	// first: the position saved stays before them until they are older than the hold time.
+	holds []hold
 	// settled counts batches fully settled; enqueued counts batches handed in. Equal → idle.
 	settled  atomic.Int64
 	enqueued atomic.Int64
 	done     chan struct{}
+}
+
+// hold keeps the saved position at or before `before` until `last` is older than the hold time.
+type hold struct {
+	before      string    // the safe position before the first covered event of the span
+	first, last time.Time // when the span's first and last covered events settled
 }
 
 // batch is one feed position and the publishes it caused.
@@ -53,8 +64,10 @@ type batch struct {
 	seq     string
 	hasSeq  bool
 	saveDue bool // a position that, once reached, is worth saving
+	covered bool // an event a hot feed stands for: no jobs, and a hold on the saved position
 	jobs    []pendingJob
 	settled chan struct{} // closed when settled, if the caller wants to wait (may be nil)
+	after   func()        // called once settled, in the settling goroutine (may be nil)
 }
 
 type pendingJob struct {
@@ -88,6 +101,22 @@ func (p *publisher) Enqueue(ctx context.Context, seq string, saveDue bool, db, r
 // EnqueueNoSeq publishes one job per group for db, not tied to a feed position (sweeps, rules).
 func (p *publisher) EnqueueNoSeq(ctx context.Context, db, reason string, groups []events.Group) error {
 	b := &batch{}
+	p.publish(b, db, reason, "", groups)
+	return p.push(ctx, b)
+}
+
+// Covered records seq as reached without publishing anything: a hot feed of the event's db stands
+// for it (see hotFeeds). Saves of the position stay before it for the hold time (SaveCandidate):
+// should the process die before the hot feed delivered the change, the next producer reads the
+// event again from the feed.
+func (p *publisher) Covered(ctx context.Context, seq string) error {
+	return p.push(ctx, &batch{seq: seq, hasSeq: true, saveDue: true, covered: true})
+}
+
+// EnqueueThen publishes one job per group for db, not tied to a feed position, and calls after
+// once they are settled (in the settling goroutine: after must not block).
+func (p *publisher) EnqueueThen(ctx context.Context, db, reason string, groups []events.Group, after func()) error {
+	b := &batch{after: after}
 	p.publish(b, db, reason, "", groups)
 	return p.push(ctx, b)
 }
@@ -155,6 +184,28 @@ func (p *publisher) SafeDue() (string, uint64) {
 	return p.safe, p.due
 }
 
+// holdGrain merges covered events settled within it into one hold: a hold's span ends at its
+// last event, so merging only makes the saved position wait a little longer.
+const holdGrain = time.Second
+
+// SaveCandidate returns the position a save may write: Safe, unless hot feeds covered events in
+// the last holdFor, then the safe position before the oldest of those (held true). It also
+// returns the due count (see SafeDue).
+func (p *publisher) SaveCandidate(holdFor time.Duration) (seq string, due uint64, held bool) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	now := time.Now()
+	n := 0
+	for n < len(p.holds) && now.Sub(p.holds[n].last) >= holdFor {
+		n++
+	}
+	p.holds = p.holds[n:]
+	if len(p.holds) > 0 {
+		return p.holds[0].before, p.due, true
+	}
+	return p.safe, p.due, false
+}
+
 // SetSafe sets the starting position (the saved one) before Run.
 func (p *publisher) SetSafe(seq string) {
 	p.mu.Lock()
@@ -213,6 +264,14 @@ func (p *publisher) settle(ctx context.Context, b *batch) bool {
 	}
 	if b.hasSeq {
 		p.mu.Lock()
+		if b.covered {
+			now := time.Now()
+			if n := len(p.holds); n > 0 && now.Sub(p.holds[n-1].first) < holdGrain {
+				p.holds[n-1].last = now
+			} else {
+				p.holds = append(p.holds, hold{before: p.safe, first: now, last: now})
+			}
+		}
 		p.safe = b.seq
 		if b.saveDue {
 			p.due++
@@ -222,6 +281,9 @@ func (p *publisher) settle(ctx context.Context, b *batch) bool {
 	p.settled.Add(1)
 	if b.settled != nil {
 		close(b.settled)
+	}
+	if b.after != nil {
+		b.after()
 	}
 	return true
 }
@@ -244,14 +306,20 @@ func (p *publisher) settleJob(ctx context.Context, j *pendingJob) bool {
 		}
 		timer.Stop()
 	}
-	for attempt := 1; ; attempt++ {
-		if natsjs.IsDuplicateJob(err) {
-			p.metrics.deduplicated(j.group)
+	if natsjs.IsDuplicateJob(err) {
+		// A job for the db is pending or running: leave the wakeup marker (natsjs.Jobs.Offer).
+		var dedup bool
+		pubCtx, cancel := context.WithTimeout(ctx, 10*time.Second)
+		dedup, err = p.jobs.MarkAndRetry(pubCtx, j.group, j.job)
+		cancel()
+		if err == nil {
+			p.metrics.settled(j.group, dedup)
 			return true
 		}
-		if err == nil {
-			p.metrics.published(j.group)
-			return true
+	}
+	for attempt := 1; ; attempt++ {
+		if errors.Is(err, context.Canceled) && ctx.Err() != nil {
+			return false
 		}
 		p.metrics.publishError(j.group)
 		p.log.WithFields(logrus.Fields{"group": j.group, "db": j.job.DB, "attempt": attempt}).WithError(err).Warn("publish job failed, retrying")
@@ -260,14 +328,11 @@ func (p *publisher) settleJob(ctx context.Context, j *pendingJob) bool {
 		}
 		pubCtx, cancel := context.WithTimeout(ctx, 10*time.Second)
 		var dedup bool
-		dedup, err = p.jobs.Publish(pubCtx, j.group, j.job)
+		dedup, err = p.jobs.Offer(pubCtx, j.group, j.job)
 		cancel()
-		if err == nil && dedup {
-			p.metrics.deduplicated(j.group)
+		if err == nil {
+			p.metrics.settled(j.group, dedup)
 			return true
-		}
-		if errors.Is(err, context.Canceled) && ctx.Err() != nil {
-			return false
 		}
 	}
 }

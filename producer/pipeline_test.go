@@ -31,13 +31,14 @@ var (
 )
 
 // fakeJobs is a jobPublisher. Each async publish gets a future the test answers with answer();
-// sync publishes (the pipeline's retries) take their results from syncResults, in order, then
-// succeed.
+// sync publishes (the pipeline's retries, Offer) take their results from syncResults, in order,
+// then succeed; MarkAndRetry records a wakeup marker.
 type fakeJobs struct {
 	mu          sync.Mutex
 	futures     map[string]*fakeFuture // by db
 	syncCalls   []string
 	syncResults []error
+	marks       []string
 }
 
 func newFakeJobs() *fakeJobs { return &fakeJobs{futures: map[string]*fakeFuture{}} }
@@ -50,7 +51,8 @@ func (f *fakeJobs) PublishAsync(_ events.Group, job events.Job) (jetstream.PubAc
 	return fut, nil
 }
 
-func (f *fakeJobs) Publish(_ context.Context, _ events.Group, job events.Job) (bool, error) {
+// Offer is the synchronous republish after a failure; its results come from syncResults.
+func (f *fakeJobs) Offer(_ context.Context, _ events.Group, job events.Job) (bool, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	f.syncCalls = append(f.syncCalls, job.DB)
@@ -63,6 +65,14 @@ func (f *fakeJobs) Publish(_ context.Context, _ events.Group, job events.Job) (b
 		return true, nil
 	}
 	return false, err
+}
+
+// MarkAndRetry records the wakeup marker of a refused job; the job stays pending (deduplicated).
+func (f *fakeJobs) MarkAndRetry(_ context.Context, _ events.Group, job events.Job) (bool, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.marks = append(f.marks, job.DB)
+	return true, nil
 }
 
 // answer resolves the future of db's job: nil is a stored job.
@@ -166,6 +176,9 @@ func TestPublisherDuplicateIsSettled(t *testing.T) {
 	jobs.answer("1", errDuplicate)
 	requireSafe(t, p, "1")
 	assert.Empty(t, jobs.syncs())
+	jobs.mu.Lock()
+	assert.Equal(t, []string{"1"}, jobs.marks, "a refused job leaves its wakeup marker")
+	jobs.mu.Unlock()
 	assert.Equal(t, 1.0, counter(m.JobsDeduped))
 	assert.Zero(t, counter(m.PublishErrors))
 }
@@ -204,4 +217,47 @@ func TestPublisherSaveDueAndFlush(t *testing.T) {
 	safe, due := p.SafeDue()
 	assert.Equal(t, "2", safe, "a job without a position does not move Safe")
 	assert.Equal(t, uint64(1), due)
+}
+
+// Covered events move Safe but hold the position a save may write before them for the hold
+// time; jobs published with EnqueueThen call back once settled, in order.
+func TestPublisherCoveredHoldsSaveCandidate(t *testing.T) {
+	t.Parallel()
+	jobs := newFakeJobs()
+	p, _ := runPublisher(t, jobs, time.Minute)
+	enqueue(t, p, "1")
+	jobs.answer("1", nil)
+	requireSafe(t, p, "1")
+	require.NoError(t, p.Covered(t.Context(), "2"))
+	requireSafe(t, p, "2")
+	seq, due, held := p.SaveCandidate(time.Hour)
+	assert.Equal(t, "1", seq, "the candidate stays before the covered event")
+	assert.True(t, held)
+	assert.Equal(t, uint64(2), due, "a covered event makes a save due")
+
+	require.NoError(t, p.Covered(t.Context(), "3"))
+	enqueue(t, p, "4")
+	jobs.answer("4", nil)
+	requireSafe(t, p, "4")
+	seq, _, held = p.SaveCandidate(time.Hour)
+	assert.Equal(t, "1", seq, "the oldest covered event within the hold time decides")
+	assert.True(t, held)
+	seq, _, held = p.SaveCandidate(0)
+	assert.Equal(t, "4", seq, "once the hold time is over, the candidate is Safe")
+	assert.False(t, held)
+
+	var calls []string
+	var mu sync.Mutex
+	done := func(name string) func() {
+		return func() { mu.Lock(); calls = append(calls, name); mu.Unlock() }
+	}
+	require.NoError(t, p.EnqueueThen(t.Context(), "a", events.TypeUpdated, []events.Group{events.GroupReplicate}, done("a")))
+	require.NoError(t, p.EnqueueThen(t.Context(), "b", events.TypeUpdated, []events.Group{events.GroupReplicate}, done("b")))
+	jobs.answer("b", nil)
+	require.Never(t, func() bool { mu.Lock(); defer mu.Unlock(); return len(calls) > 0 }, 50*time.Millisecond, time.Millisecond,
+		"b's callback ran before a was settled")
+	jobs.answer("a", nil)
+	require.Eventually(t, func() bool { mu.Lock(); defer mu.Unlock(); return len(calls) == 2 }, 5*time.Second, time.Millisecond)
+	assert.Equal(t, []string{"a", "b"}, calls)
+	assert.Equal(t, "4", p.Safe(), "jobs without a position do not move Safe")
 }

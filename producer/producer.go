@@ -26,13 +26,15 @@ var feedRetry = backoff.Policy{Initial: time.Second, Max: time.Minute, Multiplie
 
 // producer tails the db-updates feed and publishes one job per (group, db) (SPEC §4).
 type producer struct {
-	cfg     producerSettings
-	couch   *couch.Client
-	store   *checkpoint.Store
-	rules   *rules.Set
-	pub     *publisher
-	log     logrus.FieldLogger
-	metrics producerMetrics
+	cfg         producerSettings
+	couch       *couch.Client
+	store       *checkpoint.Store         // the producer's position
+	checkpoints *checkpoint.OnChangeStore // on_change checkpoints, to forget those of deleted dbs
+	rules       *rules.Set
+	pub         *publisher
+	hot         *hotFeeds // nil: off
+	log         logrus.FieldLogger
+	metrics     producerMetrics
 
 	feedMu     sync.Mutex // guards the fields below; never held across network I/O
 	source     string
@@ -43,9 +45,11 @@ type producer struct {
 	savedState checkpoint.Position
 	resync     chan struct{} // runResyncs enqueues every matched db on a signal
 
-	saveMu     sync.Mutex // serializes saves
-	savedDue   uint64     // the publisher's due count at the last save
-	lastSaveAt time.Time
+	saveMu      sync.Mutex // serializes saves
+	savedDue    uint64     // the publisher's due count at the last save
+	heldBack    bool       // the last save stopped before the safe position (SaveCandidate)
+	lastSaveAt  time.Time
+	lastWriteAt time.Time // of the last position write
 }
 
 // producerSettings are the parts of the configuration the producer's loop uses.
@@ -58,6 +62,8 @@ type producerSettings struct {
 	SweepInterval time.Duration
 	SaveInterval  time.Duration
 	Grace         time.Duration
+	// HoldFor is how long the saved position stays before events a hot feed covered (hotFeeds).
+	HoldFor time.Duration
 }
 
 // skip reports whether db's updates never produce jobs: the spiegel db and CouchDB's own dbs.
@@ -74,29 +80,38 @@ func (p *producer) handle(ctx context.Context, ev couch.DBEvent) error {
 	if p.skip(ev.DB) {
 		return p.pub.Enqueue(ctx, ev.Seq, false, ev.DB, "", nil)
 	}
-	if ev.Type == events.TypeDeleted {
-		p.removeCheckpoints(ctx, ev.DB)
+	if ev.Type == couch.EventDeleted {
+		p.hot.Close(ev.DB, closeDeleted)
+		p.forgetCheckpoints(ctx, ev.DB)
 		return p.pub.Enqueue(ctx, ev.Seq, true, ev.DB, events.TypeDeleted, nil)
 	}
 	groups := p.rules.Groups(ev.DB).Groups()
-	return p.pub.Enqueue(ctx, ev.Seq, true, ev.DB, ev.Type, groups)
+	if len(groups) == 0 {
+		return p.pub.Enqueue(ctx, ev.Seq, true, ev.DB, ev.Type, nil)
+	}
+	if ev.Type == couch.EventUpdated && p.hot.Covers(ev.DB) {
+		p.metrics.eventCovered()
+		p.log.WithField("db", ev.DB).Debug("db update passed over: the db's hot feed publishes its jobs")
+		return p.pub.Covered(ctx, ev.Seq)
+	}
+	if err := p.pub.Enqueue(ctx, ev.Seq, true, ev.DB, ev.Type, groups); err != nil {
+		return err
+	}
+	p.hot.Open(ev.DB)
+	return nil
 }
 
-// removeCheckpoints deletes the on_change checkpoints of a deleted db, so a recreated db is
-// processed from its beginning. A failure is logged; the consumer also notices a recreated db by
-// its instance start time.
-func (p *producer) removeCheckpoints(ctx context.Context, db string) {
-	var ids []string
-	for _, r := range p.rules.All() {
-		if r.Kind() == rules.KindOnChange {
-			ids = append(ids, r.ID())
-		}
-	}
-	if len(ids) == 0 {
+// forgetCheckpoints drops the cached on_change checkpoints of a deleted db (their _local docs
+// went with it), so that a recreated db is read from its beginning without a check. Best effort:
+// the consumer also finds a cached checkpoint of an earlier db gone (checkpoint.OnChangeStore).
+func (p *producer) forgetCheckpoints(ctx context.Context, db string) {
+	if p.checkpoints == nil {
 		return
 	}
-	if err := p.store.DeleteDB(ctx, db, ids); err != nil {
-		p.log.WithField("db", db).WithError(err).Warn("remove checkpoints of deleted db")
+	for _, r := range p.rules.All() {
+		if r.Kind() == rules.KindOnChange {
+			p.checkpoints.Forget(ctx, r.ID(), db)
+		}
 	}
 }
 
@@ -323,7 +338,7 @@ func (p *producer) save(ctx context.Context, rulesSeq string) {
 			p.metrics.m.FeedPositionAge.Set(time.Since(p.lastSaveAt).Seconds())
 		}
 	}()
-	safe, due := p.pub.SafeDue()
+	safe, due, held := p.pub.SaveCandidate(p.cfg.HoldFor)
 	if safe == couch.SinceNow {
 		safe = ""
 	}
@@ -332,16 +347,23 @@ func (p *producer) save(ctx context.Context, rulesSeq string) {
 	p.feedMu.Unlock()
 
 	next := saved
-	if safe != "" && (due != p.savedDue || source != saved.Source) {
+	move := safe != "" && (due != p.savedDue || p.heldBack || source != saved.Source)
+	if move && held && source == saved.Source && time.Since(p.lastWriteAt) < p.cfg.HoldFor {
+		// Held back by hot feeds, the candidate creeps forward as holds expire: write it at
+		// most once per hold time, and the whole position once no hold is left.
+		move = false
+	}
+	if move {
 		next.LastSeq, next.Source = safe, source
 	}
 	if rulesSeq != "" {
 		next.RulesSeq = rulesSeq
 	}
 	if next.LastSeq == saved.LastSeq && next.RulesSeq == saved.RulesSeq && next.Source == saved.Source {
-		if p.pub.Idle() {
+		if p.pub.Idle() && !held {
 			p.lastSaveAt = time.Now()
 		}
+		p.heldBack = held
 		return
 	}
 	if err := p.store.SavePosition(ctx, next); err != nil {
@@ -351,8 +373,8 @@ func (p *producer) save(ctx context.Context, rulesSeq string) {
 	p.feedMu.Lock()
 	p.savedState = next
 	p.feedMu.Unlock()
-	p.savedDue = due
-	p.lastSaveAt = time.Now()
+	p.savedDue, p.heldBack = due, held
+	p.lastSaveAt, p.lastWriteAt = time.Now(), time.Now()
 	p.log.WithField("seq", next.LastSeq).Debug("saved producer position")
 }
 
@@ -389,7 +411,7 @@ func (p *producer) runSweep(ctx context.Context) {
 		if err == nil {
 			if prev != nil {
 				for _, ev := range couch.Diff(prev, snap) {
-					if ev.Type == events.TypeDeleted {
+					if ev.Type == couch.EventDeleted {
 						continue
 					}
 					p.metrics.sweepEnqueued()

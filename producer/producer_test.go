@@ -11,6 +11,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/spiegel-nats/spiegel/pkg/couchtest"
 	"github.com/spiegel-nats/spiegel/pkg/events"
 )
 
@@ -23,25 +24,25 @@ const (
 // matches gets none.
 func TestBurstYieldsOneJobPerGroup(t *testing.T) {
 	e := newEnv(t)
-	hot, cold, marker := e.prefix+"hot", e.prefix+"cold", e.prefix+"zmarker"
+	hot, cold, marker := e.Prefix+"hot", e.Prefix+"cold", e.Prefix+"zmarker"
 	for _, db := range []string{hot, cold, marker} {
-		e.couch.CreateDB(t, db)
+		e.Couch.CreateDB(t, db)
 	}
-	e.putRule(t, "rep", map[string]any{"type": "replicator", "db_name": "^" + e.prefix + "(hot|zmarker)$", "source": "$db_name", "target": e.prefix + "target"})
-	e.putRule(t, "hook", map[string]any{"type": "on_change", "db_name": "^" + e.prefix + "(hot|zmarker)$", "url": "http://127.0.0.1:1/hook"})
+	e.putRule(t, "rep", map[string]any{"type": "replicator", "db_name": "^" + e.Prefix + "(hot|zmarker)$", "source": "$db_name", "target": e.Prefix + "target"})
+	e.putRule(t, "hook", map[string]any{"type": "on_change", "db_name": "^" + e.Prefix + "(hot|zmarker)$", "url": "http://127.0.0.1:1/hook"})
 	e.startProducer(t)
 	// Jobs from the rules' initial enqueue; clear them so the burst alone is measured.
 	e.waitJob(t, rep, hot, 20*time.Second)
 	e.waitJob(t, onc, marker, 20*time.Second)
-	e.purge(t)
+	e.Purge(t)
 
 	e.writeDocs(t, hot, 1000, 8)
 	e.writeDocs(t, cold, 50, 4)
-	e.couch.Put(t, marker, "m", map[string]any{"done": true})
+	e.Couch.Put(t, marker, "m", map[string]any{"done": true})
 	e.waitJob(t, onc, marker, 20*time.Second)
 	e.waitJob(t, rep, marker, 20*time.Second)
 
-	p := e.pending(t)
+	p := e.Pending(t)
 	assert.Equal(t, uint64(1), p[work(rep, hot)])
 	assert.Equal(t, uint64(1), p[work(onc, hot)])
 	assert.Zero(t, p[work(rep, cold)])
@@ -54,61 +55,61 @@ func TestPatternRuleEnqueuesExistingDBsAndDeleteStops(t *testing.T) {
 	e := newEnv(t)
 	var users []string
 	for _, n := range []string{"u1", "u2", "u3", "u4", "u5"} {
-		db := e.prefix + "user_" + n
-		e.couch.CreateDB(t, db)
-		e.couch.Put(t, db, "d", map[string]any{"x": 1})
+		db := e.Prefix + "user_" + n
+		e.Couch.CreateDB(t, db)
+		e.Couch.Put(t, db, "d", map[string]any{"x": 1})
 		users = append(users, db)
 	}
-	other := e.prefix + "other"
-	e.couch.CreateDB(t, other)
-	marker := e.prefix + "marker"
-	e.couch.CreateDB(t, marker)
+	other := e.Prefix + "other"
+	e.Couch.CreateDB(t, other)
+	marker := e.Prefix + "marker"
+	e.Couch.CreateDB(t, marker)
 	e.putRule(t, "marker", map[string]any{"type": "replicator", "source": marker, "target": marker + "_copy"})
 	e.startProducer(t)
 	e.waitJob(t, rep, marker, 20*time.Second)
 
-	rev := e.putRule(t, "users", map[string]any{"type": "replicator", "db_name": "^" + e.prefix + "user_", "source": "$db_name", "target": e.prefix + "all"})
+	rev := e.putRule(t, "users", map[string]any{"type": "replicator", "db_name": "^" + e.Prefix + "user_", "source": "$db_name", "target": e.Prefix + "all"})
 	for _, db := range users {
 		e.waitJob(t, rep, db, 20*time.Second)
 	}
-	assert.Zero(t, e.pending(t)[work(rep, other)])
+	assert.Zero(t, e.Pending(t)[work(rep, other)])
 
 	// Delete the rule with a plain DELETE (a tombstone without a body), then write.
 	e.deleteDoc(t, e.cfg.DBName, "users", rev)
-	e.purge(t)
+	e.Purge(t)
 	require.Eventually(t, func() bool {
 		_, ok := ruleStillLoaded(t, e, "users")
 		return !ok
 	}, 20*time.Second, 100*time.Millisecond)
-	e.couch.Put(t, users[0], "after", map[string]any{"x": 2})
-	e.couch.Put(t, marker, "after", map[string]any{"x": 2})
+	e.Couch.Put(t, users[0], "after", map[string]any{"x": 2})
+	e.Couch.Put(t, marker, "after", map[string]any{"x": 2})
 	e.waitJob(t, rep, marker, 20*time.Second)
-	assert.Zero(t, e.pending(t)[work(rep, users[0])], "deleted rule still enqueues")
+	assert.Zero(t, e.Pending(t)[work(rep, users[0])], "deleted rule still enqueues")
 }
 
 // ruleStillLoaded asks `producer status` whether the rule counts; since status reads the db, the
 // producer's own view is checked by the marker-ordered writes in the caller.
 func ruleStillLoaded(t *testing.T, e *env, id string) (string, bool) {
 	var doc map[string]any
-	err := e.couch.Do(t, "GET", "/"+e.cfg.DBName+"/"+id, nil, &doc)
+	err := e.Couch.Do(t, "GET", "/"+e.cfg.DBName+"/"+id, nil, &doc)
 	return "", err == nil
 }
 
 // Every db name CouchDB allows flows from the feed to a job subject and back.
 func TestSpecialDBNamesFlow(t *testing.T) {
 	e := newEnv(t)
-	name := e.prefix + "a/b+c$d(e)-f_g"
-	if e.couch.PouchDB {
+	name := e.Prefix + "a/b+c$d(e)-f_g"
+	if e.Couch.PouchDB {
 		// PouchDB Server cannot address a db whose name has '/' (it strips %2F from paths); the
 		// full name is exercised against Apache CouchDB.
-		name = e.prefix + "ab+c$d(e)-f_g"
+		name = e.Prefix + "ab+c$d(e)-f_g"
 	}
-	e.couch.CreateDB(t, name)
-	e.putRule(t, "exact", map[string]any{"type": "replicator", "source": "http://admin@couch.example:5984/" + escapePath(name), "target": e.prefix + "copy"})
+	e.Couch.CreateDB(t, name)
+	e.putRule(t, "exact", map[string]any{"type": "replicator", "source": "http://admin@couch.example:5984/" + escapePath(name), "target": e.Prefix + "copy"})
 	e.startProducer(t)
 	e.waitJob(t, rep, name, 20*time.Second)
-	e.purge(t)
-	e.couch.Put(t, name, "d", map[string]any{"x": 1})
+	e.Purge(t)
+	e.Couch.Put(t, name, "d", map[string]any{"x": 1})
 	e.waitJob(t, rep, name, 20*time.Second)
 	g, db, err := events.NewSubjects("").ParseWork(work(rep, name))
 	require.NoError(t, err)
@@ -126,19 +127,19 @@ func TestTwoProducers(t *testing.T) {
 	e := newEnv(t)
 	var dbs []string
 	for _, n := range []string{"a", "b", "c", "d", "e", "f", "g", "h"} {
-		db := e.prefix + "two_" + n
-		e.couch.CreateDB(t, db)
+		db := e.Prefix + "two_" + n
+		e.Couch.CreateDB(t, db)
 		dbs = append(dbs, db)
 	}
-	e.putRule(t, "rep", map[string]any{"type": "replicator", "db_name": "^" + e.prefix + "two_", "source": "$db_name", "target": e.prefix + "all"})
-	e.putRule(t, "hook", map[string]any{"type": "on_change", "db_name": "^" + e.prefix + "two_", "url": "http://127.0.0.1:1/"})
+	e.putRule(t, "rep", map[string]any{"type": "replicator", "db_name": "^" + e.Prefix + "two_", "source": "$db_name", "target": e.Prefix + "all"})
+	e.putRule(t, "hook", map[string]any{"type": "on_change", "db_name": "^" + e.Prefix + "two_", "url": "http://127.0.0.1:1/"})
 	e.startProducer(t)
 	e.startProducer(t)
 	for _, db := range dbs {
 		e.waitJob(t, rep, db, 20*time.Second)
 		e.waitJob(t, onc, db, 20*time.Second)
 	}
-	e.purge(t)
+	e.Purge(t)
 	var wg sync.WaitGroup
 	for _, db := range dbs {
 		wg.Add(1)
@@ -149,7 +150,7 @@ func TestTwoProducers(t *testing.T) {
 		e.waitJob(t, rep, db, 20*time.Second)
 		e.waitJob(t, onc, db, 20*time.Second)
 	}
-	p := e.pending(t)
+	p := e.Pending(t)
 	assert.Len(t, p, 2*len(dbs))
 	for subj, n := range p {
 		assert.Equal(t, uint64(1), n, subj)
@@ -161,46 +162,47 @@ func TestTwoProducers(t *testing.T) {
 // the feed announces, gets its job).
 func TestCouchDBOutage(t *testing.T) {
 	e := newEnv(t)
-	proxy := e.couch.NewProxy(t)
-	e.cfg.CouchDBURL = proxy.URL(e.couch.URL)
+	proxy := e.Couch.NewProxy(t)
+	e.cfg.CouchDBURL = proxy.URL(e.Couch.URL)
 	e.cfg.CouchDBTimeout = 2 * time.Second
-	db := e.prefix + "out"
-	e.couch.CreateDB(t, db)
+	db := e.Prefix + "out"
+	e.Couch.CreateDB(t, db)
 	e.putRule(t, "rep", map[string]any{"type": "replicator", "source": db, "target": db + "_copy"})
 	e.startProducer(t)
 	e.waitJob(t, rep, db, 20*time.Second)
 	// Steady state first: a write seen through the feed after the first full round.
-	e.purge(t)
-	e.couch.Put(t, db, "before", map[string]any{"x": 0})
+	e.Purge(t)
+	e.Couch.Put(t, db, "before", map[string]any{"x": 0})
 	e.waitJob(t, rep, db, 20*time.Second)
-	e.purge(t)
+	e.Purge(t)
 
 	proxy.Cut()
-	e.couch.Put(t, db, "while-down", map[string]any{"x": 1})
-	require.Eventually(t, func() bool { return strings.Contains(e.logs.String(), "db updates feed interrupted") },
+	e.Couch.Put(t, db, "while-down", map[string]any{"x": 1})
+	require.Eventually(t, func() bool { return strings.Contains(e.Logs.String(), "db updates feed interrupted") },
 		2*e.cfg.FeedHeartbeat, 20*time.Millisecond, "the producer did not notice the outage within twice the heartbeat")
-	assert.Zero(t, e.pending(t)[work(rep, db)])
+	assert.Zero(t, e.Pending(t)[work(rep, db)])
 	proxy.Restore(t)
 	e.waitJob(t, rep, db, 30*time.Second)
-	require.Eventually(t, func() bool { return strings.Contains(e.logs.String(), "db updates feed restored") }, 10*time.Second, 20*time.Millisecond)
+	require.Eventually(t, func() bool { return strings.Contains(e.Logs.String(), "db updates feed restored") }, 10*time.Second, 20*time.Millisecond)
 }
 
 // SIGTERM stops the producer process cleanly (exit 0) and saves its position: a position past
 // the last write (the feed read from it has nothing of that db).
 func TestProducerSIGTERMSavesPosition(t *testing.T) {
-	e := newEnv(t)
-	db := e.prefix + "term"
+	e := newEnv(t, couchtest.AlwaysSynthesize()) // exact positions: see waitSettled
+	db := e.Prefix + "term"
 	mark := e.updatesMark(t)
-	e.couch.CreateDB(t, db)
+	e.Couch.CreateDB(t, db)
 	e.putRule(t, "rep", map[string]any{"type": "replicator", "source": db, "target": db + "_copy"})
 	cmd := e.startProcess(t, "SPIEGEL_POSITION_SAVE_INTERVAL=3s")
 	e.waitJob(t, rep, db, 20*time.Second)
 	e.waitSettled(t, db, mark)
 	// A write seen through the feed; SIGTERM right after its job (usually before the next
 	// periodic save, 3s) must still leave a saved position past it.
-	e.purge(t)
+	e.Purge(t)
 	mark = e.updatesMark(t)
-	e.couch.Put(t, db, "d", map[string]any{"x": 1})
+	e.Couch.Put(t, db, "d", map[string]any{"x": 1})
+	e.updates.Flush()
 	require.Eventually(t, func() bool { return e.hasEventOf(t, db, mark) }, 20*time.Second, 20*time.Millisecond)
 	e.waitJob(t, rep, db, 20*time.Second)
 	require.NoError(t, cmd.Process.Signal(syscall.SIGTERM))
@@ -223,8 +225,8 @@ func TestProducerSIGTERMSavesPosition(t *testing.T) {
 func TestProducerBeforeInstall(t *testing.T) {
 	e := newEnv(t)
 	var stderr strings.Builder
-	t.Setenv("SPIEGEL_COUCHDB_URL", e.couch.URL)
-	t.Setenv("SPIEGEL_DB_NAME", e.prefix+"never_installed")
+	t.Setenv("SPIEGEL_COUCHDB_URL", e.Couch.URL)
+	t.Setenv("SPIEGEL_DB_NAME", e.Prefix+"never_installed")
 	t.Setenv("SPIEGEL_NATS_URL", e.cfg.NATSURL)
 	t.Setenv("SPIEGEL_SUBJECT_PREFIX", "other")
 	t.Setenv("SPIEGEL_HTTP_ADDR", "")

@@ -17,13 +17,13 @@ import (
 // after each outage proves the producer recovered, not just its probe.
 func TestProducerReadyzFollowsDependencies(t *testing.T) {
 	e := newEnv(t)
-	proxy := e.couch.NewProxy(t)
-	e.cfg.CouchDBURL = proxy.URL(e.couch.URL)
+	proxy := e.Couch.NewProxy(t)
+	e.cfg.CouchDBURL = proxy.URL(e.Couch.URL)
 	e.cfg.CouchDBTimeout = 2 * time.Second
 	addr := healthtest.FreeAddr(t)
 	e.cfg.HTTPAddr = addr
-	db := e.prefix + "ready"
-	e.couch.CreateDB(t, db)
+	db := e.Prefix + "ready"
+	e.Couch.CreateDB(t, db)
 	e.putRule(t, "rep", map[string]any{"type": "replicator", "source": db, "target": db + "_copy"})
 	e.startProducer(t)
 
@@ -40,7 +40,7 @@ func TestProducerReadyzFollowsDependencies(t *testing.T) {
 	}
 	allOK(healthtest.WaitReady(t, addr, http.StatusOK, 20*time.Second))
 	e.waitJob(t, rep, db, 20*time.Second)
-	e.purge(t)
+	e.Purge(t)
 
 	t.Log("CouchDB down")
 	proxy.Cut()
@@ -56,12 +56,12 @@ func TestProducerReadyzFollowsDependencies(t *testing.T) {
 	live()
 	proxy.Restore(t)
 	allOK(healthtest.WaitReady(t, addr, http.StatusOK, 15*time.Second))
-	e.couch.Put(t, db, "after-couch", map[string]any{"x": 1})
+	e.Couch.Put(t, db, "after-couch", map[string]any{"x": 1})
 	e.waitJob(t, rep, db, 20*time.Second)
-	e.purge(t)
+	e.Purge(t)
 
 	t.Log("NATS down")
-	e.nats.Stop()
+	e.NATS.Stop()
 	r = healthtest.WaitReadyWhen(t, addr, 10*time.Second, "503 naming NATS in both NATS checks", func(status int, r healthtest.Ready) bool {
 		return status == http.StatusServiceUnavailable && strings.Contains(r.Checks["nats"], "not connected") &&
 			strings.Contains(r.Checks["stream"], "NATS not connected")
@@ -71,8 +71,8 @@ func TestProducerReadyzFollowsDependencies(t *testing.T) {
 	t.Logf("503 body while NATS is down: %+v", r)
 	live()
 	// Written while NATS is down: its job must reach the stream once NATS is back.
-	e.couch.Put(t, db, "while-nats-down", map[string]any{"x": 2})
-	e.nats.StartAgain(t)
+	e.Couch.Put(t, db, "while-nats-down", map[string]any{"x": 2})
+	e.NATS.StartAgain(t)
 	allOK(healthtest.WaitReady(t, addr, http.StatusOK, 15*time.Second))
 	e.waitJob(t, rep, db, 30*time.Second)
 }

@@ -32,16 +32,25 @@ type deps struct {
 }
 
 func connect(ctx context.Context, cfg *config.Producer, log *logrus.Logger, maxPending int) (*deps, error) {
-	cc, err := couch.New(couch.Config{
+	cc, err := newCouch(cfg, log)
+	if err != nil {
+		return nil, err
+	}
+	nc, err := natsjs.Connect(ctx, natsjs.OptionsFrom(cfg.NATS, "spiegel-producer"), log.WithField("component", "nats"))
+	if err != nil {
+		return nil, err
+	}
+	return newDeps(cfg, log, cc, nc, maxPending)
+}
+
+func newCouch(cfg *config.Producer, log *logrus.Logger) (*couch.Client, error) {
+	return couch.New(couch.Config{
 		URL: cfg.CouchDBURL, CAFile: cfg.CouchDBCAFile, InsecureSkipVerify: cfg.CouchDBInsecureTLS, RequestTimeout: cfg.CouchDBTimeout,
 	}, log.WithField("component", "couch"))
-	if err != nil {
-		return nil, err
-	}
-	nc, err := natsjs.Connect(ctx, natsOptions(cfg.NATS, "spiegel-producer"), log.WithField("component", "nats"))
-	if err != nil {
-		return nil, err
-	}
+}
+
+// newDeps completes the connections of cfg over cc and nc (closed on error).
+func newDeps(cfg *config.Producer, log *logrus.Logger, cc *couch.Client, nc *nats.Conn, maxPending int) (*deps, error) {
 	js, err := jetstream.New(nc, jetstream.WithPublishAsyncMaxPending(maxPending))
 	if err != nil {
 		nc.Close()
@@ -51,14 +60,6 @@ func connect(ctx context.Context, cfg *config.Producer, log *logrus.Logger, maxP
 	topo.Replicas = cfg.StreamReplicas
 	topo.AckWait = cfg.AckWait
 	return &deps{cfg: cfg, log: log, couch: cc, nc: nc, js: js, topo: topo}, nil
-}
-
-func natsOptions(c config.NATS, name string) natsjs.Options {
-	return natsjs.Options{
-		URLs: c.NATSURL, Name: name, CredsFile: c.NATSCredsFile, NKeySeedFile: c.NATSNKeySeedFile,
-		User: c.NATSUser, Password: c.NATSPassword, Token: c.NATSToken,
-		CAFile: c.NATSCAFile, CertFile: c.NATSCertFile, KeyFile: c.NATSKeyFile,
-	}
 }
 
 // runProducer runs the producer until ctx ends (SPEC §4).
@@ -75,6 +76,11 @@ func runProducer(ctx context.Context, cfg *config.Producer, log *logrus.Logger) 
 		return fmt.Errorf("the spiegel db %q does not exist: %w", cfg.DBName, natsjs.ErrNotInstalled)
 	}
 
+	kv, err := natsjs.OnChangeBucket(ctx, d.js, d.topo)
+	if err != nil {
+		return err
+	}
+
 	reg := metrics.NewRegistry("producer")
 	pm := metrics.NewProducer(reg)
 	metrics.RegisterJobGauges(reg, d.js, d.topo.Subjects.WorkStream())
@@ -83,16 +89,21 @@ func runProducer(ctx context.Context, cfg *config.Producer, log *logrus.Logger) 
 		cfg: producerSettings{
 			SpiegelDB: cfg.DBName, Source: cfg.Source, Start: cfg.Start, Heartbeat: cfg.FeedHeartbeat,
 			PollInterval: cfg.PollInterval, SweepInterval: cfg.SweepInterval, SaveInterval: cfg.PositionSaveInterval,
-			Grace: cfg.ShutdownGrace,
+			Grace: cfg.ShutdownGrace, HoldFor: holdFor(cfg.FeedHeartbeat),
 		},
-		couch:   d.couch,
-		store:   checkpoint.NewStore(d.couch, cfg.DBName),
-		rules:   rules.NewSet(),
-		log:     plog,
-		metrics: producerMetrics{m: pm},
-		resync:  make(chan struct{}, 1),
+		couch:       d.couch,
+		store:       checkpoint.NewStore(d.couch, cfg.DBName),
+		checkpoints: checkpoint.NewOnChangeStore(d.couch, kv),
+		rules:       rules.NewSet(),
+		log:         plog,
+		metrics:     producerMetrics{m: pm},
+		resync:      make(chan struct{}, 1),
 	}
 	p.pub = newPublisher(natsjs.NewJobs(d.js, d.topo.Subjects), cfg.MaxInflight, p.metrics, plog)
+	if cfg.HotFeeds > 0 {
+		p.hot = newHotFeeds(d.couch, p.pub, func(db string) []events.Group { return p.rules.Groups(db).Groups() },
+			cfg.HotFeeds, cfg.HotFeedIdle, cfg.FeedHeartbeat, p.metrics, log.WithField("component", "hot"))
+	}
 
 	srv := health.New(cfg.HTTPAddr, reg, readiness(d, cfg.DBName, p.feedHealth), log.WithField("component", "http"))
 	var wg sync.WaitGroup
@@ -124,6 +135,10 @@ func runProducer(ctx context.Context, cfg *config.Producer, log *logrus.Logger) 
 	plog.WithFields(logrus.Fields{"replicators": st.Replicators, "on_changes": st.OnChanges, "rejected": st.Rejected}).Info("rules loaded")
 
 	var feedWG sync.WaitGroup
+	if p.hot != nil {
+		feedWG.Add(1)
+		go func() { defer feedWG.Done(); p.hot.Run(ctx) }()
+	}
 	feedWG.Add(4)
 	go func() {
 		defer feedWG.Done()

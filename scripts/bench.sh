@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The bench command (`make bench`): runs every benchmark against the same kind of servers the
-# tests use and writes bench-report.md. Figures are reported next to a baseline measured in the
-# same run (ratios), because this machine's absolute speed varies.
+# The bench command (`make bench`): builds the binaries, runs every benchmark against the same
+# kind of servers the tests use and writes bench-report.md, with the workload benchmark's tables
+# (scripts/e2e, BenchmarkWorkload). Figures are reported next to a baseline measured in the same
+# run (ratios), because this machine's absolute speed varies.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 cd "$ROOT"
@@ -13,8 +14,10 @@ if [ -z "${COUCHDB_URL:-}" ]; then
 fi
 report="$ROOT/bench-report.md"
 raw="$work/bench.txt"
+log "building binaries (the workload benchmark runs them)"
+make --no-print-directory build >/dev/null
 log "running benchmarks (BENCHTIME=${BENCHTIME:-1x})"
-go test -run '^$' -bench "${BENCH:-.}" -benchtime "${BENCHTIME:-1x}" -timeout 60m ./... | tee "$raw"
+BENCH_REPORT_DIR="$work" go test -run '^$' -bench "${BENCH:-.}" -benchtime "${BENCHTIME:-1x}" -timeout 60m ./... | tee "$raw"
 {
   echo "# Benchmark report"
   echo
@@ -25,5 +28,9 @@ go test -run '^$' -bench "${BENCH:-.}" -benchtime "${BENCHTIME:-1x}" -timeout 60
   echo '```'
   grep -E '^(Benchmark|pkg:|ok|PASS|FAIL)' "$raw"
   echo '```'
+  if [ -f "$work/workload.md" ]; then
+    echo
+    cat "$work/workload.md"
+  fi
 } > "$report"
 log "wrote $report"

@@ -39,7 +39,7 @@ func (e *env) bulkWrite(b *testing.B, db string, n int) {
 	for i := range docs {
 		docs[i] = map[string]any{"n": i, "text": "some payload text"}
 	}
-	require.NoError(b, e.couch.Do(b, "POST", "/"+couchtest.PathDB(db)+"/_bulk_docs", map[string]any{"docs": docs}, nil))
+	require.NoError(b, e.Couch.Do(b, "POST", "/"+couchtest.PathDB(db)+"/_bulk_docs", map[string]any{"docs": docs}, nil))
 }
 
 // baseline is the minimal hand-written loop: read db's changes after since and POST each one.
@@ -84,14 +84,14 @@ func BenchmarkDispatch(b *testing.B) {
 	for i, c := range cases {
 		name := fmt.Sprintf("sink=%s/block=%v/dbs=%d", c.delay, c.block, c.dbs)
 		sink, count := countingSink(b, c.delay)
-		prefix := fmt.Sprintf("%sb%d_", e.prefix, i)
+		prefix := fmt.Sprintf("%sb%d_", e.Prefix, i)
 		dbs := make([]string, c.dbs)
 		for k := range dbs {
 			dbs[k] = fmt.Sprintf("%s%03d", prefix, k)
-			e.couch.CreateDB(b, dbs[k])
+			e.Couch.CreateDB(b, dbs[k])
 		}
 		baseDB := "x" + prefix + "base" // not matched by the rule
-		e.couch.CreateDB(b, baseDB)
+		e.Couch.CreateDB(b, baseDB)
 		rev := e.putRule(b, fmt.Sprintf("bench%d", i), map[string]any{"db_name": "^" + regexp.QuoteMeta(prefix), "url": sink.URL + "/hook",
 			"method": "POST", "block": c.block, "params": map[string]any{"change": "$change"}})
 		waitRule(b, fmt.Sprintf("bench%d", i), rev, app)

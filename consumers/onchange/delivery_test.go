@@ -12,10 +12,10 @@ import (
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
+	"github.com/prometheus/client_golang/prometheus/testutil"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
-	"github.com/spiegel-nats/spiegel/pkg/checkpoint"
 	"github.com/spiegel-nats/spiegel/pkg/config"
 	"github.com/spiegel-nats/spiegel/pkg/couchtest"
 )
@@ -26,9 +26,9 @@ func TestAtLeastOnce(t *testing.T) {
 	e := newEnv(t, 60*time.Second)
 	e.cfg.BatchSize = 1 // a checkpoint per change, so "never past b while b fails" is observable
 	app := e.start(t)
-	db := e.couch.NewDB(t, e.prefix)
+	db := e.Couch.NewDB(t, e.Prefix)
 	for _, id := range []string{"a", "b", "c"} {
-		e.couch.Put(t, db, id, map[string]any{})
+		e.Couch.Put(t, db, id, map[string]any{})
 	}
 	var mu sync.Mutex
 	var cpAtB []string
@@ -69,7 +69,7 @@ func TestAtLeastOnce(t *testing.T) {
 	}
 	mu.Unlock()
 	require.Eventually(t, func() bool { return e.caughtUp(t, "r", db) }, 10*time.Second, 20*time.Millisecond, "the checkpoint reaches the end")
-	assert.Empty(t, e.deadLetters(t))
+	assert.Empty(t, e.DeadLetters(t))
 }
 
 // TestRetryLimitDeadLetter: a change failing past its limit gets exactly limit+1 attempts and
@@ -77,7 +77,7 @@ func TestAtLeastOnce(t *testing.T) {
 func TestRetryLimitDeadLetter(t *testing.T) {
 	e := newEnv(t, 60*time.Second)
 	app := e.start(t)
-	db := e.couch.NewDB(t, e.prefix)
+	db := e.Couch.NewDB(t, e.Prefix)
 	s := newSink(t, func(h hit, _ int) (int, time.Duration) {
 		if h.param("id") == "bad" {
 			return 500, 0
@@ -87,7 +87,7 @@ func TestRetryLimitDeadLetter(t *testing.T) {
 	e.ruleIn(t, app, "r", db, map[string]any{"url": s.URL + "/x", "method": "PUT", "block": true, "params": map[string]any{"id": "$change.id", "seq": "$seq"},
 		"retry": map[string]any{"backoff": "exponential", "delay_ms": 10, "multiplier": 2, "limit": 2}})
 	for _, id := range []string{"ok1", "bad", "ok2"} {
-		e.couch.Put(t, db, id, map[string]any{})
+		e.Couch.Put(t, db, id, map[string]any{})
 	}
 	e.enqueue(t, db)
 	hs := s.waitHits(t, 20*time.Second, func(hs []hit) bool { return len(hs) >= 5 }, "not every change tried")
@@ -97,7 +97,7 @@ func TestRetryLimitDeadLetter(t *testing.T) {
 	first := slices.Index(got, "bad")
 	assert.Equal(t, []string{"bad", "bad", "bad"}, got[first:first+3])
 	requireFeedOrder(t, seqParams(hs), "delivery in feed order")
-	dls := e.deadLetters(t)
+	dls := e.DeadLetters(t)
 	require.Len(t, dls, 1)
 	d := dls[0]
 	assert.Equal(t, "r", d.Rule)
@@ -120,21 +120,21 @@ func TestPasswordsNeverLogged(t *testing.T) {
 	require.NoError(t, os.WriteFile(file, []byte(fmt.Sprintf(`{"127.0.0.1": {"hook": %q}}`, secret)), 0o600))
 	e.cfg.PasswordsFile = file
 	app := e.start(t)
-	db := e.couch.NewDB(t, e.prefix)
+	db := e.Couch.NewDB(t, e.Prefix)
 	e.ruleIn(t, app, "pw", db, map[string]any{"url": "http://hook@" + u.Host + "/x/${db_name}", "method": "POST",
 		"retry": map[string]any{"delay_ms": 5, "limit": 1}})
 	e.ruleIn(t, app, "down", db, map[string]any{"url": "http://hook@127.0.0.1:1/closed", "retry": map[string]any{"delay_ms": 5, "limit": 1}})
-	e.couch.Put(t, db, "d1", map[string]any{})
+	e.Couch.Put(t, db, "d1", map[string]any{})
 	e.enqueue(t, db)
-	require.Eventually(t, func() bool { return len(e.deadLetters(t)) == 2 }, 20*time.Second, 20*time.Millisecond)
+	require.Eventually(t, func() bool { return len(e.DeadLetters(t)) == 2 }, 20*time.Second, 20*time.Millisecond)
 	for _, h := range s.all() {
 		assert.Equal(t, secret, h.Pass, "the password reaches the webhook")
 	}
 	assert.Len(t, s.all(), 2)
-	logs := e.logs.String()
+	logs := e.Logs.String()
 	assert.Contains(t, logs, "dead letter recorded")
 	assert.NotContains(t, logs, secret)
-	for _, d := range e.deadLetters(t) {
+	for _, d := range e.DeadLetters(t) {
 		b, _ := json.Marshal(d)
 		assert.NotContains(t, string(b), secret)
 	}
@@ -148,16 +148,16 @@ func TestSubjectRule(t *testing.T) {
 	const docs, changes = 400, 520
 	e := newEnv(t, 60*time.Second)
 	var defaults config.OnChange // the concurrency settings at their defaults
-	t.Setenv("SPIEGEL_COUCHDB_URL", e.couch.URL)
+	t.Setenv("SPIEGEL_COUCHDB_URL", e.Couch.URL)
 	require.NoError(t, config.Load(&defaults))
 	e.cfg.BatchSize, e.cfg.RequestConcurrency = defaults.BatchSize, defaults.RequestConcurrency
 	app := e.start(t)
-	db := e.couch.NewDB(t, e.prefix)
+	db := e.Couch.NewDB(t, e.Prefix)
 	e.ruleIn(t, app, "pub", db, map[string]any{"subject": "spiegel.changes.${db_name}"})
 	e.ruleIn(t, app, "nostream", db, map[string]any{"subject": "nowhere.${db_name}"})
 	revs := e.writeChanges(t, db, docs, changes)
 	e.enqueue(t, db)
-	stream, err := e.js.Stream(t.Context(), "SPIEGEL_CHANGES")
+	stream, err := e.JS.Stream(t.Context(), "SPIEGEL_CHANGES")
 	require.NoError(t, err)
 	msgs := func() uint64 { info, err := stream.Info(t.Context()); require.NoError(t, err); return info.State.Msgs }
 	// The feed lists each doc once, at its latest change.
@@ -183,16 +183,16 @@ func TestSubjectRule(t *testing.T) {
 	assert.Len(t, seen, docs, "every doc once")
 	requireFeedOrder(t, seqs, "the stream holds the changes in feed order")
 
-	// Replay: delete the checkpoint and run again: the stream deduplicates every change.
-	var cp map[string]any
-	id := url.PathEscape(checkpoint.ID("pub", db))
-	require.NoError(t, e.couch.Do(t, "GET", "/"+couchtest.PathDB(e.cfg.DBName)+"/"+id, nil, &cp))
-	require.NoError(t, e.couch.Do(t, "DELETE", "/"+couchtest.PathDB(e.cfg.DBName)+"/"+id+"?rev="+cp["_rev"].(string), nil, nil))
+	// Replay: reset the checkpoint and run again: every change is published again, and the
+	// stream deduplicates every one.
+	published := func() float64 { return testutil.ToFloat64(app.Metrics.ChangesPublished) }
+	require.Equal(t, float64(docs), published())
+	e.replay(t, "pub", db)
 	e.enqueue(t, db)
-	require.Eventually(t, func() bool { return e.caughtUp(t, "pub", db) }, 20*time.Second, 20*time.Millisecond)
+	require.Eventually(t, func() bool { return published() == 2*docs && e.caughtUp(t, "pub", db) }, 20*time.Second, 20*time.Millisecond)
 	assert.EqualValues(t, docs, msgs(), "replay added no duplicates")
 
-	dls := e.deadLetters(t)
+	dls := e.DeadLetters(t)
 	require.Len(t, dls, 1, "one dead letter for the unusable rule")
 	assert.Equal(t, "nostream", dls[0].Rule)
 	assert.Contains(t, dls[0].Error, "no stream captures subject nowhere.")
@@ -225,7 +225,7 @@ func (e *env) writeChanges(t testing.TB, db string, docs, n int) map[string]stri
 			Rev   string `json:"rev"`
 			Error string `json:"error"`
 		}
-		require.NoError(t, e.couch.Do(t, "POST", "/"+couchtest.PathDB(db)+"/_bulk_docs", map[string]any{"docs": batch}, &res))
+		require.NoError(t, e.Couch.Do(t, "POST", "/"+couchtest.PathDB(db)+"/_bulk_docs", map[string]any{"docs": batch}, &res))
 		for _, r := range res {
 			require.Empty(t, r.Error, r.ID)
 			revs[r.ID] = r.Rev
@@ -239,18 +239,18 @@ func TestRuleEditedMidRun(t *testing.T) {
 	e := newEnv(t, 60*time.Second)
 	e.cfg.BatchSize = 1
 	app := e.start(t)
-	db := e.couch.NewDB(t, e.prefix)
+	db := e.Couch.NewDB(t, e.Prefix)
 	s := newSink(t, func(hit, int) (int, time.Duration) { return 200, 50 * time.Millisecond })
 	rule := map[string]any{"url": s.URL + "/v1", "block": true, "params": map[string]any{"id": "$change.id", "db": "$db_name"}}
 	e.ruleIn(t, app, "r", db, rule)
 	const n = 20
 	for i := range n {
-		e.couch.Put(t, db, fmt.Sprintf("d%02d", i), map[string]any{})
+		e.Couch.Put(t, db, fmt.Sprintf("d%02d", i), map[string]any{})
 	}
 	e.enqueue(t, db)
 	s.waitHits(t, 20*time.Second, func(hs []hit) bool { return len(hs) >= 2 }, "first requests")
 	var cur map[string]any
-	require.NoError(t, e.couch.Do(t, "GET", "/"+couchtest.PathDB(e.cfg.DBName)+"/r", nil, &cur))
+	require.NoError(t, e.Couch.Do(t, "GET", "/"+couchtest.PathDB(e.cfg.DBName)+"/r", nil, &cur))
 	rule["url"], rule["_rev"] = s.URL+"/v2", cur["_rev"]
 	e.ruleIn(t, app, "r", db, rule)
 	hs := s.waitHits(t, 30*time.Second, func(hs []hit) bool { return len(delivered(hs)[db]) == n }, "every change delivered")

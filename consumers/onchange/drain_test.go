@@ -16,6 +16,8 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+
+	"github.com/spiegel-nats/spiegel/pkg/spiegeltest"
 )
 
 // gate is a webhook whose first request is held until the test releases it (then it answers
@@ -75,7 +77,7 @@ func (e *env) startChild(t *testing.T, grace time.Duration) *child {
 	c := &child{logs: &syncBuffer{}, exited: make(chan struct{})}
 	c.cmd = exec.Command(os.Args[0])
 	c.cmd.Env = append(os.Environ(), "SPIEGEL_TEST_AS_ONCHANGE=1",
-		"SPIEGEL_COUCHDB_URL="+e.cfg.CouchDBURL, "SPIEGEL_DB_NAME="+e.cfg.DBName, "SPIEGEL_NATS_URL="+e.nats.URL(),
+		"SPIEGEL_COUCHDB_URL="+e.cfg.CouchDBURL, "SPIEGEL_DB_NAME="+e.cfg.DBName, "SPIEGEL_NATS_URL="+e.NATS.URL(),
 		"SPIEGEL_ACK_WAIT="+e.cfg.AckWait.String(), "SPIEGEL_SHUTDOWN_GRACE="+grace.String(),
 		"SPIEGEL_HTTP_ADDR=127.0.0.1:0", "SPIEGEL_LOG_LEVEL=debug")
 	c.cmd.Stdout, c.cmd.Stderr = c.logs, c.logs
@@ -85,7 +87,7 @@ func (e *env) startChild(t *testing.T, grace time.Duration) *child {
 		_ = c.cmd.Process.Kill()
 		<-c.exited
 		if t.Failed() {
-			t.Logf("child logs:\n%s", tail(c.logs.String(), 40))
+			t.Logf("child logs:\n%s", spiegeltest.Tail(c.logs.String(), 40))
 		}
 	})
 	return c
@@ -136,10 +138,10 @@ func (c *child) waitLog(t *testing.T, msg string, within time.Duration) {
 // a real onchange process holds the job (its request is at the gate).
 func drainSetup(t *testing.T, e *env, g *gate, grace time.Duration) (c *child, db string) {
 	t.Helper()
-	db = e.couch.NewDB(t, e.prefix)
+	db = e.Couch.NewDB(t, e.Prefix)
 	e.putRule(t, "hook", map[string]any{"db_name": only(db), "url": g.URL + "/hook", "block": true,
 		"params": map[string]any{"id": "$change.id"}})
-	e.couch.Put(t, db, "doc", map[string]any{"x": 1})
+	e.Couch.Put(t, db, "doc", map[string]any{"x": 1})
 	c = e.startChild(t, grace)
 	e.enqueue(t, db)
 	select {
@@ -178,7 +180,7 @@ func TestSIGTERMDrainFinishesRunningJob(t *testing.T) {
 	seq, ok := e.checkpoint(t, "hook", db)
 	assert.True(t, ok, "the checkpoint was saved before exit")
 	assert.NotEmpty(t, seq)
-	assert.Zero(t, e.pendingJobs(t), "the job was acked")
+	assert.Zero(t, e.WorkMsgs(t), "the job was acked")
 	assert.NotContains(t, c.logs.String(), "interrupted by shutdown")
 	assert.Contains(t, c.logs.String(), "worker stopped")
 }
@@ -206,7 +208,7 @@ func TestSIGTERMDrainHandsBackSlowJob(t *testing.T) {
 	assert.Empty(t, g.ids(), "the held request was never answered")
 	_, ok := e.checkpoint(t, "hook", db)
 	assert.False(t, ok, "no checkpoint past an undelivered change")
-	assert.EqualValues(t, 1, e.pendingJobs(t), "the job is still in the work queue")
+	assert.EqualValues(t, 1, e.WorkMsgs(t), "the job is still in the work queue")
 
 	handedBack := time.Now()
 	e.start(t)
@@ -214,6 +216,6 @@ func TestSIGTERMDrainHandsBackSlowJob(t *testing.T) {
 		"the second instance did not deliver the change")
 	assert.Less(t, time.Since(handedBack), ackWait, "the job came back by its nak, not by AckWait")
 	assert.Equal(t, []string{"doc"}, g.ids())
-	require.Eventually(t, func() bool { _, ok := e.checkpoint(t, "hook", db); return ok && e.pendingJobs(t) == 0 },
+	require.Eventually(t, func() bool { _, ok := e.checkpoint(t, "hook", db); return ok && e.WorkMsgs(t) == 0 },
 		10*time.Second, 20*time.Millisecond, "the second instance did not finish the job")
 }

@@ -7,7 +7,6 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptest"
-	"net/url"
 	"os"
 	"strings"
 	"sync"
@@ -15,18 +14,16 @@ import (
 	"testing"
 	"time"
 
-	"github.com/nats-io/nats.go/jetstream"
-	"github.com/sirupsen/logrus"
 	"github.com/stretchr/testify/require"
 
 	"github.com/spiegel-nats/spiegel/pkg/checkpoint"
 	"github.com/spiegel-nats/spiegel/pkg/config"
 	"github.com/spiegel-nats/spiegel/pkg/consumer"
-	"github.com/spiegel-nats/spiegel/pkg/couchtest"
+	"github.com/spiegel-nats/spiegel/pkg/couch"
 	"github.com/spiegel-nats/spiegel/pkg/events"
 	"github.com/spiegel-nats/spiegel/pkg/logtest"
 	"github.com/spiegel-nats/spiegel/pkg/natsjs"
-	"github.com/spiegel-nats/spiegel/pkg/natstest"
+	"github.com/spiegel-nats/spiegel/pkg/spiegeltest"
 	"github.com/spiegel-nats/spiegel/pkg/worker"
 )
 
@@ -40,15 +37,10 @@ func TestMain(m *testing.M) {
 	os.Exit(m.Run())
 }
 
-// env is one isolated installation: its own NATS server, spiegel db and db-name prefix on the
-// shared test CouchDB.
+// env is one isolated installation (spiegeltest) with an onchange configuration.
 type env struct {
-	couch  *couchtest.Server
-	nats   *natstest.Server
-	js     jetstream.JetStream
-	cfg    config.OnChange
-	prefix string
-	logs   *syncBuffer
+	*spiegeltest.Env
+	cfg config.OnChange
 }
 
 // syncBuffer captures logs while they are written.
@@ -56,46 +48,15 @@ type syncBuffer = logtest.Buffer
 
 func newEnv(t testing.TB, ackWait time.Duration) *env {
 	t.Helper()
-	cs := couchtest.Get(t)
-	ns := natstest.Start(t)
-	_, js := ns.Connect(t)
-	topo := natsjs.DefaultTopology("")
-	topo.AckWait = ackWait
-	require.NoError(t, natsjs.Ensure(t.Context(), js, topo))
-	e := &env{couch: cs, nats: ns, js: js, logs: &syncBuffer{}}
-	e.prefix = couchtest.UniqueName(t, "oc") + "_"
-	cs.CreateDB(t, e.prefix+"spiegel")
+	e := &env{Env: spiegeltest.New(t, spiegeltest.Options{Name: "oc", AckWait: ackWait, Install: true})}
 	e.cfg = config.OnChange{
 		Consumer: config.Consumer{
-			CouchDB:     config.CouchDB{CouchDBURL: cs.URL, DBName: e.prefix + "spiegel", CouchDBTimeout: 30 * time.Second},
-			NATS:        config.NATS{NATSURL: ns.URL(), SubjectPrefix: "spiegel", StreamReplicas: 1, AckWait: ackWait},
-			Log:         config.Log{LogLevel: "debug", LogFormat: "json"},
+			CouchDB: e.CouchDBConfig(), NATS: e.NATSConfig(ackWait), Log: e.LogConfig(),
 			Concurrency: 8, ShutdownGrace: 5 * time.Second, RetryInitial: 100 * time.Millisecond, RetryMax: time.Second,
 		},
 		BatchSize: 100, RequestConcurrency: 10, WebhookTimeout: 5 * time.Second,
 	}
-	t.Cleanup(func() {
-		if t.Failed() {
-			t.Logf("onchange logs:\n%s", tail(e.logs.String(), 80))
-		}
-	})
 	return e
-}
-
-func tail(s string, n int) string {
-	lines := strings.Split(s, "\n")
-	if len(lines) > n {
-		lines = lines[len(lines)-n:]
-	}
-	return strings.Join(lines, "\n")
-}
-
-func (e *env) logger() *logrus.Logger {
-	l := logrus.New()
-	l.SetOutput(e.logs)
-	l.SetLevel(logrus.DebugLevel)
-	l.SetFormatter(&logrus.JSONFormatter{})
-	return l
 }
 
 // start runs an onchange consumer in-process until the test ends; it returns its app, to wait
@@ -104,10 +65,10 @@ func (e *env) start(t testing.TB) *consumer.App {
 	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	cfg := e.cfg
-	app, err := consumer.Open(ctx, &cfg.Consumer, events.GroupOnChange, e.logger())
+	app, err := consumer.Open(ctx, &cfg.Consumer, events.GroupOnChange, e.Logger())
 	require.NoError(t, err)
 	done := make(chan error, 1)
-	go func() { done <- app.Run(ctx, cfg.HTTPAddr, newHandler(app, &cfg).handle) }()
+	go func() { done <- app.Run(ctx, cfg.HTTPAddr, newHandler(app.Deps, &cfg).handle) }()
 	t.Cleanup(func() {
 		cancel()
 		select {
@@ -124,7 +85,7 @@ func (e *env) start(t testing.TB) *consumer.App {
 func (e *env) putRule(t testing.TB, id string, doc map[string]any) string {
 	t.Helper()
 	doc["type"] = "on_change"
-	return e.couch.Put(t, e.cfg.DBName, id, doc)
+	return e.Couch.Put(t, e.cfg.DBName, id, doc)
 }
 
 // waitRule waits until every app has loaded rev of rule id.
@@ -142,46 +103,34 @@ func waitRule(t testing.TB, id, rev string, apps ...*consumer.App) {
 }
 
 // enqueue publishes an onchange job for db, as the producer would (deduplicated while pending).
-func (e *env) enqueue(t testing.TB, db string) {
-	t.Helper()
-	_, err := natsjs.NewJobs(e.js, events.NewSubjects("")).Publish(t.Context(), events.GroupOnChange, events.Job{DB: db})
-	require.NoError(t, err)
-}
+func (e *env) enqueue(t testing.TB, db string) { e.Enqueue(t, events.GroupOnChange, db) }
 
-// checkpoint returns the rule's checkpoint in db ("" and false when there is none).
+// checkpoint returns the rule's checkpoint in db ("" and false when there is none) as a job
+// reads it: from the cache, else from the _local doc (which may trail the cache, see
+// checkpoint.OnChangeStore.LocalEvery).
 func (e *env) checkpoint(t testing.TB, rule, db string) (string, bool) {
-	var doc checkpoint.OnChange
-	err := e.couch.Do(t, "GET", "/"+couchtest.PathDB(e.cfg.DBName)+"/"+url.PathEscape(checkpoint.ID(rule, db)), nil, &doc)
+	t.Helper()
+	p, err := e.onChangeStore(t).Load(t.Context(), rule, db)
 	if err != nil {
 		return "", false
 	}
-	return doc.LastSeq, true
+	return p.LastSeq, p.Found
 }
 
-// deadLetters returns the records of the dead-letter stream.
-func (e *env) deadLetters(t *testing.T) []worker.DeadLetter {
+// onChangeStore returns a checkpoint store over the env's server and cache.
+func (e *env) onChangeStore(t testing.TB) *checkpoint.OnChangeStore {
 	t.Helper()
-	return readStream[worker.DeadLetter](t, e.js, "SPIEGEL_DEADLETTER")
+	c, err := couch.New(couch.Config{URL: e.Couch.URL}, nil)
+	require.NoError(t, err)
+	kv, err := natsjs.OnChangeBucket(t.Context(), e.JS, natsjs.DefaultTopology(""))
+	require.NoError(t, err)
+	return checkpoint.NewOnChangeStore(c, kv)
 }
 
-// readStream reads every message of stream, decoded as T.
-func readStream[T any](t *testing.T, js jetstream.JetStream, stream string) []T {
+// replay resets rule's checkpoint in db to the beginning, as `producer replay` does.
+func (e *env) replay(t testing.TB, rule, db string) {
 	t.Helper()
-	s, err := js.Stream(t.Context(), stream)
-	require.NoError(t, err)
-	info, err := s.Info(t.Context())
-	require.NoError(t, err)
-	var out []T
-	for seq := info.State.FirstSeq; seq <= info.State.LastSeq && info.State.Msgs > 0; seq++ {
-		m, err := s.GetMsg(t.Context(), seq)
-		if err != nil {
-			continue
-		}
-		var v T
-		require.NoError(t, json.Unmarshal(m.Data, &v))
-		out = append(out, v)
-	}
-	return out
+	require.NoError(t, e.onChangeStore(t).Reset(t.Context(), rule, db, ""))
 }
 
 // hit is one request the sink received.
@@ -270,19 +219,10 @@ func (h hit) param(name string) string {
 // deadLettersOf returns the dead-letter records of db.
 func (e *env) deadLettersOf(t *testing.T, db string) []worker.DeadLetter {
 	var out []worker.DeadLetter
-	for _, d := range e.deadLetters(t) {
+	for _, d := range e.DeadLetters(t) {
 		if d.DB == db {
 			out = append(out, d)
 		}
 	}
 	return out
-}
-
-// pendingJobs returns the number of messages in the work stream.
-func (e *env) pendingJobs(t *testing.T) uint64 {
-	s, err := e.js.Stream(t.Context(), "SPIEGEL_WORK")
-	require.NoError(t, err)
-	info, err := s.Info(t.Context())
-	require.NoError(t, err)
-	return info.State.Msgs
 }

@@ -48,7 +48,7 @@ func (e *env) changesSince(t testing.TB, db, since string) []string {
 			ID string `json:"id"`
 		} `json:"results"`
 	}
-	require.NoError(t, e.couch.Do(t, "GET", path, nil, &body))
+	require.NoError(t, e.Couch.Do(t, "GET", path, nil, &body))
 	out := make([]string, 0, len(body.Results))
 	for _, r := range body.Results {
 		out = append(out, r.ID)

@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"strconv"
 	"sync"
 	"time"
 
@@ -45,7 +44,7 @@ type deadLetterer interface {
 // use by many jobs; the runner guarantees one job per db at a time.
 type handler struct {
 	couch     *couch.Client
-	store     *checkpoint.Store
+	store     *checkpoint.OnChangeStore
 	rules     ruleSource
 	hooks     *webhook.Client
 	publisher *changePublisher
@@ -61,9 +60,9 @@ type handler struct {
 }
 
 // newHandler wires a handler from an opened consumer app and the binary's config.
-func newHandler(app *consumer.App, cfg *config.OnChange) *handler {
+func newHandler(app consumer.Deps, cfg *config.OnChange) *handler {
 	return &handler{
-		couch: app.Couch, store: app.Store, rules: app.Rules, dead: app.DeadLetters, metrics: app.Metrics,
+		couch: app.Couch, store: app.Checkpoints, rules: app.Rules, dead: app.DeadLetters, metrics: app.Metrics,
 		log: app.Log.WithField("component", "onchange"),
 		hooks: webhook.New(webhook.Config{
 			Timeout: cfg.WebhookTimeout, AllowedHosts: cfg.AllowedHosts, Passwords: app.Passwords,
@@ -96,15 +95,6 @@ type ruleResult struct {
 //     maxDefer, so the other rules are not held back long);
 //   - a transient error when CouchDB, the checkpoint store or the dead-letter stream failed.
 func (h *handler) handle(ctx context.Context, job *worker.Job) error {
-	log := h.log.WithField("db", job.DB)
-	info, err := h.couch.DBInfo(ctx, job.DB)
-	if errors.Is(err, couch.ErrNotFound) {
-		log.Warn("db does not exist: job dropped (it is enqueued again when the db is recreated)")
-		return nil
-	}
-	if err != nil {
-		return err
-	}
 	rs := h.rules.OnChanges(job.DB)
 	if len(rs) == 0 {
 		return nil
@@ -112,7 +102,7 @@ func (h *handler) handle(ctx context.Context, job *worker.Job) error {
 	results := make([]ruleResult, len(rs))
 	var wg sync.WaitGroup
 	for i, r := range rs {
-		wg.Go(func() { results[i] = h.runRule(ctx, job.DB, info, r) })
+		wg.Go(func() { results[i] = h.runRule(ctx, job.DB, r) })
 	}
 	wg.Wait()
 
@@ -133,14 +123,6 @@ func (h *handler) handle(ctx context.Context, job *worker.Job) error {
 	if retryIn > 0 {
 		return worker.RetryAfter(min(retryIn, h.maxDefer), deferErr)
 	}
-	// Seqs are opaque, so the least of several rules' checkpoints cannot be computed. The db's
-	// update_seq read before any rule ran is at or before every rule's position: changes after
-	// it wake the db up again. With one rule its own checkpoint is exact.
-	if len(rs) == 1 && results[0].caughtUp {
-		job.Reached(results[0].seq)
-	} else {
-		job.Reached(info.UpdateSeq)
-	}
 	return nil
 }
 
@@ -154,22 +136,30 @@ func (h *handler) handle(ctx context.Context, job *worker.Job) error {
 // read, and a checkpoint is written while the next page is acted on. Only one checkpoint write
 // is in flight at a time, and runRule returns only once the last one is stored (or failed: the
 // result then names the last stored seq and the error).
-func (h *handler) runRule(ctx context.Context, db string, info couch.DBInfo, rule *rules.OnChange) ruleResult {
+func (h *handler) runRule(ctx context.Context, db string, rule *rules.OnChange) ruleResult {
 	log := h.log.WithFields(logrus.Fields{"db": db, "rule": rule.ID()})
-	since, err := h.start(ctx, db, info, rule, log)
+	cp, since, err := h.start(ctx, db, rule)
+	if errors.Is(err, couch.ErrNotFound) {
+		log.Warn("db does not exist: job dropped (it is enqueued again when the db is recreated)")
+		return ruleResult{}
+	}
 	if err != nil {
 		return ruleResult{err: err}
 	}
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel() // stops a page read ahead that is not needed
-	cps := &checkpointWriter{h: h, rule: rule.ID(), db: db, instance: info.InstanceStartTime, stored: since}
+	cps := &checkpointWriter{store: h.store, cp: cp, stored: since}
 	finish := func(r ruleResult) ruleResult {
 		if err := cps.wait(); err != nil {
-			return ruleResult{seq: cps.stored, err: errors.Join(r.err, err)}
+			r = ruleResult{err: errors.Join(r.err, err)}
+		}
+		if errors.Is(r.err, checkpoint.ErrMoved) {
+			log.Info("the checkpoint was deleted or reset meanwhile (db recreated, or replay): starting over")
 		}
 		r.seq = cps.stored
 		return r
 	}
+	verified, progressed := false, false
 	readFrom, pending := since, h.readPage(ctx, db, since)
 	for {
 		cur, ok := h.current(rule.ID(), db)
@@ -190,11 +180,27 @@ func (h *handler) runRule(ctx context.Context, db string, info couch.DBInfo, rul
 		got := <-pending
 		page, err := got.page, got.err
 		if errors.Is(err, couch.ErrNotFound) {
-			log.Warn("db deleted while its changes were read: stopped")
+			h.store.Forget(ctx, rule.ID(), db)
+			log.Warn("db does not exist: job dropped (it is enqueued again when the db is recreated)")
 			return finish(ruleResult{})
 		}
 		if err != nil {
 			return finish(ruleResult{err: fmt.Errorf("rule %s: %w", rule.ID(), err)})
+		}
+		if len(page.Results) == 0 && !progressed && !verified {
+			// Nothing after a cached checkpoint: make sure it is still the db's (a recreated db,
+			// a replay), or nothing would ever be found after it.
+			verified = true
+			if err := h.store.Verify(ctx, cps.cp); errors.Is(err, checkpoint.ErrMoved) {
+				log.Info("the checkpoint was deleted or reset meanwhile (db recreated, or replay): starting over")
+				if cps.cp, since, err = h.start(ctx, db, rule); err != nil {
+					return finish(ruleResult{err: err})
+				}
+				cps.stored = since
+				continue
+			} else if err != nil {
+				return finish(ruleResult{err: err})
+			}
 		}
 		if len(page.Results) == 0 {
 			return finish(ruleResult{caughtUp: true})
@@ -215,7 +221,7 @@ func (h *handler) runRule(ctx context.Context, db string, info couch.DBInfo, rul
 			if err := cps.save(ctx, next); err != nil {
 				return finish(ruleResult{err: err})
 			}
-			since = next
+			since, progressed = next, true
 		}
 		if b.err != nil || b.retryIn > 0 {
 			return finish(ruleResult{err: b.err, retryIn: b.retryIn, deferErr: b.deferErr})
@@ -247,9 +253,8 @@ func (h *handler) readPage(ctx context.Context, db, since string) <-chan pageRea
 // checkpointWriter writes one rule's checkpoints in a db in the background, one at a time and in
 // order.
 type checkpointWriter struct {
-	h           *handler
-	rule, db    string
-	instance    string
+	store       *checkpoint.OnChangeStore
+	cp          checkpoint.OnChangePoint
 	stored      string     // the last seq known stored
 	inFlight    chan error // the write under way (nil: none)
 	inFlightSeq string
@@ -262,14 +267,7 @@ func (w *checkpointWriter) save(ctx context.Context, seq string) error {
 	}
 	done := make(chan error, 1)
 	w.inFlight, w.inFlightSeq = done, seq
-	cp := checkpoint.OnChange{Rule: w.rule, DB: w.db, LastSeq: seq, DBInstance: w.instance}
-	go func() {
-		if err := w.h.store.SaveOnChange(ctx, cp); err != nil {
-			done <- fmt.Errorf("save checkpoint of rule %s in %s: %w", w.rule, w.db, err)
-			return
-		}
-		done <- nil
-	}()
+	go func() { done <- w.store.Save(ctx, &w.cp, seq) }()
 	return nil
 }
 
@@ -286,43 +284,23 @@ func (w *checkpointWriter) wait() error {
 	return err
 }
 
-// start returns the seq rule starts after in db: its checkpoint; the beginning when the
-// checkpoint belongs to an earlier db of the same name (deleted and recreated); without a
-// checkpoint, per the rule's since: the beginning, or the db's current update_seq, saved at
-// once so that "now" keeps meaning the moment the rule first saw the db.
-func (h *handler) start(ctx context.Context, db string, info couch.DBInfo, rule *rules.OnChange, log logrus.FieldLogger) (string, error) {
-	cp, err := h.store.OnChange(ctx, rule.ID(), db)
-	switch {
-	case err == nil:
-		if recreated(cp, info) {
-			log.Info("db was recreated after the checkpoint was taken: starting from its beginning")
-			return "", nil
-		}
-		return cp.LastSeq, nil
-	case !errors.Is(err, checkpoint.ErrNotFound):
-		return "", fmt.Errorf("read checkpoint of rule %s in %s: %w", rule.ID(), db, err)
-	case rule.Since != rules.SinceNow:
-		return "", nil
+// start returns rule's checkpoint in db and the seq the rule starts after: the checkpoint;
+// without one, per the rule's since: the beginning, or the db's current end, saved at once so
+// that "now" keeps meaning the moment the rule first saw the db. A missing db is an error
+// matching couch.ErrNotFound.
+func (h *handler) start(ctx context.Context, db string, rule *rules.OnChange) (checkpoint.OnChangePoint, string, error) {
+	cp, err := h.store.Load(ctx, rule.ID(), db)
+	if err != nil || cp.Found || rule.Since != rules.SinceNow {
+		return cp, cp.LastSeq, err
 	}
-	cp = checkpoint.OnChange{Rule: rule.ID(), DB: db, LastSeq: info.UpdateSeq, DBInstance: info.InstanceStartTime}
-	if err := h.store.SaveOnChange(ctx, cp); err != nil {
-		return "", fmt.Errorf("save first checkpoint of rule %s in %s: %w", rule.ID(), db, err)
+	page, err := h.couch.Changes(ctx, db, couch.ChangesOptions{Since: couch.SinceNow, Limit: 1})
+	if err != nil {
+		return cp, "", err
 	}
-	return info.UpdateSeq, nil
-}
-
-// recreated reports whether the checkpoint cp was taken in an earlier db of the same name.
-// CouchDB gives every db its creation time as instance_start_time, so a different one means a
-// new db. PouchDB Server answers its own start time for every db: there, a db whose integer
-// update_seq is below the checkpoint's integer seq must be a new one (seqs never go back). Seqs
-// are compared only when both are plain integers; CouchDB's opaque seqs never are.
-func recreated(cp checkpoint.OnChange, info couch.DBInfo) bool {
-	if cp.DBInstance != "" && info.InstanceStartTime != "" && cp.DBInstance != info.InstanceStartTime {
-		return true
+	if err := h.store.Save(ctx, &cp, page.LastSeq); err != nil {
+		return cp, "", err
 	}
-	old, err1 := strconv.ParseUint(cp.LastSeq, 10, 64)
-	cur, err2 := strconv.ParseUint(info.UpdateSeq, 10, 64)
-	return err1 == nil && err2 == nil && cur < old
+	return cp, cp.LastSeq, nil
 }
 
 // current returns the live version of rule id if it is still enabled and matches db.

@@ -36,5 +36,5 @@ func run(ctx context.Context, cfg *config.OnChange, log logrus.FieldLogger) erro
 	if err != nil {
 		return err
 	}
-	return app.Run(ctx, cfg.HTTPAddr, newHandler(app, cfg).handle)
+	return app.Run(ctx, cfg.HTTPAddr, newHandler(app.Deps, cfg).handle)
 }

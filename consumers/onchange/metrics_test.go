@@ -28,9 +28,9 @@ func TestMetricsCountKnownWorkload(t *testing.T) {
 	var dbs []string
 	changes := 0
 	for _, n := range docsPerDB {
-		db := e.couch.NewDB(t, e.prefix+"mx_")
+		db := e.Couch.NewDB(t, e.Prefix+"mx_")
 		for i := range n {
-			e.couch.Put(t, db, fmt.Sprintf("d%03d", i), map[string]any{"i": i})
+			e.Couch.Put(t, db, fmt.Sprintf("d%03d", i), map[string]any{"i": i})
 		}
 		dbs = append(dbs, db)
 		changes += n
@@ -42,7 +42,7 @@ func TestMetricsCountKnownWorkload(t *testing.T) {
 		}
 		return 200, 0
 	})
-	rev := e.putRule(t, "hook", map[string]any{"db_name": "^" + regexp.QuoteMeta(e.prefix+"mx_"), "url": s.URL + "/hook", "block": true,
+	rev := e.putRule(t, "hook", map[string]any{"db_name": "^" + regexp.QuoteMeta(e.Prefix+"mx_"), "url": s.URL + "/hook", "block": true,
 		"params": map[string]any{"id": "$change.id", "db": "$db_name"}, "retry": map[string]any{"backoff": "linear", "delay_ms": 10, "limit": 3}})
 	waitRule(t, "hook", rev, app)
 

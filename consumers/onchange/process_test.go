@@ -13,6 +13,8 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+
+	"github.com/spiegel-nats/spiegel/pkg/spiegeltest"
 )
 
 // delivered returns, per db param, the set of ids the sink answered with 2xx.
@@ -33,12 +35,12 @@ func delivered(hs []hit) map[string]map[string]int {
 func TestLostWakeup(t *testing.T) {
 	e := newEnv(t, 60*time.Second)
 	app := e.start(t)
-	db := e.couch.NewDB(t, e.prefix)
+	db := e.Couch.NewDB(t, e.Prefix)
 	s := newSink(t, func(hit, int) (int, time.Duration) { return 200, 40 * time.Millisecond })
 	e.ruleIn(t, app, "r", db, map[string]any{"url": s.URL + "/x", "block": true, "params": map[string]any{"id": "$change.id", "db": "$db_name"}})
 	const n = 60
 	for i := range n {
-		e.couch.Put(t, db, fmt.Sprintf("d%03d", i), map[string]any{})
+		e.Couch.Put(t, db, fmt.Sprintf("d%03d", i), map[string]any{})
 		e.enqueue(t, db) // as the producer does; mostly refused while the job is pending
 		time.Sleep(10 * time.Millisecond)
 	}
@@ -54,9 +56,9 @@ func TestTwoRunnersManyDBs(t *testing.T) {
 	const dbs, rounds = 30, 3
 	var names []string
 	for range dbs {
-		names = append(names, e.couch.NewDB(t, e.prefix+"m_"))
+		names = append(names, e.Couch.NewDB(t, e.Prefix+"m_"))
 	}
-	rev := e.putRule(t, "r", map[string]any{"db_name": "^" + regexp.QuoteMeta(e.prefix+"m_"), "url": s.URL + "/x", "block": true,
+	rev := e.putRule(t, "r", map[string]any{"db_name": "^" + regexp.QuoteMeta(e.Prefix+"m_"), "url": s.URL + "/x", "block": true,
 		"params": map[string]any{"id": "$change.id", "db": "$db_name"}})
 	waitRule(t, "r", rev, a, b)
 	var wg sync.WaitGroup
@@ -64,7 +66,7 @@ func TestTwoRunnersManyDBs(t *testing.T) {
 		wg.Go(func() {
 			for r := range rounds {
 				for k := range 2 {
-					e.couch.Put(t, db, fmt.Sprintf("r%d_%d", r, k), map[string]any{})
+					e.Couch.Put(t, db, fmt.Sprintf("r%d_%d", r, k), map[string]any{})
 					e.enqueue(t, db)
 				}
 				time.Sleep(20 * time.Millisecond)
@@ -101,17 +103,17 @@ func TestTwoRunnersManyDBs(t *testing.T) {
 func TestSIGKILLMidBatch(t *testing.T) {
 	const ackWait = 3 * time.Second
 	e := newEnv(t, ackWait)
-	db := e.couch.NewDB(t, e.prefix)
+	db := e.Couch.NewDB(t, e.Prefix)
 	s := newSink(t, func(hit, int) (int, time.Duration) { return 200, 50 * time.Millisecond })
 	e.putRule(t, "r", map[string]any{"db_name": only(db), "url": s.URL + "/x", "block": true, "params": map[string]any{"id": "$change.id", "db": "$db_name"}})
 	const n = 40
 	for i := range n {
-		e.couch.Put(t, db, fmt.Sprintf("d%03d", i), map[string]any{})
+		e.Couch.Put(t, db, fmt.Sprintf("d%03d", i), map[string]any{})
 	}
 
 	child := exec.Command(os.Args[0])
 	child.Env = append(os.Environ(), "SPIEGEL_TEST_AS_ONCHANGE=1",
-		"SPIEGEL_COUCHDB_URL="+e.cfg.CouchDBURL, "SPIEGEL_DB_NAME="+e.cfg.DBName, "SPIEGEL_NATS_URL="+e.nats.URL(),
+		"SPIEGEL_COUCHDB_URL="+e.cfg.CouchDBURL, "SPIEGEL_DB_NAME="+e.cfg.DBName, "SPIEGEL_NATS_URL="+e.NATS.URL(),
 		"SPIEGEL_ACK_WAIT="+ackWait.String(), "SPIEGEL_HTTP_ADDR=127.0.0.1:0", "SPIEGEL_CHANGES_BATCH=5", "SPIEGEL_LOG_LEVEL=debug")
 	var childLog syncBuffer
 	child.Stdout, child.Stderr = &childLog, &childLog
@@ -119,7 +121,7 @@ func TestSIGKILLMidBatch(t *testing.T) {
 	t.Cleanup(func() {
 		_ = child.Process.Kill()
 		if t.Failed() {
-			t.Logf("child logs:\n%s", tail(childLog.String(), 40))
+			t.Logf("child logs:\n%s", spiegeltest.Tail(childLog.String(), 40))
 		}
 	})
 	e.enqueue(t, db)

@@ -46,23 +46,23 @@ func BenchmarkReplicationLatency(b *testing.B) {
 func benchLatency(b *testing.B, engine string) {
 	dbs, rate, secs := envInt("SPIEGEL_BENCH_DBS", 100), envInt("SPIEGEL_BENCH_RATE", 20), envInt("SPIEGEL_BENCH_SECONDS", 20)
 	e := newEnv(b, 30*time.Second)
-	target := e.prefix + "all"
-	e.couch.CreateDB(b, target)
+	target := e.Prefix + "all"
+	e.Couch.CreateDB(b, target)
 	names := make([]string, dbs)
 	for i := range names {
-		names[i] = fmt.Sprintf("%sb_%05d", e.prefix, i)
-		e.couch.CreateDB(b, names[i])
+		names[i] = fmt.Sprintf("%sb_%05d", e.Prefix, i)
+		e.Couch.CreateDB(b, names[i])
 	}
-	e.couch.Put(b, e.cfg.DBName, "bench", map[string]any{"type": "replicator", "db_name": "^" + e.prefix + `b_\d+$`, "source": "$db_name", "target": target})
+	e.Couch.Put(b, e.cfg.DBName, "bench", map[string]any{"type": "replicator", "db_name": "^" + e.Prefix + `b_\d+$`, "source": "$db_name", "target": target})
 	metricsAddr := freeAddr(b)
 	replLogs, level := &syncBuffer{}, "warn"
 	if os.Getenv("SPIEGEL_BENCH_LOG") != "" {
 		level = "info"
 	}
-	repl := e.startProcess(b, e.couch.URL, replLogs, "SPIEGEL_HTTP_ADDR="+metricsAddr, "SPIEGEL_LOG_LEVEL="+level,
+	repl := e.startProcess(b, e.Couch.URL, replLogs, "SPIEGEL_HTTP_ADDR="+metricsAddr, "SPIEGEL_LOG_LEVEL="+level,
 		"SPIEGEL_CONCURRENCY=20", "SPIEGEL_REPLICATION_ENGINE="+engine)
 	prod := e.startProducer(b)
-	serverPort := portOf(b, e.couch.URL)
+	serverPort := portOf(b, e.Couch.URL)
 	pids := []int{repl.Process.Pid, prod.Process.Pid}
 
 	// Settle: the new rule's first replication of every db.
@@ -82,9 +82,9 @@ func benchLatency(b *testing.B, engine string) {
 	for i := 0; i < rate*secs; i++ {
 		<-tick.C
 		db := active[i%len(active)]
-		id := fmt.Sprintf("%s_w%06d", db[len(e.prefix):], i)
+		id := fmt.Sprintf("%s_w%06d", db[len(e.Prefix):], i)
 		written[id] = time.Now()
-		e.couch.Put(b, db, id, map[string]any{"i": i})
+		e.Couch.Put(b, db, id, map[string]any{"i": i})
 	}
 	tick.Stop()
 	require.Eventually(b, func() bool { return seen.count(written) == len(written) }, 2*time.Minute, 100*time.Millisecond)
@@ -178,7 +178,7 @@ func (v *visibility) follow(t testing.TB) (stop func()) {
 			} `json:"results"`
 			LastSeq any `json:"last_seq"`
 		}
-		if v.e.couch.Do(t, http.MethodGet, "/"+escapeDBName(v.target)+"/_changes?since="+url.QueryEscape(since), nil, &page) != nil {
+		if v.e.Couch.Do(t, http.MethodGet, "/"+escapeDBName(v.target)+"/_changes?since="+url.QueryEscape(since), nil, &page) != nil {
 			return
 		}
 		now := time.Now()

@@ -1,63 +1,46 @@
 package main
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
 	"net/http"
 	"net/url"
 	"strings"
 
+	"github.com/spiegel-nats/spiegel/pkg/couch"
 	"github.com/spiegel-nats/spiegel/pkg/logging"
 )
 
-// maxAnswer bounds the bytes read of one _replicate answer.
-const maxAnswer = 4 << 20
-
-// requester builds authenticated requests to the watched server and sends them (*couch.Client).
-type requester interface {
-	NewRequest(ctx context.Context, method, path string, query url.Values, body io.Reader) (*http.Request, error)
-	HTTPClient() *http.Client
+// replicator is the watched server's _replicate (*couch.Client).
+type replicatorAPI interface {
+	Replicate(ctx context.Context, body []byte) ([]byte, error)
 }
 
 // couchEngine replicates with the watched server's own replicator: one synchronous, one-shot
 // POST /_replicate per call. CouchDB (and PouchDB Server) keeps the checkpoints, so running the
 // same replication again only costs a comparison of checkpoints when nothing changed.
 type couchEngine struct {
-	server requester
+	server replicatorAPI
 }
 
 // Replicate sends body to POST /_replicate and waits for the answer; ctx bounds the request
 // (the caller sets the per-replication timeout). body holds credentials: it is never logged,
-// and no error returned holds a password (errors go through logging.RedactText and scrub).
-// A refusal of the server is a *replicateError.
+// and no error returned holds a password (errors go through scrub). A refusal of the server is a
+// *replicateError.
 func (e couchEngine) Replicate(ctx context.Context, body map[string]any, secrets []string) (result, error) {
 	data, err := json.Marshal(body)
 	if err != nil {
 		return result{}, fmt.Errorf("encode replication request: %w", err)
 	}
-	req, err := e.server.NewRequest(ctx, http.MethodPost, "/_replicate", nil, bytes.NewReader(data))
-	if err != nil {
-		return result{}, errors.New(scrub(err.Error(), secrets))
-	}
-	resp, err := e.server.HTTPClient().Do(req)
-	if err != nil {
-		var ue *url.Error
-		if errors.As(err, &ue) {
-			err = ue.Err
-		}
-		return result{}, &transportError{msg: "POST /_replicate: " + scrub(err.Error(), secrets), err: err}
-	}
-	defer resp.Body.Close()
-	answer, err := io.ReadAll(io.LimitReader(resp.Body, maxAnswer))
-	if err != nil {
-		return result{}, &transportError{msg: "read answer of POST /_replicate: " + scrub(err.Error(), secrets), err: err}
-	}
-	if resp.StatusCode >= 300 {
-		return result{}, newReplicateError(resp.StatusCode, answer, secrets)
+	answer, err := e.server.Replicate(ctx, data)
+	var he *couch.HTTPError
+	switch {
+	case errors.As(err, &he):
+		return result{}, newReplicateError(he, secrets)
+	case err != nil:
+		return result{}, &scrubbedError{msg: scrub(err.Error(), secrets), err: err}
 	}
 	res, err := parseResult(answer)
 	if err != nil {
@@ -66,18 +49,18 @@ func (e couchEngine) Replicate(ctx context.Context, body map[string]any, secrets
 	return res, nil
 }
 
-// transportError is a request that got no answer (refused, reset, timed out). It keeps the
-// original error for errors.Is (context.DeadlineExceeded) with a scrubbed message.
-type transportError struct {
+// scrubbedError is a failure whose message is scrubbed of secrets; it keeps the original for
+// errors.Is (context.DeadlineExceeded).
+type scrubbedError struct {
 	msg string
 	err error
 }
 
-func (e *transportError) Error() string { return e.msg }
-func (e *transportError) Unwrap() error { return e.err }
+func (e *scrubbedError) Error() string { return e.msg }
+func (e *scrubbedError) Unwrap() error { return e.err }
 
-// replicateError is a refusal of POST /_replicate: its status and CouchDB's error and reason,
-// already scrubbed of passwords.
+// replicateError is a refusal of a replication: its status and CouchDB's error and reason,
+// scrubbed of passwords.
 type replicateError struct {
 	Op        string // what was refused: "" means POST /_replicate
 	Status    int
@@ -85,25 +68,8 @@ type replicateError struct {
 	Reason    string
 }
 
-func newReplicateError(status int, answer []byte, secrets []string) *replicateError {
-	e := &replicateError{Status: status}
-	var body struct {
-		Error  string `json:"error"`
-		Reason any    `json:"reason"`
-	}
-	if json.Unmarshal(answer, &body) == nil {
-		e.ErrorName = body.Error
-		if s, ok := body.Reason.(string); ok {
-			e.Reason = s
-		} else if body.Reason != nil {
-			b, _ := json.Marshal(body.Reason)
-			e.Reason = string(b)
-		}
-	} else if s := strings.TrimSpace(string(answer)); s != "" {
-		e.Reason = truncate(s, 300) // e.g. an HTML error page of a crashed PouchDB Server
-	}
-	e.ErrorName, e.Reason = scrub(e.ErrorName, secrets), scrub(e.Reason, secrets)
-	return e
+func newReplicateError(he *couch.HTTPError, secrets []string) *replicateError {
+	return &replicateError{Status: he.Status, ErrorName: scrub(he.ErrorName, secrets), Reason: scrub(he.Reason, secrets)}
 }
 
 func (e *replicateError) Error() string {
@@ -124,6 +90,11 @@ func (e *replicateError) Error() string {
 	return b.String()
 }
 
+// class is the replication failure's class (couch.Classify).
+func (e *replicateError) class() couch.Class {
+	return couch.Classify(&couch.HTTPError{Status: e.Status, ErrorName: e.ErrorName, Reason: e.Reason})
+}
+
 // failure kinds of one replication.
 type failureKind int
 
@@ -137,45 +108,27 @@ const (
 	dbNotFound
 )
 
-// networkReasons are the words with which PouchDB Server reports an endpoint it could not
-// reach, inside a 400 bad_request.
-var networkReasons = []string{"ECONNREFUSED", "ECONNRESET", "ETIMEDOUT", "EHOSTUNREACH", "ENETUNREACH",
-	"ENOTFOUND", "EAI_AGAIN", "EPIPE", "socket hang up", "network timeout", "request to "}
-
-// classify tells what a failed replication means for its retry.
+// classify tells what a failed replication means for its retry, from couch.Classify:
 //
-//   - 401/403, or CouchDB's unauthorized, forbidden, replication_auth_error (a 500 on 3.x):
-//     permanent: the credentials of a source or target are wrong.
+//   - Auth (401/403, or CouchDB's unauthorized, forbidden, replication_auth_error — a 500 on
+//     3.x) and Permanent (a bad parameter, a bad URL, 405, 409, 412, 413, 415): permanent.
 //   - db_not_found (CouchDB answers 500 for a missing source or target, or an endpoint that
-//     answered an unexpected status): dbNotFound.
-//   - 400: permanent (a bad parameter, a bad URL), unless the reason says an endpoint could
-//     not be reached (PouchDB Server answers 400 "request to ... failed, reason: connect
-//     ECONNREFUSED"): transient.
-//   - 404, 405, 409, 412, 413, 415: permanent (e.g. a filter that does not exist).
-//   - everything else (5xx, 429, no answer, timeout): transient.
+//     answered an unexpected status): dbNotFound. Another not-found (a filter that does not
+//     exist): permanent.
+//   - everything else (5xx, 429, no answer, timeout, and PouchDB Server's 400 "request to ...
+//     failed, reason: connect ECONNREFUSED"): transient.
 func classify(err error) failureKind {
 	var re *replicateError
 	if !errors.As(err, &re) {
 		return transient
 	}
-	switch re.ErrorName {
-	case "unauthorized", "forbidden", "replication_auth_error":
+	switch re.class() {
+	case couch.Auth, couch.Permanent:
 		return permanent
-	case "db_not_found":
-		return dbNotFound
-	}
-	switch re.Status {
-	case http.StatusUnauthorized, http.StatusForbidden:
-		return permanent
-	case http.StatusBadRequest:
-		for _, w := range networkReasons {
-			if strings.Contains(re.Reason, w) {
-				return transient
-			}
+	case couch.NotFound:
+		if re.ErrorName == "db_not_found" {
+			return dbNotFound
 		}
-		return permanent
-	case http.StatusNotFound, http.StatusMethodNotAllowed, http.StatusConflict, http.StatusPreconditionFailed,
-		http.StatusRequestEntityTooLarge, http.StatusUnsupportedMediaType:
 		return permanent
 	}
 	return transient
@@ -186,16 +139,13 @@ func classify(err error) failureKind {
 // replication_auth_error), and 0 otherwise.
 func authStatus(err error) int {
 	var re *replicateError
-	if !errors.As(err, &re) {
+	if !errors.As(err, &re) || re.class() != couch.Auth {
 		return 0
 	}
-	switch {
-	case re.ErrorName == "forbidden" || re.Status == http.StatusForbidden:
+	if re.ErrorName == "forbidden" || re.Status == http.StatusForbidden {
 		return http.StatusForbidden
-	case re.ErrorName == "unauthorized" || re.ErrorName == "replication_auth_error" || re.Status == http.StatusUnauthorized:
-		return http.StatusUnauthorized
 	}
-	return 0
+	return http.StatusUnauthorized
 }
 
 // scrub returns s with URL passwords redacted and every secret (of at least 4 bytes, also in

@@ -10,6 +10,8 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+
+	"github.com/spiegel-nats/spiegel/pkg/spiegeltest"
 )
 
 // SIGTERM to a replicator process whose replication outlives the grace period: the process
@@ -23,11 +25,11 @@ func TestSIGTERMDrainHandsBackSlowReplication(t *testing.T) {
 		ackWait = 60 * time.Second // a job left to AckWait would not come back within this test
 	)
 	e := newEnv(t, ackWait)
-	src, tgt := e.prefix+"slow", e.prefix+"slow_copy"
-	e.couch.CreateDB(t, src)
-	e.couch.CreateDB(t, tgt)
-	bulkDocs(t, e.couch, src, 0, 50)
-	e.couch.Put(t, e.cfg.DBName, "slow", map[string]any{"type": "replicator", "source": src, "target": tgt})
+	src, tgt := e.Prefix+"slow", e.Prefix+"slow_copy"
+	e.Couch.CreateDB(t, src)
+	e.Couch.CreateDB(t, tgt)
+	bulkDocs(t, e.Couch, src, 0, 50)
+	e.Couch.Put(t, e.cfg.DBName, "slow", map[string]any{"type": "replicator", "source": src, "target": tgt})
 
 	started, proxyURL := e.stallingProxy(t)
 	logs := &syncBuffer{}
@@ -40,7 +42,7 @@ func TestSIGTERMDrainHandsBackSlowReplication(t *testing.T) {
 	t.Cleanup(func() {
 		_ = cmd.Process.Kill()
 		if t.Failed() {
-			t.Logf("replicator process logs (tail):\n%s", tail(logs.String(), 30))
+			t.Logf("replicator process logs (tail):\n%s", spiegeltest.Tail(logs.String(), 30))
 		}
 	})
 	e.publish(t, src)
@@ -68,12 +70,12 @@ func TestSIGTERMDrainHandsBackSlowReplication(t *testing.T) {
 	assert.Less(t, took, grace+5*time.Second, "the process exits soon after the grace period")
 	assert.Contains(t, logs.String(), "job interrupted by shutdown: nak'ed for a redelivery")
 	assert.NotContains(t, logs.String(), "abandoned")
-	assert.Empty(t, revs(t, e.couch, tgt), "the replication never ran")
-	assert.EqualValues(t, 1, e.workMsgs(t), "the job is still in the work queue")
+	assert.Empty(t, revs(t, e.Couch, tgt), "the replication never ran")
+	assert.EqualValues(t, 1, e.WorkMsgs(t), "the job is still in the work queue")
 
 	handedBack := time.Now()
 	p := e.startReplicator(t, nil)
-	waitConverged(t, e.couch, src, tgt, 15*time.Second)
+	waitConverged(t, e.Couch, src, tgt, 15*time.Second)
 	assert.Less(t, time.Since(handedBack), ackWait, "the job came back by its nak, not by AckWait")
 	attempts := p.attemptsOf(src)
 	require.NotEmpty(t, attempts)

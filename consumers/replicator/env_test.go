@@ -2,24 +2,20 @@ package main
 
 import (
 	"context"
+	"encoding/json"
 	"os"
-	"strings"
 	"sync"
 	"testing"
 	"time"
 
-	"github.com/nats-io/nats.go/jetstream"
-	"github.com/sirupsen/logrus"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
 	"github.com/spiegel-nats/spiegel/pkg/config"
 	"github.com/spiegel-nats/spiegel/pkg/consumer"
-	"github.com/spiegel-nats/spiegel/pkg/couchtest"
 	"github.com/spiegel-nats/spiegel/pkg/events"
 	"github.com/spiegel-nats/spiegel/pkg/logtest"
-	"github.com/spiegel-nats/spiegel/pkg/natsjs"
-	"github.com/spiegel-nats/spiegel/pkg/natstest"
+	"github.com/spiegel-nats/spiegel/pkg/spiegeltest"
 	"github.com/spiegel-nats/spiegel/pkg/worker"
 )
 
@@ -35,15 +31,10 @@ func TestMain(m *testing.M) {
 	os.Exit(code)
 }
 
-// env is one isolated installation: its own NATS server, spiegel db and db-name prefix on the
-// shared test CouchDB.
+// env is one isolated installation (spiegeltest) with a replicator configuration.
 type env struct {
-	couch  *couchtest.Server
-	nats   *natstest.Server
-	js     jetstream.JetStream
-	cfg    config.Replicator
-	prefix string
-	logs   *syncBuffer
+	*spiegeltest.Env
+	cfg config.Replicator
 }
 
 // syncBuffer captures logs while they are written.
@@ -53,37 +44,15 @@ type syncBuffer = logtest.Buffer
 // the given AckWait.
 func newEnv(t testing.TB, ackWait time.Duration) *env {
 	t.Helper()
-	cs := couchtest.Get(t)
-	ns := natstest.Start(t)
-	_, js := ns.Connect(t)
-	e := &env{couch: cs, nats: ns, js: js, logs: &syncBuffer{}, prefix: couchtest.UniqueName(t, "r") + "_"}
+	e := &env{Env: spiegeltest.New(t, spiegeltest.Options{Name: "r", AckWait: ackWait, Install: true})}
 	e.cfg = config.Replicator{
 		Consumer: config.Consumer{
-			CouchDB:     config.CouchDB{CouchDBURL: cs.URL, DBName: e.prefix + "spiegel", CouchDBTimeout: 30 * time.Second},
-			NATS:        config.NATS{NATSURL: ns.URL(), SubjectPrefix: "spiegel", StreamReplicas: 1, AckWait: ackWait},
-			Log:         config.Log{LogLevel: "debug", LogFormat: "json"},
+			CouchDB: e.CouchDBConfig(), NATS: e.NATSConfig(ackWait), Log: e.LogConfig(),
 			Concurrency: 8, ShutdownGrace: 5 * time.Second, RetryInitial: time.Second, RetryMax: time.Minute,
 		},
 		ReplicationTimeout: time.Minute, Engine: "couchdb",
 	}
-	topo := natsjs.DefaultTopology("spiegel")
-	topo.AckWait = ackWait
-	require.NoError(t, natsjs.Ensure(t.Context(), js, topo))
-	cs.CreateDB(t, e.cfg.DBName)
-	t.Cleanup(func() {
-		if t.Failed() {
-			t.Logf("replicator logs (tail):\n%s", tail(e.logs.String(), 40))
-		}
-	})
 	return e
-}
-
-func tail(s string, n int) string {
-	lines := strings.Split(strings.TrimSpace(s), "\n")
-	if len(lines) > n {
-		lines = lines[len(lines)-n:]
-	}
-	return strings.Join(lines, "\n")
 }
 
 // probe observes a replicator run in-process: handler invocations and _replicate calls per db.
@@ -176,7 +145,7 @@ func (e *env) startReplicator(t testing.TB, cfg *config.Replicator) *probe {
 	e.runApp(t, cfg, "", func(app *consumer.App) worker.Handler {
 		p = &probe{app: app}
 		p.reset()
-		h := newHandler(app, cfg)
+		h := newHandler(app.Deps, cfg)
 		for name, eng := range h.engines {
 			h.engines[name] = countingEngine{next: eng, p: p}
 		}
@@ -199,14 +168,11 @@ func (e *env) startReplicator(t testing.TB, cfg *config.Replicator) *probe {
 	return p
 }
 
-// runApp opens a replicator consumer app with cfg, logging into e.logs, and runs the handler
+// runApp opens a replicator consumer app with cfg, logging into e.Logs, and runs the handler
 // built by handler with the health listener on httpAddr ("" for none) until the test ends.
 func (e *env) runApp(t testing.TB, cfg *config.Replicator, httpAddr string, handler func(*consumer.App) worker.Handler) *consumer.App {
 	t.Helper()
-	log := logrus.New()
-	log.SetOutput(e.logs)
-	log.SetLevel(logrus.DebugLevel)
-	log.SetFormatter(&logrus.JSONFormatter{})
+	log := e.Logger()
 	ctx, cancel := context.WithCancel(context.Background())
 	app, err := consumer.Open(ctx, &cfg.Consumer, events.GroupReplicate, log.WithField("component", "replicator"))
 	require.NoError(t, err)
@@ -232,26 +198,12 @@ func (p *probe) waitRule(t testing.TB, db string) {
 }
 
 // publish enqueues a replicate job for db, as the producer would.
-func (e *env) publish(t testing.TB, db string) {
-	t.Helper()
-	_, err := natsjs.NewJobs(e.js, events.NewSubjects("spiegel")).Publish(t.Context(), events.GroupReplicate, events.Job{DB: db})
-	require.NoError(t, err)
-}
-
-// workMsgs returns the messages (pending or in flight) of the work stream.
-func (e *env) workMsgs(t testing.TB) uint64 {
-	t.Helper()
-	s, err := e.js.Stream(t.Context(), "SPIEGEL_WORK")
-	require.NoError(t, err)
-	info, err := s.Info(t.Context())
-	require.NoError(t, err)
-	return info.State.Msgs
-}
+func (e *env) publish(t testing.TB, db string) { e.Enqueue(t, events.GroupReplicate, db) }
 
 // redelivered returns how many messages of the replicate consumer were delivered more than once.
 func (e *env) redelivered(t testing.TB) int {
 	t.Helper()
-	c, err := e.js.Consumer(t.Context(), "SPIEGEL_WORK", "replicator")
+	c, err := e.JS.Consumer(t.Context(), "SPIEGEL_WORK", "replicator")
 	require.NoError(t, err)
 	info, err := c.Info(t.Context())
 	require.NoError(t, err)
@@ -263,7 +215,7 @@ func (e *env) waitQuiet(t testing.TB, p *probe, within time.Duration) {
 	t.Helper()
 	quiet := 0
 	require.Eventually(t, func() bool {
-		if e.workMsgs(t) == 0 && !p.busy() {
+		if e.WorkMsgs(t) == 0 && !p.busy() {
 			quiet++
 		} else {
 			quiet = 0
@@ -272,22 +224,12 @@ func (e *env) waitQuiet(t testing.TB, p *probe, within time.Duration) {
 	}, within, 200*time.Millisecond, "the pipeline did not go quiet")
 }
 
-// deadLetters returns the dead-letter records stored so far.
+// deadLetters returns the dead-letter records stored so far, as JSON text.
 func (e *env) deadLetters(t testing.TB) []string {
 	t.Helper()
-	c, err := e.js.OrderedConsumer(t.Context(), "SPIEGEL_DEADLETTER", jetstream.OrderedConsumerConfig{})
-	require.NoError(t, err)
 	var out []string
-	for {
-		msgs, err := c.FetchNoWait(100)
-		require.NoError(t, err)
-		n := 0
-		for m := range msgs.Messages() {
-			out = append(out, string(m.Data()))
-			n++
-		}
-		if n == 0 {
-			return out
-		}
+	for _, m := range spiegeltest.ReadStream[json.RawMessage](t, e.JS, "SPIEGEL_DEADLETTER") {
+		out = append(out, string(m))
 	}
+	return out
 }

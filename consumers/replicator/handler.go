@@ -93,18 +93,19 @@ func (h *replicator) handle(ctx context.Context, job *worker.Job) error {
 		}
 		job.Postponed = 1 // the first delivery was the delay, not a failure
 	}
-	info, err := h.dbs.DBInfo(ctx, job.DB)
-	if errors.Is(err, couch.ErrNotFound) {
-		log.Warn("source db does not exist: nothing to replicate; it is replicated again once it is recreated and written")
-		for _, r := range rs {
-			h.metrics.Replication(h.engineName(r), "missing_source", 0, 0)
+	if h.needsSourceCheck(rs) {
+		// The couchdb engine asks the server's _replicate, which on PouchDB Server silently
+		// creates a missing source: check first. The native engine tells a missing source
+		// itself, without this request.
+		_, err := h.dbs.DBInfo(ctx, job.DB)
+		if errors.Is(err, couch.ErrNotFound) {
+			h.missingSource(rs, log)
+			return nil
 		}
-		return nil
+		if err != nil {
+			return err // transient: the watched server did not answer
+		}
 	}
-	if err != nil {
-		return err // transient: the watched server did not answer
-	}
-	log = log.WithField("seq", info.UpdateSeq)
 
 	var failures []error
 	for _, r := range rs {
@@ -118,8 +119,26 @@ func (h *replicator) handle(ctx context.Context, job *worker.Job) error {
 	if len(failures) > 0 {
 		return fmt.Errorf("%d of %d replications of db %s failed: %w", len(failures), len(rs), job.DB, errors.Join(failures...))
 	}
-	job.Reached(info.UpdateSeq)
 	return nil
+}
+
+// needsSourceCheck reports whether a rule of rs runs on an engine other than native.
+func (h *replicator) needsSourceCheck(rs []*rules.Replicator) bool {
+	for _, r := range rs {
+		if h.engineName(r) != rules.EngineNative {
+			return true
+		}
+	}
+	return false
+}
+
+// missingSource records that the job's source db does not exist: one warning, no retry. The
+// db's next creation and write enqueues it again.
+func (h *replicator) missingSource(rs []*rules.Replicator, log logrus.FieldLogger) {
+	log.Warn("source db does not exist: nothing to replicate; it is replicated again once it is recreated and written")
+	for _, r := range rs {
+		h.metrics.Replication(h.engineName(r), "missing_source", 0, 0)
+	}
 }
 
 // runRule runs one rule for job.DB. It returns an error only for a transient failure; a
@@ -153,6 +172,10 @@ func (h *replicator) runRule(ctx context.Context, job *worker.Job, r *rules.Repl
 		} else {
 			l.Info("replicated")
 		}
+		return nil
+	}
+	if errors.Is(err, errSourceMissing) {
+		h.missingSource([]*rules.Replicator{r}, log)
 		return nil
 	}
 	h.metrics.Replication(engineName, "error", 0, took)

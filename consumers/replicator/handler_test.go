@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"io"
 	"net/url"
 	"sync"
@@ -60,7 +61,7 @@ func (f *fakeEngine) Replicate(ctx context.Context, body map[string]any, _ []str
 	if f.delay > 0 {
 		select {
 		case <-ctx.Done():
-			return result{}, &transportError{msg: "timeout", err: ctx.Err()}
+			return result{}, &scrubbedError{msg: "timeout", err: ctx.Err()}
 		case <-time.After(f.delay):
 		}
 	}
@@ -123,7 +124,7 @@ func TestHandlerIsolatesRuleFailures(t *testing.T) {
 		{"all succeed", nil, false, nil, 3},
 		{"one permanent: others still run, job acked", map[string]error{tgt("b"): &replicateError{Status: 401, ErrorName: "unauthorized"}}, false, []string{"rb"}, 3},
 		{"one transient: others still run, job retried", map[string]error{tgt("a"): &replicateError{Status: 503}}, true, nil, 3},
-		{"transient and permanent", map[string]error{tgt("a"): &transportError{msg: "refused", err: errors.New("refused")},
+		{"transient and permanent", map[string]error{tgt("a"): &scrubbedError{msg: "refused", err: errors.New("refused")},
 			tgt("c"): &replicateError{Status: 500, ErrorName: "replication_auth_error"}}, true, []string{"rc"}, 3},
 		{"db_not_found is retried first", map[string]error{tgt("a"): &replicateError{Status: 500, ErrorName: "db_not_found"}}, true, nil, 3},
 	}
@@ -139,10 +140,8 @@ func TestHandlerIsolatesRuleFailures(t *testing.T) {
 			if c.wantErr {
 				require.Error(t, err)
 				assert.False(t, worker.IsPermanent(err))
-				assert.Empty(t, job.ReachedSeq())
 			} else {
 				require.NoError(t, err)
-				assert.Equal(t, "42-opaque", job.ReachedSeq())
 			}
 			assert.Len(t, eng.targets(), c.wantCalls)
 			var dead []string
@@ -184,6 +183,27 @@ func TestHandlerAuthFailureRecord(t *testing.T) {
 	}
 }
 
+// TestHandlerNativeMissingSource: with only native rules the handler reads no db info; the
+// engine's missing source acks the job with a warning, without a retry or a dead letter.
+func TestHandlerNativeMissingSource(t *testing.T) {
+	t.Parallel()
+	h, eng, dl := newTestHandler(t, map[string]map[string]any{"ra": rule("a", "engine", "native")})
+	h.engines[rules.EngineNative] = eng
+	h.dbs = failingDBs{t}
+	eng.answers[tgt("a")] = fmt.Errorf("%w: source gone", errSourceMissing)
+	require.NoError(t, h.handle(t.Context(), &worker.Job{DB: "db1", Attempt: 1}))
+	assert.Empty(t, dl.recs)
+	assert.Len(t, eng.targets(), 1)
+}
+
+// failingDBs fails a test that reads db info.
+type failingDBs struct{ t *testing.T }
+
+func (f failingDBs) DBInfo(context.Context, string) (couch.DBInfo, error) {
+	f.t.Error("db info read although every rule is native")
+	return couch.DBInfo{}, errors.New("unexpected")
+}
+
 func TestHandlerDBNotFoundGivenUpAfterAttempts(t *testing.T) {
 	t.Parallel()
 	h, eng, dl := newTestHandler(t, map[string]map[string]any{"ra": rule("a")})
@@ -212,7 +232,6 @@ func TestHandlerMissingSourceAcksWithoutReplicating(t *testing.T) {
 	require.NoError(t, h.handle(t.Context(), job))
 	assert.Empty(t, eng.targets())
 	assert.Empty(t, dl.recs)
-	assert.Empty(t, job.ReachedSeq(), "a missing db needs no lost-wakeup check")
 
 	h.dbs = fakeDBs{err: &couch.HTTPError{Status: 503}}
 	require.Error(t, h.handle(t.Context(), job), "an unreadable source is transient")

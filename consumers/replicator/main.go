@@ -13,6 +13,7 @@ import (
 	"github.com/spiegel-nats/spiegel/pkg/config"
 	"github.com/spiegel-nats/spiegel/pkg/consumer"
 	"github.com/spiegel-nats/spiegel/pkg/events"
+	"github.com/spiegel-nats/spiegel/pkg/replicate"
 	"github.com/spiegel-nats/spiegel/pkg/rules"
 )
 
@@ -36,18 +37,19 @@ func run(ctx context.Context, cfg *config.Replicator, log *logrus.Logger) error 
 	if err != nil {
 		return err
 	}
-	return app.Run(ctx, cfg.HTTPAddr, newHandler(app, cfg).handle)
+	return app.Run(ctx, cfg.HTTPAddr, newHandler(app.Deps, cfg).handle)
 }
 
 // newHandler wires the handler to the app's connections: both engines share the CouchDB
 // client's transport (TLS settings, connection pool).
-func newHandler(app *consumer.App, cfg *config.Replicator) *replicator {
+func newHandler(app consumer.Deps, cfg *config.Replicator) *replicator {
 	return &replicator{
 		dbs: app.Couch, rules: app.Rules, deadLetters: app.DeadLetters, metrics: app.Metrics,
 		log: app.Log.WithField("component", "replicator"), base: app.Couch.BaseURL(), passwords: app.Passwords,
 		engines: map[string]engine{
 			rules.EngineCouchDB: couchEngine{server: app.Couch},
-			rules.EngineNative:  nativeEngine{hc: app.Couch.HTTPClient(), log: app.Log.WithField("component", "replicate"), checkpointDefer: nativeCheckpointDefer},
+			rules.EngineNative: nativeEngine{hc: app.Couch.HTTPClient(), log: app.Log.WithField("component", "replicate"),
+				checkpointDefer: nativeCheckpointDefer, checkpoints: replicate.NewCheckpointCache(nativeCheckpointCacheAge, nativeCheckpointCacheSize)},
 		},
 		defaultEngine: cfg.Engine, timeout: cfg.ReplicationTimeout,
 	}

@@ -21,7 +21,7 @@ func (e *env) startServing(t testing.TB) (addr string, app *consumer.App) {
 	t.Helper()
 	cfg := e.cfg
 	cfg.HTTPAddr = healthtest.FreeAddr(t)
-	app = e.runApp(t, &cfg, cfg.HTTPAddr, func(app *consumer.App) worker.Handler { return newHandler(app, &cfg).handle })
+	app = e.runApp(t, &cfg, cfg.HTTPAddr, func(app *consumer.App) worker.Handler { return newHandler(app.Deps, &cfg).handle })
 	return cfg.HTTPAddr, app
 }
 
@@ -38,21 +38,21 @@ func TestMetricsCountReplications(t *testing.T) {
 		docs               int
 	}
 	sources := []source{
-		{db: e.prefix + "a", engine: rules.EngineCouchDB, docs: 3},
-		{db: e.prefix + "b", engine: rules.EngineCouchDB, docs: 7},
-		{db: e.prefix + "c", engine: rules.EngineCouchDB, docs: 12},
-		{db: e.prefix + "d", engine: rules.EngineNative, docs: 5},
-		{db: e.prefix + "e", engine: rules.EngineNative, docs: 9},
+		{db: e.Prefix + "a", engine: rules.EngineCouchDB, docs: 3},
+		{db: e.Prefix + "b", engine: rules.EngineCouchDB, docs: 7},
+		{db: e.Prefix + "c", engine: rules.EngineCouchDB, docs: 12},
+		{db: e.Prefix + "d", engine: rules.EngineNative, docs: 5},
+		{db: e.Prefix + "e", engine: rules.EngineNative, docs: 9},
 	}
 	perEngine := map[string]int{}
 	totalDocs := 0
 	for i := range sources {
 		s := &sources[i]
 		s.target = s.db + "_copy"
-		e.couch.CreateDB(t, s.db)
-		e.couch.CreateDB(t, s.target)
-		bulkDocs(t, e.couch, s.db, 0, s.docs)
-		e.couch.Put(t, e.cfg.DBName, "rule_"+s.db[len(e.prefix):], map[string]any{
+		e.Couch.CreateDB(t, s.db)
+		e.Couch.CreateDB(t, s.target)
+		bulkDocs(t, e.Couch, s.db, 0, s.docs)
+		e.Couch.Put(t, e.cfg.DBName, "rule_"+s.db[len(e.Prefix):], map[string]any{
 			"type": "replicator", "source": s.db, "target": s.target, "engine": s.engine})
 		perEngine[s.engine]++
 		totalDocs += s.docs
@@ -82,7 +82,7 @@ func TestMetricsCountReplications(t *testing.T) {
 				m.Has("spiegel_jobs_in_flight", "group", rep) && m.Get("spiegel_jobs_in_flight", "group", rep) == 0
 		}, 30*time.Second, 50*time.Millisecond, "round %d: the jobs did not finish", round)
 		for _, s := range sources {
-			assert.Len(t, revs(t, e.couch, s.target), s.docs, "round %d: %s copied", round, s.db)
+			assert.Len(t, revs(t, e.Couch, s.target), s.docs, "round %d: %s copied", round, s.db)
 		}
 		return m
 	}

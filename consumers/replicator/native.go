@@ -21,6 +21,8 @@ import (
 type nativeEngine struct {
 	hc  *http.Client // shared by every run, so connections are reused
 	log logrus.FieldLogger
+	// checkpoints caches the replications' checkpoints between runs (nil: none)
+	checkpoints *replicate.CheckpointCache
 	// checkpointDefer batches the checkpoints of a burst of small runs of one replication
 	// (replicate.Options.CheckpointDefer).
 	checkpointDefer time.Duration
@@ -29,6 +31,14 @@ type nativeEngine struct {
 // nativeCheckpointDefer is the checkpoint batching window of the consumer's native runs: a db
 // written every few seconds gets a checkpoint pair at most every 10 s instead of every run.
 const nativeCheckpointDefer = 10 * time.Second
+
+// The consumer's native runs cache their replications' checkpoints for up to a minute, for up to
+// 10,000 replications: a db written every few seconds reads no checkpoint, and a side that was
+// deleted and recreated behind the cache's back is noticed within the minute.
+const (
+	nativeCheckpointCacheAge  = time.Minute
+	nativeCheckpointCacheSize = 10000
+)
 
 // nativeOp names the native engine in its errors.
 const nativeOp = "native replication"
@@ -134,6 +144,11 @@ func positiveInt(v any) (int, bool) {
 	return 0, false
 }
 
+// errSourceMissing is the native engine's answer when the source db does not exist: not a
+// failure to retry (see replicator.missingSource); its next creation and write runs the rule
+// again.
+var errSourceMissing = errors.New("the source db does not exist")
+
 // Replicate runs one native replication of body's source to its target. Errors are mapped to
 // what classify understands: a missing source or target is db_not_found, refused credentials
 // are permanent, a bad rule field is a 400; anything else (network, 5xx, timeouts) is
@@ -143,7 +158,7 @@ func (e nativeEngine) Replicate(ctx context.Context, body map[string]any, secret
 	if err != nil {
 		return result{}, err
 	}
-	opt.HTTPClient, opt.CheckpointDefer = e.hc, e.checkpointDefer
+	opt.HTTPClient, opt.CheckpointDefer, opt.Checkpoints = e.hc, e.checkpointDefer, e.checkpoints
 	res, err := replicate.Run(ctx, opt, e.log)
 	if err == nil {
 		return result{DocsWritten: res.DocsWritten, DocWriteFailures: res.DocWriteFailures,
@@ -152,10 +167,12 @@ func (e nativeEngine) Replicate(ctx context.Context, body map[string]any, secret
 	msg := scrub(err.Error(), secrets)
 	var he *couch.HTTPError
 	switch {
-	case errors.Is(err, replicate.ErrSourceNotFound), errors.Is(err, replicate.ErrTargetNotFound):
+	case errors.Is(err, replicate.ErrSourceNotFound):
+		return result{}, fmt.Errorf("%w: %s", errSourceMissing, msg)
+	case errors.Is(err, replicate.ErrTargetNotFound):
 		return result{}, &replicateError{Op: nativeOp, Status: http.StatusNotFound, ErrorName: "db_not_found", Reason: msg}
-	case errors.As(err, &he) && he.Status < 500 && he.Status != http.StatusTooManyRequests && he.Status != http.StatusRequestTimeout:
+	case errors.As(err, &he) && couch.Classify(he) != couch.Transient:
 		return result{}, &replicateError{Op: nativeOp, Status: he.Status, ErrorName: he.ErrorName, Reason: msg}
 	}
-	return result{}, &transportError{msg: msg, err: err}
+	return result{}, &scrubbedError{msg: msg, err: err}
 }

@@ -75,7 +75,7 @@ func TestNativeOptions(t *testing.T) {
 // The native engine's failures map onto the consumer's retry classes, and never show a password.
 func TestNativeEngineErrors(t *testing.T) {
 	t.Parallel()
-	cs := newEnv(t, 10*time.Second).couch
+	cs := newEnv(t, 10*time.Second).Couch
 	eng := nativeEngine{hc: &http.Client{}}
 	withAuth := func(db string) string { return strings.TrimRight(cs.URL, "/") + "/" + escapeDBName(db) }
 	src := cs.NewDB(t, "nsrc")
@@ -87,10 +87,9 @@ func TestNativeEngineErrors(t *testing.T) {
 	assert.Equal(t, dbNotFound, classify(err), "%v", err)
 	assert.Contains(t, err.Error(), "native replication: 404 db_not_found")
 
-	// A missing source: db_not_found too.
+	// A missing source: not a failure to retry (the handler acks the job with a warning).
 	_, err = eng.Replicate(t.Context(), map[string]any{"source": withAuth(src + "_gone"), "target": withAuth(src)}, nil)
-	require.Error(t, err)
-	assert.Equal(t, dbNotFound, classify(err), "%v", err)
+	require.ErrorIs(t, err, errSourceMissing)
 
 	// create_target creates it.
 	res, err := eng.Replicate(t.Context(), map[string]any{"source": withAuth(src), "target": withAuth(src + "_made"), "create_target": true}, nil)
@@ -129,32 +128,32 @@ func TestNativeEngineErrors(t *testing.T) {
 func TestNativeEngineRule(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, 10*time.Second)
-	db1, db2 := e.prefix+"n1", e.prefix+"n2"
-	e.couch.CreateDB(t, db1)
-	e.couch.CreateDB(t, db2)
+	db1, db2 := e.Prefix+"n1", e.Prefix+"n2"
+	e.Couch.CreateDB(t, db1)
+	e.Couch.CreateDB(t, db2)
 	for i := range 5 {
-		e.couch.Put(t, db1, fmt.Sprintf("old%d", i), map[string]any{"i": i})
+		e.Couch.Put(t, db1, fmt.Sprintf("old%d", i), map[string]any{"i": i})
 	}
 	p := e.startReplicator(t, nil)
-	e.couch.Put(t, e.cfg.DBName, "native", map[string]any{"type": "replicator", "source": db1, "target": db2, "engine": "native"})
+	e.Couch.Put(t, e.cfg.DBName, "native", map[string]any{"type": "replicator", "source": db1, "target": db2, "engine": "native"})
 	p.waitRule(t, db1)
 	e.publish(t, db1)
-	waitConverged(t, e.couch, db1, db2, 20*time.Second)
+	waitConverged(t, e.Couch, db1, db2, 20*time.Second)
 
-	e.couch.Put(t, db1, "new", map[string]any{"fresh": true})
+	e.Couch.Put(t, db1, "new", map[string]any{"fresh": true})
 	var doc struct {
 		Rev string `json:"_rev"`
 	}
-	require.NoError(t, e.couch.Do(t, http.MethodGet, "/"+escapeDBName(db1)+"/old0", nil, &doc))
-	require.NoError(t, e.couch.Do(t, http.MethodDelete, "/"+escapeDBName(db1)+"/old0?rev="+doc.Rev, nil, nil))
+	require.NoError(t, e.Couch.Do(t, http.MethodGet, "/"+escapeDBName(db1)+"/old0", nil, &doc))
+	require.NoError(t, e.Couch.Do(t, http.MethodDelete, "/"+escapeDBName(db1)+"/old0?rev="+doc.Rev, nil, nil))
 	e.publish(t, db1)
-	waitConverged(t, e.couch, db1, db2, 20*time.Second)
-	assert.Len(t, revs(t, e.couch, db2), 5, "old0 deleted on the target too")
+	waitConverged(t, e.Couch, db1, db2, 20*time.Second)
+	assert.Len(t, revs(t, e.Couch, db2), 5, "old0 deleted on the target too")
 
 	e.publish(t, db1)
 	require.Eventually(t, func() bool { return len(p.replications(db1)) >= 3 }, 20*time.Second, 20*time.Millisecond)
 	e.waitQuiet(t, p, 20*time.Second)
-	logs := e.logs.String()
+	logs := e.Logs.String()
 	assert.Contains(t, logs, `"engine":"native"`)
 	assert.Contains(t, logs, `"docs_written":5`)
 	assert.Contains(t, logs, `"docs_written":0`, "the third run found nothing new to write")
@@ -170,14 +169,14 @@ func TestNativeEngineByDefault(t *testing.T) {
 	cfg.Engine = "native"
 	base, pwFile := e.ruleURL(t, "")
 	cfg.PasswordsFile = writePasswords(t, pwFile)
-	users := []string{e.prefix + "u_1", e.prefix + "u_2"}
+	users := []string{e.Prefix + "u_1", e.Prefix + "u_2"}
 	for _, u := range users {
-		e.couch.CreateDB(t, u)
-		e.couch.Put(t, u, "doc", map[string]any{"owner": u})
+		e.Couch.CreateDB(t, u)
+		e.Couch.Put(t, u, "doc", map[string]any{"owner": u})
 	}
 	p := e.startReplicator(t, &cfg)
-	e.couch.Put(t, e.cfg.DBName, "pattern", map[string]any{
-		"type": "replicator", "db_name": "^" + e.prefix + "u_", "source": base + "$db_name",
+	e.Couch.Put(t, e.cfg.DBName, "pattern", map[string]any{
+		"type": "replicator", "db_name": "^" + e.Prefix + "u_", "source": base + "$db_name",
 		"target": base + "${db_name}_copy", "create_target": true,
 	})
 	p.waitRule(t, users[0])
@@ -185,8 +184,8 @@ func TestNativeEngineByDefault(t *testing.T) {
 		e.publish(t, u)
 	}
 	for _, u := range users {
-		waitConverged(t, e.couch, u, u+"_copy", 20*time.Second)
-		t.Cleanup(func() { _ = e.couch.Do(t, http.MethodDelete, "/"+escapeDBName(u+"_copy"), nil, nil) })
+		waitConverged(t, e.Couch, u, u+"_copy", 20*time.Second)
+		t.Cleanup(func() { _ = e.Couch.Do(t, http.MethodDelete, "/"+escapeDBName(u+"_copy"), nil, nil) })
 	}
-	assert.Contains(t, e.logs.String(), `"engine":"native"`)
+	assert.Contains(t, e.Logs.String(), `"engine":"native"`)
 }

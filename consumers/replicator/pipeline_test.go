@@ -20,18 +20,18 @@ import (
 func TestPatternRuleReplicatesOnlyWrittenDBs(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, 10*time.Second)
-	target := e.prefix + "all_posts"
-	e.couch.CreateDB(t, target)
+	target := e.Prefix + "all_posts"
+	e.Couch.CreateDB(t, target)
 	var users []string
 	for i := range 50 {
-		db := fmt.Sprintf("%suser_%02d", e.prefix, i)
-		e.couch.CreateDB(t, db)
+		db := fmt.Sprintf("%suser_%02d", e.Prefix, i)
+		e.Couch.CreateDB(t, db)
 		users = append(users, db)
 	}
-	marker := e.prefix + "zz_marker"
-	e.couch.CreateDB(t, marker)
-	e.couch.Put(t, e.cfg.DBName, "users", map[string]any{"type": "replicator", "db_name": "^" + e.prefix + "user_", "source": "$db_name", "target": target})
-	e.couch.Put(t, e.cfg.DBName, "marker", map[string]any{"type": "replicator", "source": marker, "target": marker + "_copy", "create_target": true})
+	marker := e.Prefix + "zz_marker"
+	e.Couch.CreateDB(t, marker)
+	e.Couch.Put(t, e.cfg.DBName, "users", map[string]any{"type": "replicator", "db_name": "^" + e.Prefix + "user_", "source": "$db_name", "target": target})
+	e.Couch.Put(t, e.cfg.DBName, "marker", map[string]any{"type": "replicator", "source": marker, "target": marker + "_copy", "create_target": true})
 	p := e.startReplicator(t, nil)
 	e.startProducer(t)
 	// The new rules enqueue every matching db once: wait for those jobs to run.
@@ -43,12 +43,12 @@ func TestPatternRuleReplicatesOnlyWrittenDBs(t *testing.T) {
 	for i := 0; i < 50; i += 5 {
 		db := users[i]
 		written[db] = true
-		e.couch.Put(t, db, db+"_post", map[string]any{"by": db})
+		e.Couch.Put(t, db, db+"_post", map[string]any{"by": db})
 	}
-	require.Eventually(t, func() bool { return len(revs(t, e.couch, target)) == 10 }, 30*time.Second, 100*time.Millisecond)
+	require.Eventually(t, func() bool { return len(revs(t, e.Couch, target)) == 10 }, 30*time.Second, 100*time.Millisecond)
 	// A write after all the others: once its job ran, a job for an idle db, whose event could
 	// only have come with or before the marker's, would have been enqueued too.
-	e.couch.Put(t, marker, "m", map[string]any{"last": true})
+	e.Couch.Put(t, marker, "m", map[string]any{"last": true})
 	require.Eventually(t, func() bool { return p.jobCount(marker) > 0 }, 30*time.Second, 50*time.Millisecond)
 	e.waitQuiet(t, p, 30*time.Second)
 	got := p.jobDBs()
@@ -58,7 +58,7 @@ func TestPatternRuleReplicatesOnlyWrittenDBs(t *testing.T) {
 	for db, n := range got {
 		assert.True(t, written[db] || db == marker, "idle db %s got %d job(s)", db, n)
 	}
-	got10 := revs(t, e.couch, target)
+	got10 := revs(t, e.Couch, target)
 	for db := range written {
 		assert.Contains(t, got10, db+"_post")
 	}
@@ -69,10 +69,10 @@ func TestPatternRuleReplicatesOnlyWrittenDBs(t *testing.T) {
 func TestBurstCollapsesReplications(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, 10*time.Second)
-	src, tgt := e.prefix+"hot", e.prefix+"hot_copy"
-	e.couch.CreateDB(t, src)
-	e.couch.CreateDB(t, tgt)
-	e.couch.Put(t, e.cfg.DBName, "hot", map[string]any{"type": "replicator", "source": src, "target": tgt})
+	src, tgt := e.Prefix+"hot", e.Prefix+"hot_copy"
+	e.Couch.CreateDB(t, src)
+	e.Couch.CreateDB(t, tgt)
+	e.Couch.Put(t, e.cfg.DBName, "hot", map[string]any{"type": "replicator", "source": src, "target": tgt})
 	p := e.startReplicator(t, nil)
 	e.startProducer(t)
 	require.Eventually(t, func() bool { return p.jobCount(src) > 0 }, 30*time.Second, 50*time.Millisecond, "the new rule's job")
@@ -80,14 +80,14 @@ func TestBurstCollapsesReplications(t *testing.T) {
 	p.reset()
 
 	writeDocs(t, e, src, 1000, 8)
-	waitConverged(t, e.couch, src, tgt, 60*time.Second)
+	waitConverged(t, e.Couch, src, tgt, 60*time.Second)
 	e.waitQuiet(t, p, 30*time.Second)
-	waitConverged(t, e.couch, src, tgt, 10*time.Second)
+	waitConverged(t, e.Couch, src, tgt, 10*time.Second)
 	n := len(p.replications(src))
 	t.Logf("1,000 writes → %d replications", n)
 	assert.GreaterOrEqual(t, n, 1)
 	assert.Less(t, n, 100)
-	assert.Len(t, revs(t, e.couch, tgt), 1000)
+	assert.Len(t, revs(t, e.Couch, tgt), 1000)
 }
 
 // dirty_after_milliseconds: 3000 turns 50 writes into exactly one replication, started after the
@@ -95,10 +95,10 @@ func TestBurstCollapsesReplications(t *testing.T) {
 func TestDirtyAfterAbsorbsBurst(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, 10*time.Second)
-	src, tgt := e.prefix+"lazy", e.prefix+"lazy_copy"
-	e.couch.CreateDB(t, src)
-	e.couch.CreateDB(t, tgt)
-	e.couch.Put(t, e.cfg.DBName, "lazy", map[string]any{"type": "replicator", "source": src, "target": tgt, "dirty_after_milliseconds": 3000})
+	src, tgt := e.Prefix+"lazy", e.Prefix+"lazy_copy"
+	e.Couch.CreateDB(t, src)
+	e.Couch.CreateDB(t, tgt)
+	e.Couch.Put(t, e.cfg.DBName, "lazy", map[string]any{"type": "replicator", "source": src, "target": tgt, "dirty_after_milliseconds": 3000})
 	p := e.startReplicator(t, nil)
 	e.startProducer(t)
 	require.Eventually(t, func() bool { return len(p.replications(src)) > 0 }, 30*time.Second, 50*time.Millisecond, "the new rule's replication")
@@ -108,7 +108,7 @@ func TestDirtyAfterAbsorbsBurst(t *testing.T) {
 	first := time.Now()
 	writeDocs(t, e, src, 50, 4)
 	last := time.Now()
-	waitConverged(t, e.couch, src, tgt, 20*time.Second)
+	waitConverged(t, e.Couch, src, tgt, 20*time.Second)
 	e.waitQuiet(t, p, 20*time.Second)
 	reps := p.replications(src)
 	require.NotEmpty(t, reps)
@@ -123,18 +123,18 @@ func TestDirtyAfterAbsorbsBurst(t *testing.T) {
 func TestDeletedSourceNoLoopThenResumes(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, 10*time.Second)
-	src, tgt := e.prefix+"gone", e.prefix+"gone_copy"
-	e.couch.CreateDB(t, src)
-	e.couch.CreateDB(t, tgt)
-	e.couch.Put(t, src, "before", map[string]any{"x": 1})
-	e.couch.Put(t, e.cfg.DBName, "gone", map[string]any{"type": "replicator", "source": src, "target": tgt})
+	src, tgt := e.Prefix+"gone", e.Prefix+"gone_copy"
+	e.Couch.CreateDB(t, src)
+	e.Couch.CreateDB(t, tgt)
+	e.Couch.Put(t, src, "before", map[string]any{"x": 1})
+	e.Couch.Put(t, e.cfg.DBName, "gone", map[string]any{"type": "replicator", "source": src, "target": tgt})
 	p := e.startReplicator(t, nil)
 	e.startProducer(t)
-	waitConverged(t, e.couch, src, tgt, 30*time.Second)
+	waitConverged(t, e.Couch, src, tgt, 30*time.Second)
 	e.waitQuiet(t, p, 30*time.Second)
 	p.reset()
 
-	require.NoError(t, e.couch.Do(t, http.MethodDelete, "/"+escapeDBName(src), nil, nil))
+	require.NoError(t, e.Couch.Do(t, http.MethodDelete, "/"+escapeDBName(src), nil, nil))
 	e.publish(t, src) // as the producer does for a deleted db, in case it did not see it
 	time.Sleep(8 * time.Second)
 	jobs := p.jobCount(src)
@@ -142,12 +142,12 @@ func TestDeletedSourceNoLoopThenResumes(t *testing.T) {
 	assert.GreaterOrEqual(t, jobs, 1)
 	assert.LessOrEqual(t, jobs, 2, "a missing source must not loop")
 	assert.Empty(t, p.replications(src), "no _replicate for a missing source (PouchDB would recreate it)")
-	assert.Equal(t, uint64(0), e.workMsgs(t))
-	assert.Contains(t, e.logs.String(), "source db does not exist")
+	assert.Equal(t, uint64(0), e.WorkMsgs(t))
+	assert.Contains(t, e.Logs.String(), "source db does not exist")
 
-	e.couch.CreateDB(t, src)
-	e.couch.Put(t, src, "after", map[string]any{"x": 2})
-	require.Eventually(t, func() bool { _, ok := revs(t, e.couch, tgt)["after"]; return ok }, 30*time.Second, 100*time.Millisecond)
+	e.Couch.CreateDB(t, src)
+	e.Couch.Put(t, src, "after", map[string]any{"x": 2})
+	require.Eventually(t, func() bool { _, ok := revs(t, e.Couch, tgt)["after"]; return ok }, 30*time.Second, 100*time.Millisecond)
 }
 
 // writeDocs writes n docs to db with `workers` parallel writers.
@@ -162,7 +162,7 @@ func writeDocs(t *testing.T, e *env, db string, n, workers int) {
 		go func() {
 			defer wg.Done()
 			for i := range ch {
-				if err := e.couch.Do(t, http.MethodPut, fmt.Sprintf("/%s/doc%05d", escapeDBName(db), i), map[string]any{"n": i}, nil); err != nil {
+				if err := e.Couch.Do(t, http.MethodPut, fmt.Sprintf("/%s/doc%05d", escapeDBName(db), i), map[string]any{"n": i}, nil); err != nil {
 					mu.Lock()
 					errs = append(errs, err.Error())
 					mu.Unlock()

@@ -14,6 +14,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/spiegel-nats/spiegel/pkg/couchtest"
+	"github.com/spiegel-nats/spiegel/pkg/spiegeltest"
 )
 
 var (
@@ -49,10 +50,11 @@ func (e *env) processEnv(couchURL string, extra ...string) []string {
 	env := append(os.Environ(),
 		"SPIEGEL_COUCHDB_URL="+couchURL,
 		"SPIEGEL_DB_NAME="+e.cfg.DBName,
-		"SPIEGEL_NATS_URL="+e.nats.URL(),
+		"SPIEGEL_NATS_URL="+e.NATS.URL(),
 		"SPIEGEL_ACK_WAIT="+e.cfg.AckWait.String(),
 		"SPIEGEL_HTTP_ADDR=127.0.0.1:0",
 		"SPIEGEL_LOG_LEVEL=debug",
+		"SPIEGEL_REPLICATION_ENGINE="+e.cfg.Engine,
 	)
 	return append(env, extra...)
 }
@@ -62,7 +64,7 @@ func (e *env) processEnv(couchURL string, extra ...string) []string {
 func (e *env) startProducer(t testing.TB) *exec.Cmd {
 	t.Helper()
 	bin := producerBinary(t)
-	env := e.processEnv(e.couch.URL, "SPIEGEL_POLL_INTERVAL=200ms", "SPIEGEL_POSITION_SAVE_INTERVAL=500ms")
+	env := e.processEnv(e.Couch.URL, "SPIEGEL_POLL_INTERVAL=200ms", "SPIEGEL_POSITION_SAVE_INTERVAL=500ms")
 	install := exec.Command(bin, "install")
 	install.Env = env
 	out, err := install.CombinedOutput()
@@ -100,7 +102,7 @@ func (e *env) stopOnCleanup(t testing.TB, cmd *exec.Cmd, name string, logs *sync
 			<-done
 		}
 		if t.Failed() {
-			t.Logf("%s logs (tail):\n%s", name, tail(logs.String(), 30))
+			t.Logf("%s logs (tail):\n%s", name, spiegeltest.Tail(logs.String(), 30))
 		}
 	})
 }

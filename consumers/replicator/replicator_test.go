@@ -26,7 +26,7 @@ import (
 // its password (rules may not hold one), and a passwords file content supplying it.
 func (e *env) ruleURL(t *testing.T, db string) (string, string) {
 	t.Helper()
-	u, err := url.Parse(e.couch.URL)
+	u, err := url.Parse(e.Couch.URL)
 	require.NoError(t, err)
 	file := "{}"
 	if u.User != nil {
@@ -49,25 +49,25 @@ func writePasswords(t *testing.T, content string) string {
 func TestExactRuleReplicatesExistingDataThenWrites(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, 10*time.Second)
-	db1, db2 := e.prefix+"db1", e.prefix+"db2"
-	e.couch.CreateDB(t, db1)
-	e.couch.CreateDB(t, db2)
+	db1, db2 := e.Prefix+"db1", e.Prefix+"db2"
+	e.Couch.CreateDB(t, db1)
+	e.Couch.CreateDB(t, db2)
 	for i := range 3 {
-		e.couch.Put(t, db1, fmt.Sprintf("old%d", i), map[string]any{"i": i})
+		e.Couch.Put(t, db1, fmt.Sprintf("old%d", i), map[string]any{"i": i})
 	}
 	p := e.startReplicator(t, nil)
-	e.couch.Put(t, e.cfg.DBName, "exact", map[string]any{"type": "replicator", "source": db1, "target": db2})
+	e.Couch.Put(t, e.cfg.DBName, "exact", map[string]any{"type": "replicator", "source": db1, "target": db2})
 	p.waitRule(t, db1)
 	e.publish(t, db1)
-	waitConverged(t, e.couch, db1, db2, 20*time.Second)
+	waitConverged(t, e.Couch, db1, db2, 20*time.Second)
 
-	e.couch.Put(t, db1, "new", map[string]any{"fresh": true})
+	e.Couch.Put(t, db1, "new", map[string]any{"fresh": true})
 	e.publish(t, db1)
-	waitConverged(t, e.couch, db1, db2, 20*time.Second)
-	assert.Len(t, revs(t, e.couch, db2), 4)
-	assert.Contains(t, e.logs.String(), `"rule":"exact"`)
+	waitConverged(t, e.Couch, db1, db2, 20*time.Second)
+	assert.Len(t, revs(t, e.Couch, db2), 4)
+	assert.Contains(t, e.Logs.String(), `"rule":"exact"`)
 	// The target holds the doc before the server answers _replicate: wait for the log line.
-	require.Eventually(t, func() bool { return strings.Contains(e.logs.String(), `"docs_written":1`) },
+	require.Eventually(t, func() bool { return strings.Contains(e.Logs.String(), `"docs_written":1`) },
 		10*time.Second, 20*time.Millisecond, "the run that wrote the new doc logs docs_written 1")
 }
 
@@ -75,24 +75,24 @@ func TestExactRuleReplicatesExistingDataThenWrites(t *testing.T) {
 func TestSpecialDBNames(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, 10*time.Second)
-	names := []string{e.prefix + "ab+c$d(e)-f_g"}
-	if !e.couch.PouchDB { // PouchDB Server cannot serve names with '/'
-		names = append(names, e.prefix+"a/b+c$d")
+	names := []string{e.Prefix + "ab+c$d(e)-f_g"}
+	if !e.Couch.PouchDB { // PouchDB Server cannot serve names with '/'
+		names = append(names, e.Prefix+"a/b+c$d")
 	}
 	var files []string
 	for i, db := range names {
-		e.couch.CreateDB(t, db)
-		e.couch.CreateDB(t, db+"_copy")
-		e.couch.Put(t, db, "doc", map[string]any{"i": i})
-		e.couch.Put(t, e.cfg.DBName, fmt.Sprintf("bare%d", i), map[string]any{
+		e.Couch.CreateDB(t, db)
+		e.Couch.CreateDB(t, db+"_copy")
+		e.Couch.Put(t, db, "doc", map[string]any{"i": i})
+		e.Couch.Put(t, e.cfg.DBName, fmt.Sprintf("bare%d", i), map[string]any{
 			"type": "replicator", "db_name": "^" + strings.NewReplacer("+", `\+`, "$", `\$`, "(", `\(`, ")", `\)`).Replace(db) + "$",
 			"source": "$db_name", "target": "${db_name}_copy",
 		})
 		src, file := e.ruleURL(t, db)
 		tgt, _ := e.ruleURL(t, db+"_url")
 		files = append(files, file)
-		e.couch.CreateDB(t, db+"_url")
-		e.couch.Put(t, e.cfg.DBName, fmt.Sprintf("url%d", i), map[string]any{"type": "replicator", "source": src, "target": tgt})
+		e.Couch.CreateDB(t, db+"_url")
+		e.Couch.Put(t, e.cfg.DBName, fmt.Sprintf("url%d", i), map[string]any{"type": "replicator", "source": src, "target": tgt})
 	}
 	cfg := e.cfg
 	cfg.PasswordsFile = writePasswords(t, files[0])
@@ -103,8 +103,8 @@ func TestSpecialDBNames(t *testing.T) {
 		e.publish(t, db)
 	}
 	for _, db := range names {
-		waitConverged(t, e.couch, db, db+"_copy", 20*time.Second)
-		waitConverged(t, e.couch, db, db+"_url", 20*time.Second)
+		waitConverged(t, e.Couch, db, db+"_copy", 20*time.Second)
+		waitConverged(t, e.Couch, db, db+"_url", 20*time.Second)
 	}
 }
 
@@ -117,7 +117,7 @@ type recorder struct {
 
 func (e *env) recordingProxy(t *testing.T) (*recorder, string) {
 	t.Helper()
-	target, err := url.Parse(e.couch.URL)
+	target, err := url.Parse(e.Couch.URL)
 	require.NoError(t, err)
 	rec := &recorder{}
 	rp := httputil.NewSingleHostReverseProxy(&url.URL{Scheme: target.Scheme, Host: target.Host, Path: target.Path})
@@ -146,33 +146,33 @@ func TestPasswordsInjectedNeverLogged(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, 10*time.Second)
 	const user, secret, wrong = "alice", "Sup3r-S3cret-Pw", "Wr0ng-S3cret-Pw"
-	userName := e.prefix + user
-	require.NoError(t, e.couch.Do(t, http.MethodPut, "/_users/org.couchdb.user:"+userName,
+	userName := e.Prefix + user
+	require.NoError(t, e.Couch.Do(t, http.MethodPut, "/_users/org.couchdb.user:"+userName,
 		map[string]any{"name": userName, "password": secret, "roles": []string{}, "type": "user"}, nil))
 	t.Cleanup(func() {
 		var doc struct {
 			Rev string `json:"_rev"`
 		}
-		if e.couch.Do(t, http.MethodGet, "/_users/org.couchdb.user:"+userName, nil, &doc) == nil {
-			_ = e.couch.Do(t, http.MethodDelete, "/_users/org.couchdb.user:"+userName+"?rev="+doc.Rev, nil, nil)
+		if e.Couch.Do(t, http.MethodGet, "/_users/org.couchdb.user:"+userName, nil, &doc) == nil {
+			_ = e.Couch.Do(t, http.MethodDelete, "/_users/org.couchdb.user:"+userName+"?rev="+doc.Rev, nil, nil)
 		}
 	})
-	src, tgt, bad := e.prefix+"src", e.prefix+"tgt", e.prefix+"bad_tgt"
+	src, tgt, bad := e.Prefix+"src", e.Prefix+"tgt", e.Prefix+"bad_tgt"
 	for _, db := range []string{src, tgt, bad} {
-		e.couch.CreateDB(t, db)
+		e.Couch.CreateDB(t, db)
 	}
-	if !e.couch.PouchDB {
-		require.NoError(t, e.couch.Do(t, http.MethodPut, "/"+escapeDBName(src)+"/_security",
+	if !e.Couch.PouchDB {
+		require.NoError(t, e.Couch.Do(t, http.MethodPut, "/"+escapeDBName(src)+"/_security",
 			map[string]any{"members": map[string]any{"names": []string{userName}}}, nil))
 	}
-	e.couch.Put(t, src, "doc", map[string]any{"x": 1})
+	e.Couch.Put(t, src, "doc", map[string]any{"x": 1})
 
-	srv, _ := url.Parse(e.couch.URL)
+	srv, _ := url.Parse(e.Couch.URL)
 	userURL := fmt.Sprintf("%s://%s@%s/%s", srv.Scheme, userName, srv.Host, escapeDBName(src))
-	otherUser := e.prefix + "mallory"
+	otherUser := e.Prefix + "mallory"
 	badURL := fmt.Sprintf("%s://%s@%s/%s", srv.Scheme, otherUser, srv.Host, escapeDBName(src))
-	e.couch.Put(t, e.cfg.DBName, "good", map[string]any{"type": "replicator", "source": userURL, "target": tgt})
-	e.couch.Put(t, e.cfg.DBName, "wrongpw", map[string]any{"type": "replicator", "source": badURL, "target": bad, "db_name": "^" + src + "$"})
+	e.Couch.Put(t, e.cfg.DBName, "good", map[string]any{"type": "replicator", "source": userURL, "target": tgt})
+	e.Couch.Put(t, e.cfg.DBName, "wrongpw", map[string]any{"type": "replicator", "source": badURL, "target": bad, "db_name": "^" + src + "$"})
 
 	rec, proxyURL := e.recordingProxy(t)
 	cfg := e.cfg
@@ -181,7 +181,7 @@ func TestPasswordsInjectedNeverLogged(t *testing.T) {
 	p := e.startReplicator(t, &cfg)
 	require.Eventually(t, func() bool { return len(p.app.Rules.Replicators(src)) == 2 }, 15*time.Second, 20*time.Millisecond)
 	e.publish(t, src)
-	waitConverged(t, e.couch, src, tgt, 20*time.Second)
+	waitConverged(t, e.Couch, src, tgt, 20*time.Second)
 	var dead []string
 	require.Eventually(t, func() bool { dead = e.deadLetters(t); return len(dead) == 1 }, 15*time.Second, 100*time.Millisecond)
 
@@ -196,7 +196,7 @@ func TestPasswordsInjectedNeverLogged(t *testing.T) {
 	assert.Contains(t, dead[0], `"status":401`)
 
 	e.waitQuiet(t, p, 10*time.Second)
-	logs := e.logs.String()
+	logs := e.Logs.String()
 	assert.Contains(t, logs, `"rule":"wrongpw"`)
 	secrets := []string{secret, wrong}
 	if pw, ok := srv.User.Password(); ok {
@@ -212,10 +212,10 @@ func TestPasswordsInjectedNeverLogged(t *testing.T) {
 func TestUnreachableTargetBacksOff(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, 10*time.Second)
-	src := e.prefix + "src"
-	e.couch.CreateDB(t, src)
-	e.couch.Put(t, src, "doc", map[string]any{"x": 1})
-	e.couch.Put(t, e.cfg.DBName, "down", map[string]any{"type": "replicator", "source": src, "target": "http://127.0.0.1:1/nowhere"})
+	src := e.Prefix + "src"
+	e.Couch.CreateDB(t, src)
+	e.Couch.Put(t, src, "doc", map[string]any{"x": 1})
+	e.Couch.Put(t, e.cfg.DBName, "down", map[string]any{"type": "replicator", "source": src, "target": "http://127.0.0.1:1/nowhere"})
 	p := e.startReplicator(t, nil)
 	p.waitRule(t, src)
 	e.publish(t, src)
@@ -234,5 +234,5 @@ func TestUnreachableTargetBacksOff(t *testing.T) {
 	}
 	assert.Len(t, p.replications(src), len(p.runsOf(src)), "one replication per run")
 	assert.Empty(t, e.deadLetters(t))
-	assert.Equal(t, uint64(1), e.workMsgs(t), "the job is kept for a retry")
+	assert.Equal(t, uint64(1), e.WorkMsgs(t), "the job is kept for a retry")
 }

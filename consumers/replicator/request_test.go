@@ -122,7 +122,7 @@ func TestClassify(t *testing.T) {
 		err  error
 		want failureKind
 	}{
-		{"connection refused", &transportError{msg: "dial", err: errors.New("connection refused")}, transient},
+		{"connection refused", &scrubbedError{msg: "dial", err: errors.New("connection refused")}, transient},
 		{"timeout", context.DeadlineExceeded, transient},
 		{"401", &replicateError{Status: 401, ErrorName: "unauthorized"}, permanent},
 		{"403", &replicateError{Status: 403}, permanent},
@@ -147,6 +147,7 @@ func TestScrubRemovesSecrets(t *testing.T) {
 	t.Parallel()
 	s := scrub(`request to http://bob:b%2Fo%40b%20PW@h/db failed; pw=b/o@b PW; http://u:plainPW@x/`, []string{"b/o@b PW", "plainPW"})
 	assert.NotContains(t, s, "PW")
-	e := newReplicateError(400, []byte(`{"error":"bad_request","reason":"request to http://a:s3cretXY@h/db failed: s3cretXY"}`), []string{"s3cretXY"})
-	assert.NotContains(t, e.Error(), "s3cretXY")
+	err := replicateAnswer(t, 400, []byte(`{"error":"bad_request","reason":"request to http://a:s3cretXY@h/db failed: s3cretXY"}`), []string{"s3cretXY"})
+	require.Error(t, err)
+	assert.NotContains(t, err.Error(), "s3cretXY")
 }

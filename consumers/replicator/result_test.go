@@ -2,11 +2,14 @@ package main
 
 import (
 	"bytes"
+	"net/http"
+	"net/http/httptest"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/spiegel-nats/spiegel/pkg/couch"
 	"github.com/spiegel-nats/spiegel/pkg/couchtest"
 )
 
@@ -71,11 +74,29 @@ func TestErrorFixturesClassify(t *testing.T) {
 		t.Run(c.file, func(t *testing.T) {
 			t.Parallel()
 			status, body := fixture(t, c.file)
-			err := newReplicateError(status, body, []string{"PASS"})
+			err := replicateAnswer(t, status, body, []string{"PASS"})
 			assert.Equal(t, c.want, classify(err))
-			assert.NotEmpty(t, err.ErrorName)
+			var re *replicateError
+			require.ErrorAs(t, err, &re)
+			assert.NotEmpty(t, re.ErrorName)
 		})
 	}
+}
+
+// replicateAnswer runs the couchdb engine against a server that answers POST /_replicate with
+// status and body, and returns its error.
+func replicateAnswer(t *testing.T, status int, body []byte, secrets []string) error {
+	t.Helper()
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(status)
+		_, _ = w.Write(body)
+	}))
+	t.Cleanup(srv.Close)
+	c, err := couch.New(couch.Config{URL: srv.URL}, nil)
+	require.NoError(t, err)
+	_, err = couchEngine{server: c}.Replicate(t.Context(), map[string]any{"source": "a", "target": "b"}, secrets)
+	return err
 }
 
 func FuzzParseResult(f *testing.F) {

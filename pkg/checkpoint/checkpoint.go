@@ -1,5 +1,6 @@
-// Package checkpoint names and stores the service-owned docs of the spiegel db (SPEC §2.4): the
-// per-(on_change rule, db) checkpoints and the producer's feed position.
+// Package checkpoint stores the service's positions (SPEC §2.4): the producer's feed position, a
+// doc of the spiegel db, and the checkpoint of each (on_change rule, db), a _local doc in the
+// watched db with a NATS key-value cache (OnChangeStore).
 package checkpoint
 
 import (
@@ -19,30 +20,19 @@ import (
 
 // Doc ids of the service-owned docs.
 const (
-	// PrefixOnChange starts every on_change checkpoint id.
+	// PrefixOnChange started the ids of on_change checkpoints in the spiegel db, where earlier
+	// releases kept them (see OnChangeStore.MigrateLegacy).
 	PrefixOnChange = "spiegel_cp_"
 	// ProducerPositionID is the producer's feed position.
 	ProducerPositionID = "spiegel_producer_seq"
 )
 
-// ID returns the checkpoint doc id of (rule, db): "spiegel_cp_<rule>_<db>" where '%' and '_' in
-// the rule id are written %25 and %5F, so the first '_' after the prefix always ends the rule id
-// and no two (rule, db) pairs share an id. The id itself contains '%': path-escape it in URLs.
+// ID returns the doc id an earlier release gave the checkpoint of (rule, db) in the spiegel db:
+// "spiegel_cp_<rule>_<db>" where '%' and '_' in the rule id are written %25 and %5F (see
+// OnChangeStore.MigrateLegacy). The id itself contains '%': path-escape it in URLs.
 func ID(rule, db string) string {
 	r := strings.NewReplacer("%", "%25", "_", "%5F").Replace(rule)
 	return PrefixOnChange + r + "_" + db
-}
-
-// OnChange is the checkpoint of one on_change rule in one db.
-type OnChange struct {
-	Rule string `json:"rule"`
-	DB   string `json:"db"`
-	// LastSeq is the opaque seq up to which every change was acted on.
-	LastSeq string `json:"last_seq"`
-	// DBInstance is the db's instance_start_time when LastSeq was taken: a different one means
-	// the db was deleted and recreated, and the rule starts over.
-	DBInstance string    `json:"db_instance,omitempty"`
-	UpdatedAt  time.Time `json:"updated_at"`
 }
 
 // Position is the producer's saved feed position.
@@ -143,49 +133,4 @@ func (s *Store) Position(ctx context.Context) (Position, error) {
 func (s *Store) SavePosition(ctx context.Context, p Position) error {
 	p.UpdatedAt = time.Now().UTC()
 	return s.put(ctx, ProducerPositionID, map[string]any{"last_seq": p.LastSeq, "rules_seq": p.RulesSeq, "source": p.Source, "updated_at": p.UpdatedAt})
-}
-
-// OnChange reads the checkpoint of (rule, db); ErrNotFound when there is none.
-func (s *Store) OnChange(ctx context.Context, rule, db string) (OnChange, error) {
-	var cp OnChange
-	_, err := s.get(ctx, ID(rule, db), &cp)
-	return cp, err
-}
-
-// SaveOnChange writes the checkpoint of (cp.Rule, cp.DB).
-func (s *Store) SaveOnChange(ctx context.Context, cp OnChange) error {
-	cp.UpdatedAt = time.Now().UTC()
-	return s.put(ctx, ID(cp.Rule, cp.DB), map[string]any{
-		"rule": cp.Rule, "db": cp.DB, "last_seq": cp.LastSeq, "db_instance": cp.DBInstance, "updated_at": cp.UpdatedAt,
-	})
-}
-
-// DeleteOnChange removes the checkpoint of (rule, db), if any.
-func (s *Store) DeleteOnChange(ctx context.Context, rule, db string) error {
-	id := ID(rule, db)
-	var cur map[string]any
-	rev, err := s.get(ctx, id, &cur)
-	if errors.Is(err, ErrNotFound) {
-		return nil
-	}
-	if err != nil {
-		return err
-	}
-	s.revs.Delete(id)
-	ctx, cancel := context.WithTimeout(ctx, s.timeout)
-	defer cancel()
-	if _, err := s.db.Delete(ctx, id, rev); err != nil && kivik.HTTPStatus(err) != http.StatusNotFound {
-		return fmt.Errorf("delete %s: %w", id, err)
-	}
-	return nil
-}
-
-// DeleteDB removes the checkpoints of db for every rule in rules: the producer calls it when db
-// is deleted, so a recreated db is processed from its beginning.
-func (s *Store) DeleteDB(ctx context.Context, db string, rules []string) error {
-	var errs []error
-	for _, r := range rules {
-		errs = append(errs, s.DeleteOnChange(ctx, r, db))
-	}
-	return errors.Join(errs...)
 }

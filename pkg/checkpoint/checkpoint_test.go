@@ -2,6 +2,7 @@ package checkpoint
 
 import (
 	"context"
+	"fmt"
 	"net/http"
 	"net/http/httptest"
 	"testing"
@@ -35,14 +36,16 @@ func TestStoreCallsEndAtTheRequestTimeout(t *testing.T) {
 	}))
 	t.Cleanup(hung.Close)
 	t.Cleanup(func() { close(stop) }) // runs first: the server's handlers return
-	s := NewStore(client(t, hung.URL, 200*time.Millisecond), "spiegel")
+	c := client(t, hung.URL, 200*time.Millisecond)
+	s, oc := NewStore(c, "spiegel"), NewOnChangeStore(c, nil)
 	ctx := context.Background() // no deadline
 	calls := map[string]func() error{
-		"Position":       func() error { _, err := s.Position(ctx); return err },
-		"SavePosition":   func() error { return s.SavePosition(ctx, Position{LastSeq: "1"}) },
-		"OnChange":       func() error { _, err := s.OnChange(ctx, "r", "db"); return err },
-		"SaveOnChange":   func() error { return s.SaveOnChange(ctx, OnChange{Rule: "r", DB: "db", LastSeq: "1"}) },
-		"DeleteOnChange": func() error { return s.DeleteOnChange(ctx, "r", "db") },
+		"Position":     func() error { _, err := s.Position(ctx); return err },
+		"SavePosition": func() error { return s.SavePosition(ctx, Position{LastSeq: "1"}) },
+		"Load":         func() error { _, err := oc.Load(ctx, "r", "db"); return err },
+		"Save":         func() error { return oc.Save(ctx, &OnChangePoint{Rule: "r", DB: "db"}, "1") },
+		"Reset":        func() error { return oc.Reset(ctx, "r", "db", "") },
+		"Delete":       func() error { return oc.Delete(ctx, "r", "db") },
 	}
 	for name, call := range calls {
 		done := make(chan error, 1)
@@ -76,14 +79,6 @@ func TestStoreRoundTrip(t *testing.T) {
 	p, err := s.Position(ctx)
 	require.NoError(t, err)
 	assert.Equal(t, "13-g1AAA", p.LastSeq)
-
-	require.NoError(t, s.SaveOnChange(ctx, OnChange{Rule: "hook_a", DB: "a/b+c$d", LastSeq: "7"}))
-	cp, err := s.OnChange(ctx, "hook_a", "a/b+c$d")
-	require.NoError(t, err)
-	assert.Equal(t, "7", cp.LastSeq)
-	require.NoError(t, s.DeleteDB(ctx, "a/b+c$d", []string{"hook_a", "other"}))
-	_, err = s.OnChange(ctx, "hook_a", "a/b+c$d")
-	assert.ErrorIs(t, err, ErrNotFound)
 }
 
 // Two stores writing the same doc (two producers) both succeed: conflicts are resolved.
@@ -99,7 +94,43 @@ func TestConcurrentWritersResolveConflicts(t *testing.T) {
 	p, err := a.Position(ctx)
 	require.NoError(t, err)
 	assert.Equal(t, "b", p.LastSeq)
-	require.NoError(t, a.SaveOnChange(ctx, OnChange{Rule: "r", DB: "d", LastSeq: "1"}))
-	require.NoError(t, a.DeleteOnChange(ctx, "r", "d"))
-	require.NoError(t, a.SaveOnChange(ctx, OnChange{Rule: "r", DB: "d", LastSeq: "2"}), "write after delete")
+}
+
+// TestMigrateLegacy: checkpoints an earlier release kept in the spiegel db move to _local docs in
+// their dbs and leave the spiegel db; those of dbs that are gone are dropped.
+func TestMigrateLegacy(t *testing.T) {
+	srv := couchtest.Get(t)
+	spiegel := srv.NewDB(t, "cp_spiegel_")
+	live := srv.NewDB(t, "cp_live+x_")
+	srv.Put(t, live, "d", map[string]any{"x": 1})
+	var info struct {
+		Seq      any    `json:"update_seq"`
+		Instance string `json:"instance_start_time"`
+	}
+	require.NoError(t, srv.Do(t, "GET", "/"+couchtest.PathDB(live), nil, &info))
+	seq := fmt.Sprint(info.Seq)
+	srv.Put(t, spiegel, ID("hook_a", live), map[string]any{"rule": "hook_a", "db": live, "last_seq": seq, "db_instance": info.Instance})
+	srv.Put(t, spiegel, ID("hook_a", live+"_gone"), map[string]any{"rule": "hook_a", "db": live + "_gone", "last_seq": "3"})
+	srv.Put(t, spiegel, "a_rule", map[string]any{"type": "on_change", "url": "http://h/"})
+
+	s := NewOnChangeStore(client(t, srv.URL, 0), nil)
+	n, err := s.MigrateLegacy(t.Context(), spiegel)
+	require.NoError(t, err)
+	assert.Equal(t, 1, n)
+	p, err := s.Load(t.Context(), "hook_a", live)
+	require.NoError(t, err)
+	assert.True(t, p.Found)
+	assert.Equal(t, seq, p.LastSeq)
+	var all struct {
+		Rows []struct {
+			ID string `json:"id"`
+		} `json:"rows"`
+	}
+	require.NoError(t, srv.Do(t, "GET", "/"+couchtest.PathDB(spiegel)+"/_all_docs", nil, &all))
+	require.Len(t, all.Rows, 1, "the old checkpoints are gone from the spiegel db")
+	assert.Equal(t, "a_rule", all.Rows[0].ID)
+
+	n, err = s.MigrateLegacy(t.Context(), spiegel)
+	require.NoError(t, err)
+	assert.Zero(t, n, "nothing left to move")
 }

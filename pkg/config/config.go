@@ -14,38 +14,35 @@ import (
 // Version is set at build time with -ldflags "-X .../pkg/config.Version=...".
 var Version = "dev"
 
-// Prefix of every environment variable.
-const Prefix = "SPIEGEL"
-
 // CouchDB says how to reach the watched server and where the rules live.
 type CouchDB struct {
-	CouchDBURL         string        `envconfig:"COUCHDB_URL" required:"true" desc:"the watched CouchDB, with admin credentials (http://user:password@host:5984)"`
-	DBName             string        `envconfig:"DB_NAME" default:"spiegel" desc:"the spiegel db: rules and checkpoints"`
-	CouchDBCAFile      string        `envconfig:"COUCHDB_CA_FILE" desc:"PEM file of CAs to trust for an https CouchDB (default: system roots)"`
-	CouchDBInsecureTLS bool          `envconfig:"COUCHDB_INSECURE_SKIP_VERIFY" default:"false" desc:"skip TLS certificate verification of CouchDB (testing only)"`
-	CouchDBTimeout     time.Duration `envconfig:"COUCHDB_TIMEOUT" default:"30s" desc:"timeout of one CouchDB request (feeds excepted)"`
+	CouchDBURL         string        `envconfig:"SPIEGEL_COUCHDB_URL" required:"true" desc:"the watched CouchDB, with admin credentials (http://user:password@host:5984)"`
+	DBName             string        `envconfig:"SPIEGEL_DB_NAME" default:"spiegel" desc:"the spiegel db: rules and checkpoints"`
+	CouchDBCAFile      string        `envconfig:"SPIEGEL_COUCHDB_CA_FILE" desc:"PEM file of CAs to trust for an https CouchDB (default: system roots)"`
+	CouchDBInsecureTLS bool          `envconfig:"SPIEGEL_COUCHDB_INSECURE_SKIP_VERIFY" default:"false" desc:"skip TLS certificate verification of CouchDB (testing only)"`
+	CouchDBTimeout     time.Duration `envconfig:"SPIEGEL_COUCHDB_TIMEOUT" default:"30s" desc:"timeout of one CouchDB request (feeds excepted)"`
 }
 
 // NATS says how to reach NATS and how the JetStream topology is named.
 type NATS struct {
-	NATSURL          string        `envconfig:"NATS_URL" default:"nats://127.0.0.1:4222" desc:"NATS server URL(s), comma-separated"`
-	SubjectPrefix    string        `envconfig:"SUBJECT_PREFIX" default:"spiegel" desc:"subject prefix; stream names derive from it (SPIEGEL_WORK, ...)"`
-	NATSCredsFile    string        `envconfig:"NATS_CREDS_FILE" desc:"NATS credentials (JWT) file"`
-	NATSNKeySeedFile string        `envconfig:"NATS_NKEY_SEED_FILE" desc:"NATS nkey seed file"`
-	NATSUser         string        `envconfig:"NATS_USER" desc:"NATS user"`
-	NATSPassword     string        `envconfig:"NATS_PASSWORD" desc:"NATS password (never logged)"`
-	NATSToken        string        `envconfig:"NATS_TOKEN" desc:"NATS token (never logged)"`
-	NATSCAFile       string        `envconfig:"NATS_CA_FILE" desc:"PEM file of CAs to trust for NATS TLS"`
-	NATSCertFile     string        `envconfig:"NATS_CERT_FILE" desc:"client certificate for NATS TLS"`
-	NATSKeyFile      string        `envconfig:"NATS_KEY_FILE" desc:"client key for NATS TLS"`
-	StreamReplicas   int           `envconfig:"STREAM_REPLICAS" default:"1" desc:"replicas of the streams install creates (3 on a NATS cluster)"`
-	AckWait          time.Duration `envconfig:"ACK_WAIT" default:"60s" desc:"JetStream AckWait for work jobs: a dead worker's job is redelivered after it"`
+	NATSURL          string        `envconfig:"SPIEGEL_NATS_URL" default:"nats://127.0.0.1:4222" desc:"NATS server URL(s), comma-separated"`
+	SubjectPrefix    string        `envconfig:"SPIEGEL_SUBJECT_PREFIX" default:"spiegel" desc:"subject prefix; stream names derive from it (SPIEGEL_WORK, ...)"`
+	NATSCredsFile    string        `envconfig:"SPIEGEL_NATS_CREDS_FILE" desc:"NATS credentials (JWT) file"`
+	NATSNKeySeedFile string        `envconfig:"SPIEGEL_NATS_NKEY_SEED_FILE" desc:"NATS nkey seed file"`
+	NATSUser         string        `envconfig:"SPIEGEL_NATS_USER" desc:"NATS user"`
+	NATSPassword     string        `envconfig:"SPIEGEL_NATS_PASSWORD" desc:"NATS password (never logged)"`
+	NATSToken        string        `envconfig:"SPIEGEL_NATS_TOKEN" desc:"NATS token (never logged)"`
+	NATSCAFile       string        `envconfig:"SPIEGEL_NATS_CA_FILE" desc:"PEM file of CAs to trust for NATS TLS"`
+	NATSCertFile     string        `envconfig:"SPIEGEL_NATS_CERT_FILE" desc:"client certificate for NATS TLS"`
+	NATSKeyFile      string        `envconfig:"SPIEGEL_NATS_KEY_FILE" desc:"client key for NATS TLS"`
+	StreamReplicas   int           `envconfig:"SPIEGEL_STREAM_REPLICAS" default:"1" desc:"replicas of the streams install creates (3 on a NATS cluster)"`
+	AckWait          time.Duration `envconfig:"SPIEGEL_ACK_WAIT" default:"60s" desc:"JetStream AckWait for work jobs: a dead worker's job is redelivered after it"`
 }
 
 // Log configures logging.
 type Log struct {
-	LogLevel  string `envconfig:"LOG_LEVEL" default:"info" desc:"debug|info|warn|error"`
-	LogFormat string `envconfig:"LOG_FORMAT" default:"json" desc:"json|text"`
+	LogLevel  string `envconfig:"SPIEGEL_LOG_LEVEL" default:"info" desc:"debug|info|warn|error"`
+	LogFormat string `envconfig:"SPIEGEL_LOG_FORMAT" default:"json" desc:"json|text"`
 }
 
 // Producer is the configuration of the producer binary and its admin commands.
@@ -53,15 +50,18 @@ type Producer struct {
 	CouchDB
 	NATS
 	Log
-	HTTPAddr             string        `envconfig:"HTTP_ADDR" default:":8080" desc:"health and metrics listener (empty: off)"`
-	Source               string        `envconfig:"SOURCE" default:"auto" desc:"feed source: auto|db_updates|global_changes|poll"`
-	Start                string        `envconfig:"START" default:"beginning" desc:"where a producer with no saved position starts: beginning|now"`
-	FeedHeartbeat        time.Duration `envconfig:"FEED_HEARTBEAT" default:"10s" desc:"heartbeat asked of continuous feeds; no byte for twice this reopens the feed"`
-	PollInterval         time.Duration `envconfig:"POLL_INTERVAL" default:"2s" desc:"how often the poll source lists dbs and their update_seq"`
-	SweepInterval        time.Duration `envconfig:"SWEEP_INTERVAL" default:"10m" desc:"reconciliation sweep period for db_updates/global_changes (0: off)"`
-	PositionSaveInterval time.Duration `envconfig:"POSITION_SAVE_INTERVAL" default:"2s" desc:"how often the feed position is saved"`
-	MaxInflight          int           `envconfig:"PUBLISH_MAX_INFLIGHT" default:"4096" desc:"job publishes awaiting JetStream's ack at once"`
-	ShutdownGrace        time.Duration `envconfig:"SHUTDOWN_GRACE" default:"10s" desc:"time allowed on SIGTERM to flush publishes and save the position"`
+	HTTPAddr             string        `envconfig:"SPIEGEL_HTTP_ADDR" default:":8080" desc:"health and metrics listener (empty: off)"`
+	Source               string        `envconfig:"SPIEGEL_SOURCE" default:"auto" desc:"feed source: auto|db_updates|global_changes|poll"`
+	Start                string        `envconfig:"SPIEGEL_START" default:"beginning" desc:"where a producer with no saved position starts: beginning|now"`
+	FeedHeartbeat        time.Duration `envconfig:"SPIEGEL_FEED_HEARTBEAT" default:"10s" desc:"heartbeat asked of continuous feeds; no byte for twice this reopens the feed"`
+	PollInterval         time.Duration `envconfig:"SPIEGEL_POLL_INTERVAL" default:"2s" desc:"how often the poll source lists dbs and their update_seq"`
+	SweepInterval        time.Duration `envconfig:"SPIEGEL_SWEEP_INTERVAL" default:"10m" desc:"reconciliation sweep period for db_updates/global_changes (0: off)"`
+	PositionSaveInterval time.Duration `envconfig:"SPIEGEL_POSITION_SAVE_INTERVAL" default:"2s" desc:"how often the feed position is saved"`
+	MaxInflight          int           `envconfig:"SPIEGEL_PUBLISH_MAX_INFLIGHT" default:"4096" desc:"job publishes awaiting JetStream's ack at once"`
+	HotFeeds             int           `envconfig:"SPIEGEL_HOT_FEEDS" default:"500" desc:"continuous _changes feeds kept open on the dbs that changed last, whose jobs are published the moment they change (0: off)"`
+	HotFeedIdle          time.Duration `envconfig:"SPIEGEL_HOT_FEED_IDLE" default:"1m" desc:"a hot feed without a change for this long is closed"`
+	ShutdownGrace        time.Duration `envconfig:"SPIEGEL_SHUTDOWN_GRACE" default:"10s" desc:"time allowed on SIGTERM to flush publishes and save the position"`
+	AdminTimeout         time.Duration `envconfig:"SPIEGEL_ADMIN_TIMEOUT" default:"15s" desc:"how long admin commands wait for CouchDB and NATS before giving up (also --timeout)"`
 }
 
 // Validate checks what envconfig cannot.
@@ -82,7 +82,12 @@ func (c *Producer) Validate() error {
 		positive("SPIEGEL_FEED_HEARTBEAT", c.FeedHeartbeat),
 		positive("SPIEGEL_POLL_INTERVAL", c.PollInterval),
 		positive("SPIEGEL_POSITION_SAVE_INTERVAL", c.PositionSaveInterval),
-		positive("SPIEGEL_SHUTDOWN_GRACE", c.ShutdownGrace))
+		positive("SPIEGEL_SHUTDOWN_GRACE", c.ShutdownGrace),
+		positive("SPIEGEL_HOT_FEED_IDLE", c.HotFeedIdle),
+		positive("SPIEGEL_ADMIN_TIMEOUT", c.AdminTimeout))
+	if c.HotFeeds < 0 {
+		errs = append(errs, fmt.Errorf("SPIEGEL_HOT_FEEDS=%d: must not be negative", c.HotFeeds))
+	}
 	if c.SweepInterval < 0 {
 		errs = append(errs, fmt.Errorf("SPIEGEL_SWEEP_INTERVAL=%s: must not be negative", c.SweepInterval))
 	}

@@ -96,3 +96,26 @@ func TestLoadDefaults(t *testing.T) {
 	assert.Contains(t, buf.String(), "SPIEGEL_WEBHOOK_ALLOWED_HOSTS")
 	assert.Contains(t, buf.String(), "(required)")
 }
+
+// Values that do not parse are named with the variable and what is expected; lists are trimmed.
+func TestLoadParsesValues(t *testing.T) {
+	t.Setenv("SPIEGEL_COUCHDB_URL", "http://127.0.0.1:5984")
+	t.Setenv("SPIEGEL_WEBHOOK_ALLOWED_HOSTS", " api.example , ,hooks.example:8443,")
+	var o OnChange
+	require.NoError(t, Load(&o))
+	assert.Equal(t, []string{"api.example", "hooks.example:8443"}, o.AllowedHosts)
+
+	for k, want := range map[string]string{
+		"SPIEGEL_ACK_WAIT":                     `SPIEGEL_ACK_WAIT="soon": not a duration`,
+		"SPIEGEL_CONCURRENCY":                  `SPIEGEL_CONCURRENCY="soon": not an integer`,
+		"SPIEGEL_COUCHDB_INSECURE_SKIP_VERIFY": `SPIEGEL_COUCHDB_INSECURE_SKIP_VERIFY="soon": not a boolean`,
+	} {
+		t.Run(k, func(t *testing.T) {
+			t.Setenv(k, "soon")
+			var o OnChange
+			err := Load(&o)
+			require.Error(t, err)
+			assert.Contains(t, err.Error(), want)
+		})
+	}
+}

@@ -12,11 +12,11 @@ type Consumer struct {
 	CouchDB
 	NATS
 	Log
-	Concurrency   int           `envconfig:"CONCURRENCY" default:"20" desc:"jobs one consumer process runs at once"`
-	PasswordsFile string        `envconfig:"PASSWORDS_FILE" desc:"JSON passwords file {\"host\": {\"user\": \"password\"}}; reloaded on SIGHUP"`
-	ShutdownGrace time.Duration `envconfig:"SHUTDOWN_GRACE" default:"20s" desc:"on SIGTERM, how long running jobs may take to finish before they are handed back"`
-	RetryInitial  time.Duration `envconfig:"RETRY_INITIAL" default:"1s" desc:"first redelivery delay of a job that failed transiently"`
-	RetryMax      time.Duration `envconfig:"RETRY_MAX" default:"5m" desc:"cap of the redelivery delay of a job that keeps failing"`
+	Concurrency   int           `envconfig:"SPIEGEL_CONCURRENCY" default:"20" desc:"jobs one consumer process runs at once"`
+	PasswordsFile string        `envconfig:"SPIEGEL_PASSWORDS_FILE" desc:"JSON passwords file {\"host\": {\"user\": \"password\"}}; reloaded on SIGHUP"`
+	ShutdownGrace time.Duration `envconfig:"SPIEGEL_SHUTDOWN_GRACE" default:"20s" desc:"on SIGTERM, how long running jobs may take to finish before they are handed back"`
+	RetryInitial  time.Duration `envconfig:"SPIEGEL_RETRY_INITIAL" default:"1s" desc:"first redelivery delay of a job that failed transiently"`
+	RetryMax      time.Duration `envconfig:"SPIEGEL_RETRY_MAX" default:"5m" desc:"cap of the redelivery delay of a job that keeps failing"`
 }
 
 func (c *Consumer) validate() error {
@@ -41,9 +41,9 @@ func (c *Consumer) validate() error {
 // Replicator is the configuration of the replicator binary.
 type Replicator struct {
 	Consumer
-	HTTPAddr           string        `envconfig:"HTTP_ADDR" default:":8081" desc:"health and metrics listener (empty: off)"`
-	ReplicationTimeout time.Duration `envconfig:"REPLICATION_TIMEOUT" default:"10m" desc:"longest one replication of one rule may run"`
-	Engine             string        `envconfig:"REPLICATION_ENGINE" default:"couchdb" desc:"engine of rules that name none: couchdb (POST /_replicate) or native"`
+	HTTPAddr           string        `envconfig:"SPIEGEL_HTTP_ADDR" default:":8081" desc:"health and metrics listener (empty: off)"`
+	ReplicationTimeout time.Duration `envconfig:"SPIEGEL_REPLICATION_TIMEOUT" default:"10m" desc:"longest one replication of one rule may run"`
+	Engine             string        `envconfig:"SPIEGEL_REPLICATION_ENGINE" default:"native" desc:"engine of rules that name none: native (the replicator runs the replication protocol) or couchdb (POST /_replicate)"`
 }
 
 // Validate checks what envconfig cannot.
@@ -58,12 +58,12 @@ func (c *Replicator) Validate() error {
 // OnChange is the configuration of the onchange binary.
 type OnChange struct {
 	Consumer
-	HTTPAddr           string        `envconfig:"HTTP_ADDR" default:":8082" desc:"health and metrics listener (empty: off)"`
-	BatchSize          int           `envconfig:"CHANGES_BATCH" default:"100" desc:"changes read per _changes request"`
-	RequestConcurrency int           `envconfig:"REQUEST_CONCURRENCY" default:"10" desc:"requests in flight at once for one rule and db when block is false"`
-	WebhookTimeout     time.Duration `envconfig:"WEBHOOK_TIMEOUT" default:"30s" desc:"timeout of one webhook request (a rule's timeout wins)"`
-	AllowedHosts       []string      `envconfig:"WEBHOOK_ALLOWED_HOSTS" desc:"comma-separated hosts webhooks may call (empty: any); whoever writes rule docs can otherwise make the service call any URL"`
-	SignatureSecret    string        `envconfig:"WEBHOOK_SIGNATURE_SECRET" desc:"name of a secret in the passwords file; when set, requests carry X-Spiegel-Signature: sha256=<HMAC of the body>"`
+	HTTPAddr           string        `envconfig:"SPIEGEL_HTTP_ADDR" default:":8082" desc:"health and metrics listener (empty: off)"`
+	BatchSize          int           `envconfig:"SPIEGEL_CHANGES_BATCH" default:"100" desc:"changes read per _changes request"`
+	RequestConcurrency int           `envconfig:"SPIEGEL_REQUEST_CONCURRENCY" default:"10" desc:"requests in flight at once for one rule and db when block is false"`
+	WebhookTimeout     time.Duration `envconfig:"SPIEGEL_WEBHOOK_TIMEOUT" default:"30s" desc:"timeout of one webhook request (a rule's timeout wins)"`
+	AllowedHosts       []string      `envconfig:"SPIEGEL_WEBHOOK_ALLOWED_HOSTS" desc:"comma-separated hosts webhooks may call (empty: any); whoever writes rule docs can otherwise make the service call any URL"`
+	SignatureSecret    string        `envconfig:"SPIEGEL_WEBHOOK_SIGNATURE_SECRET" desc:"name of a secret in the passwords file; when set, requests carry X-Spiegel-Signature: sha256=<HMAC of the body>"`
 }
 
 // Validate checks what envconfig cannot.

@@ -20,7 +20,7 @@ type Var struct {
 func Vars(spec any) []Var {
 	var buf bytes.Buffer
 	const tmpl = `{{range .}}{{usage_key .}}` + "\x1f" + `{{usage_type .}}` + "\x1f" + `{{usage_default .}}` + "\x1f" + `{{usage_description .}}` + "\x1f" + `{{usage_required .}}` + "\x1e" + `{{end}}`
-	if err := envconfig.Usagef(Prefix, spec, &buf, tmpl); err != nil {
+	if err := envconfig.Usagef("", spec, &buf, tmpl); err != nil {
 		return nil
 	}
 	var out []Var

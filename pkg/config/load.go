@@ -1,99 +1,65 @@
 package config
 
 import (
+	"errors"
 	"fmt"
-	"os"
 	"reflect"
-	"strconv"
 	"strings"
-	"time"
+
+	"github.com/kelseyhightower/envconfig"
 )
 
-// process fills spec from SPIEGEL_* variables, with the defaults of its `default` tags. It reads
-// only the prefixed names: envconfig.Process would also fall back to the bare tag name
-// (COUCHDB_URL, LOG_LEVEL, ...), which lets unrelated variables of the environment configure the
-// service by accident.
+// process fills spec from the environment with envconfig. Every tag holds the full variable
+// name (SPIEGEL_...) and the prefix is empty, so only those names are read: with a prefix,
+// envconfig would fall back to the bare tag (COUCHDB_URL, LOG_LEVEL, ...) and let unrelated
+// variables of the environment configure the service by accident. A variable that does not
+// parse gives an error naming it and its value (no setting that fails to parse is a secret);
+// comma-separated lists are trimmed of spaces and empty items.
 func process(spec any) error {
-	v := reflect.ValueOf(spec)
-	if v.Kind() != reflect.Pointer || v.Elem().Kind() != reflect.Struct {
-		return fmt.Errorf("config: want a pointer to a struct, got %T", spec)
+	err := envconfig.Process("", spec)
+	var pe *envconfig.ParseError
+	switch {
+	case errors.As(err, &pe):
+		return fmt.Errorf("%s=%q: %s", pe.KeyName, pe.Value, parseProblem(pe))
+	case err != nil:
+		if key, ok := strings.CutPrefix(err.Error(), "required key "); ok {
+			return fmt.Errorf("%s is required", strings.TrimSuffix(key, " missing value"))
+		}
+		return err
 	}
-	return processStruct(v.Elem())
-}
-
-func processStruct(v reflect.Value) error {
-	t := v.Type()
-	for i := 0; i < t.NumField(); i++ {
-		f, fv := t.Field(i), v.Field(i)
-		if f.Anonymous && f.Type.Kind() == reflect.Struct {
-			if err := processStruct(fv); err != nil {
-				return err
-			}
-			continue
-		}
-		name := f.Tag.Get("envconfig")
-		if name == "" || !fv.CanSet() {
-			continue
-		}
-		key := Prefix + "_" + name
-		raw, ok := os.LookupEnv(key)
-		if !ok {
-			if f.Tag.Get("required") == "true" {
-				return fmt.Errorf("%s is required", key)
-			}
-			raw = f.Tag.Get("default")
-		}
-		if err := setField(fv, raw); err != nil {
-			return fmt.Errorf("%s=%q: %w", key, raw, err)
-		}
-	}
+	trimLists(reflect.ValueOf(spec).Elem())
 	return nil
 }
 
-func setField(fv reflect.Value, raw string) error {
-	switch fv.Interface().(type) {
-	case time.Duration:
-		if raw == "" {
-			fv.SetInt(0)
-			return nil
-		}
-		d, err := time.ParseDuration(raw)
-		if err != nil {
-			return fmt.Errorf("not a duration (e.g. 500ms, 30s, 10m)")
-		}
-		fv.SetInt(int64(d))
-	case string:
-		fv.SetString(raw)
-	case int:
-		if raw == "" {
-			fv.SetInt(0)
-			return nil
-		}
-		n, err := strconv.Atoi(raw)
-		if err != nil {
-			return fmt.Errorf("not an integer")
-		}
-		fv.SetInt(int64(n))
-	case bool:
-		if raw == "" {
-			fv.SetBool(false)
-			return nil
-		}
-		b, err := strconv.ParseBool(raw)
-		if err != nil {
-			return fmt.Errorf("not a boolean (true or false)")
-		}
-		fv.SetBool(b)
-	case []string:
-		var out []string
-		for _, s := range strings.Split(raw, ",") {
-			if s = strings.TrimSpace(s); s != "" {
-				out = append(out, s)
-			}
-		}
-		fv.Set(reflect.ValueOf(out))
-	default:
-		return fmt.Errorf("unsupported type %s", fv.Type())
+// parseProblem says in words what a value should look like.
+func parseProblem(pe *envconfig.ParseError) string {
+	switch pe.TypeName {
+	case "time.Duration":
+		return "not a duration (e.g. 500ms, 30s, 10m)"
+	case "int":
+		return "not an integer"
+	case "bool":
+		return "not a boolean (true or false)"
 	}
-	return nil
+	return pe.Err.Error()
+}
+
+// trimLists trims the items of every []string field of v (a struct, embedded ones included) and
+// drops the empty ones: "a, b," is [a b].
+func trimLists(v reflect.Value) {
+	for i := range v.NumField() {
+		f := v.Field(i)
+		switch {
+		case f.Kind() == reflect.Struct:
+			trimLists(f)
+		case f.Type() == reflect.TypeOf([]string(nil)) && f.CanSet():
+			var out []string
+			for _, s := range f.Interface().([]string) {
+				if s = strings.TrimSpace(s); s != "" {
+					out = append(out, s)
+				}
+			}
+			f.Set(reflect.ValueOf(out))
+		}
+	}
 }

@@ -32,26 +32,37 @@ import (
 	"github.com/spiegel-nats/spiegel/pkg/worker"
 )
 
-// App is one consumer process's shared state. Build it with Open, then call Run.
+// onChangeLocalEvery batches the _local writes of a busy on_change checkpoint: the cache entry
+// moves with every page, the _local doc at most every 10 s (checkpoint.OnChangeStore.LocalEvery).
+const onChangeLocalEvery = 10 * time.Second
+
+// App is one consumer process's shared state. Build it with Open, hand App.Deps to the
+// handler, then call Run.
 type App struct {
+	Deps
+
+	log       logrus.FieldLogger
+	nc        *nats.Conn
+	topology  natsjs.Topology
+	registry  *prometheus.Registry
+	spiegelDB string
+	cfg       *config.Consumer
+	group     events.Group
+	follower  *rulefeed.Follower
+	rulesSeq  string
+}
+
+// Deps is what a consumer's handler may use: the parts of the process it needs, nothing of how
+// the process runs (NATS connection, topology, registry).
+type Deps struct {
 	Log         logrus.FieldLogger
 	Couch       *couch.Client
-	NC          *nats.Conn
-	JS          jetstream.JetStream
-	Topology    natsjs.Topology
-	Subjects    events.Subjects
-	Passwords   *passwords.File
-	Rules       *rules.Set
-	Store       *checkpoint.Store
-	DeadLetters *worker.DeadLetters
-	Registry    *prometheus.Registry
+	Rules       *rules.Set                // the live rule set
+	Passwords   *passwords.File           // reloaded on SIGHUP
+	Checkpoints *checkpoint.OnChangeStore // checkpoints of on_change rules (onchange only)
+	DeadLetters *worker.DeadLetters       // the dead-letter stream
 	Metrics     *metrics.Consumer
-	SpiegelDB   string
-
-	cfg      *config.Consumer
-	group    events.Group
-	follower *rulefeed.Follower
-	rulesSeq string
+	JS          jetstream.JetStream // publishes of subject rules
 }
 
 // Open connects to CouchDB and NATS, checks that install has run, loads the passwords file and
@@ -67,7 +78,7 @@ func Open(ctx context.Context, cfg *config.Consumer, group events.Group, log log
 	if err != nil {
 		return nil, err
 	}
-	nc, err := natsjs.Connect(ctx, natsOptions(cfg.NATS, "spiegel-"+group.ConsumerName()), log.WithField("component", "nats"))
+	nc, err := natsjs.Connect(ctx, natsjs.OptionsFrom(cfg.NATS, "spiegel-"+group.ConsumerName()), log.WithField("component", "nats"))
 	if err != nil {
 		return nil, err
 	}
@@ -90,11 +101,28 @@ func Open(ctx context.Context, cfg *config.Consumer, group events.Group, log log
 	reg := metrics.NewRegistry(group.ConsumerName())
 	m := metrics.NewConsumer(reg)
 	metrics.RegisterJobGauges(reg, js, topo.Subjects.WorkStream())
+	var checkpoints *checkpoint.OnChangeStore
+	if group == events.GroupOnChange {
+		kv, err := natsjs.OnChangeBucket(ctx, js, topo)
+		if err != nil {
+			return fail(err)
+		}
+		checkpoints = checkpoint.NewOnChangeStore(cc, kv)
+		checkpoints.LocalEvery = onChangeLocalEvery
+		// Earlier releases kept the checkpoints in the spiegel db: move them, once. A failure
+		// leaves them for the next start (until then those rules start over in those dbs).
+		if n, err := checkpoints.MigrateLegacy(ctx, cfg.DBName); err != nil {
+			log.WithError(err).Warn("move the on_change checkpoints of an earlier release out of the spiegel db; retried at the next start")
+		} else if n > 0 {
+			log.WithField("checkpoints", n).Info("moved the on_change checkpoints of an earlier release into _local docs of their dbs")
+		}
+	}
 	a := &App{
-		Log: log, Couch: cc, NC: nc, JS: js, Topology: topo, Subjects: topo.Subjects, Passwords: pw,
-		Rules: rules.NewSet(), Store: checkpoint.NewStore(cc, cfg.DBName),
-		DeadLetters: worker.NewDeadLetters(js, topo.Subjects), Registry: reg, Metrics: m, SpiegelDB: cfg.DBName,
-		cfg: cfg, group: group,
+		Deps: Deps{
+			Log: log, Couch: cc, Passwords: pw, Rules: rules.NewSet(), Checkpoints: checkpoints,
+			DeadLetters: worker.NewDeadLetters(js, topo.Subjects), Metrics: m, JS: js,
+		},
+		log: log, nc: nc, topology: topo, registry: reg, spiegelDB: cfg.DBName, cfg: cfg, group: group,
 	}
 	a.follower = &rulefeed.Follower{Couch: cc, DB: cfg.DBName, Set: a.Rules, Log: log.WithField("component", "rules"), Metrics: m}
 	if a.rulesSeq, err = a.follower.Load(ctx); err != nil {
@@ -105,31 +133,11 @@ func Open(ctx context.Context, cfg *config.Consumer, group events.Group, log log
 	return a, nil
 }
 
-func natsOptions(c config.NATS, name string) natsjs.Options {
-	return natsjs.Options{
-		URLs: c.NATSURL, Name: name, CredsFile: c.NATSCredsFile, NKeySeedFile: c.NATSNKeySeedFile,
-		User: c.NATSUser, Password: c.NATSPassword, Token: c.NATSToken,
-		CAFile: c.NATSCAFile, CertFile: c.NATSCertFile, KeyFile: c.NATSKeyFile,
-	}
-}
-
-// ChangedSince implements worker.WakeupChecker: db has a change after seq. A missing db has none.
-func (a *App) ChangedSince(ctx context.Context, db, seq string) (bool, error) {
-	page, err := a.Couch.Changes(ctx, db, couch.ChangesOptions{Since: seq, Limit: 1})
-	if errors.Is(err, couch.ErrNotFound) {
-		return false, nil
-	}
-	if err != nil {
-		return false, err
-	}
-	return len(page.Results) > 0, nil
-}
-
 // Run follows the rules, serves health and metrics on httpAddr, reloads the passwords file on
 // SIGHUP, and runs h on the group's jobs until ctx ends; then it lets running jobs finish within
 // the grace period, naks the rest and drains NATS.
 func (a *App) Run(ctx context.Context, httpAddr string, h worker.Handler) error {
-	defer func() { _ = a.NC.Drain() }()
+	defer func() { _ = a.nc.Drain() }()
 	var wg sync.WaitGroup
 	defer wg.Wait()
 	bgCtx, stopBG := context.WithCancel(context.WithoutCancel(ctx))
@@ -138,25 +146,25 @@ func (a *App) Run(ctx context.Context, httpAddr string, h worker.Handler) error 
 	wg.Add(3)
 	go func() { defer wg.Done(); a.follower.Follow(bgCtx, a.rulesSeq) }()
 	go func() { defer wg.Done(); a.reloadOnHUP(bgCtx) }()
-	srv := health.New(httpAddr, a.Registry, a.readiness(), a.Log.WithField("component", "http"))
+	srv := health.New(httpAddr, a.registry, a.readiness(), a.log.WithField("component", "http"))
 	go func() {
 		defer wg.Done()
 		if err := srv.Run(bgCtx); err != nil {
-			a.Log.WithError(err).Error("health and metrics listener failed")
+			a.log.WithError(err).Error("health and metrics listener failed")
 		}
 	}()
 
-	runner, err := worker.New(a.JS, a.Subjects, worker.Config{
+	runner, err := worker.New(a.JS, a.topology.Subjects, worker.Config{
 		Group: a.group, Concurrency: a.cfg.Concurrency, AckWait: a.cfg.AckWait, Grace: a.cfg.ShutdownGrace,
 		Retry:    backoff.Policy{Initial: a.cfg.RetryInitial, Max: a.cfg.RetryMax, Multiplier: 2, Jitter: 0.2},
 		Observer: a.Metrics,
-	}, h, a, a.Log.WithField("component", "worker"))
+	}, h, a.log.WithField("component", "worker"))
 	if err != nil {
 		return err
 	}
-	a.Log.WithFields(logrus.Fields{"group": a.group, "concurrency": a.cfg.Concurrency}).Info("consumer running")
+	a.log.WithFields(logrus.Fields{"group": a.group, "concurrency": a.cfg.Concurrency}).Info("consumer running")
 	err = runner.Run(ctx)
-	a.Log.WithField("group", a.group).Info("consumer stopped")
+	a.log.WithField("group", a.group).Info("consumer stopped")
 	return err
 }
 
@@ -171,20 +179,20 @@ func (a *App) reloadOnHUP(ctx context.Context) {
 			return
 		case <-hup:
 			if err := a.Passwords.Reload(); err != nil {
-				a.Log.WithError(err).Error("reload passwords file; keeping the previous passwords")
+				a.log.WithError(err).Error("reload passwords file; keeping the previous passwords")
 				continue
 			}
-			a.Log.Info("passwords file reloaded")
+			a.log.Info("passwords file reloaded")
 		}
 	}
 }
 
 func (a *App) readiness() map[string]health.Check {
 	return health.Dependencies(func(ctx context.Context) error {
-		_, err := a.Couch.DBInfo(ctx, a.SpiegelDB)
+		_, err := a.Couch.DBInfo(ctx, a.spiegelDB)
 		return err
-	}, a.NC, "consumer", func(ctx context.Context) error {
-		return natsjs.CheckInstalled(ctx, a.JS, a.Topology, a.group)
+	}, a.nc, "consumer", func(ctx context.Context) error {
+		return natsjs.CheckInstalled(ctx, a.JS, a.topology, a.group)
 	})
 }
 

@@ -143,12 +143,11 @@ func heartbeatMillis(d time.Duration) string {
 func (c *Client) Changes(ctx context.Context, db string, opt ChangesOptions) (ChangesPage, error) {
 	ctx, cancel := context.WithTimeout(ctx, c.timeout)
 	defer cancel()
-	path := c.DBPath(db) + "/_changes"
 	req, err := c.changesRequest(ctx, db, opt, "normal", opt.Since)
 	if err != nil {
 		return ChangesPage{}, err
 	}
-	resp, err := c.send(req, path)
+	resp, err := c.Send(req)
 	if err != nil {
 		return ChangesPage{}, fmt.Errorf("read changes of %s: %w", db, err)
 	}
@@ -188,4 +187,44 @@ func (c *Client) FollowChanges(ctx context.Context, db string, opt ChangesOption
 		decode: parseChangeLine,
 	}
 	return f.run(ctx, opt.Since, emit)
+}
+
+// WatchChanges opens one continuous _changes connection of db from now (changes made before it
+// is open are not seen) and calls connected once the server has answered, then emit for each
+// change, in feed order. It never reconnects: it returns when the connection ends — ctx.Err(),
+// emit's error unchanged, the server's refusal (an *HTTPError; ErrNotFound for a missing db), a
+// stall (no byte, heartbeats included, for twice opt.Heartbeat), the server ending the feed (an
+// error too: the caller cannot tell what it missed) — so the caller knows exactly which span of
+// time the changes it saw cover. opt.Since and opt.Limit are ignored.
+func (c *Client) WatchChanges(ctx context.Context, db string, opt ChangesOptions, connected func(), emit func(Change) error) error {
+	f := &follower[Change]{
+		c:         c,
+		log:       c.log.WithField("db", db),
+		name:      "_changes of " + db,
+		path:      c.DBPath(db) + "/_changes",
+		heartbeat: opt.Heartbeat,
+		request: func(ctx context.Context, feed, since string) (*http.Request, error) {
+			return c.changesRequest(ctx, db, opt, feed, since)
+		},
+		decode: parseChangeLine,
+		onState: func(err error) {
+			if err == nil && connected != nil {
+				connected()
+			}
+		},
+	}
+	since := SinceNow
+	var st connState
+	err := f.once(ctx, &since, &st, emit)
+	if ctxErr := ctx.Err(); ctxErr != nil {
+		return ctxErr
+	}
+	var ee *emitError
+	if errors.As(err, &ee) {
+		return ee.err
+	}
+	if err == nil {
+		return fmt.Errorf("%s: the server ended the feed", f.name)
+	}
+	return err
 }

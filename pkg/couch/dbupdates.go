@@ -9,8 +9,6 @@ import (
 	"net/url"
 	"strings"
 	"time"
-
-	"github.com/spiegel-nats/spiegel/pkg/events"
 )
 
 // Names of the db-updates sources.
@@ -21,10 +19,17 @@ const (
 	SourcePoll          = "poll"
 )
 
+// Types of db events, as CouchDB's _db_updates names them.
+const (
+	EventCreated = "created"
+	EventUpdated = "updated"
+	EventDeleted = "deleted"
+)
+
 // DBEvent is one db-level event: a db was created, written to, or deleted.
 type DBEvent struct {
 	DB   string
-	Type string // events.TypeCreated, events.TypeUpdated or events.TypeDeleted
+	Type string // EventCreated, EventUpdated or EventDeleted
 	Seq  string // opaque feed position after this event; PollSeq for the poll source
 }
 
@@ -113,7 +118,7 @@ func (c *Client) probeSource(ctx context.Context) (string, error) {
 			return "", fmt.Errorf("probe %s: %w", p.path, err)
 		}
 		switch {
-		case he.Unauthorized():
+		case Classify(he) == Auth:
 			return "", fmt.Errorf("probe %s: the credentials in %s are refused; the feeds need a server admin: %w",
 				p.path, c.redacted, err)
 		case he.Status == http.StatusBadRequest, he.Status == http.StatusNotFound,
@@ -182,14 +187,14 @@ func feedQuery(feed, since string, heartbeat time.Duration) url.Values {
 	return q
 }
 
-// normalizeType maps a feed's event type to events.Type*: any type other than created and
+// normalizeType maps a feed's event type to an Event* type: any type other than created and
 // deleted (e.g. ddoc_updated) means the db changed, so it becomes updated.
 func normalizeType(t string) string {
 	switch t {
-	case events.TypeCreated, events.TypeDeleted, events.TypeUpdated:
+	case EventCreated, EventDeleted, EventUpdated:
 		return t
 	default:
-		return events.TypeUpdated
+		return EventUpdated
 	}
 }
 

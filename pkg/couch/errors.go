@@ -11,12 +11,12 @@ import (
 	"github.com/spiegel-nats/spiegel/pkg/logging"
 )
 
-// ErrNotFound matches (errors.Is) every *HTTPError with status 404: a missing db or doc.
+// ErrNotFound matches (errors.Is) every *HTTPError of class NotFound: a missing db or doc.
 var ErrNotFound = errors.New("couch: not found")
 
-// ErrPermanent matches (errors.Is) every *HTTPError that retrying cannot fix: 400 (a bad
-// request, e.g. a malformed since), 401 and 403 (credentials). Feeds return such errors instead
-// of reconnecting.
+// ErrPermanent matches (errors.Is) every *HTTPError that retrying cannot fix: class Permanent
+// (e.g. a malformed since) or Auth (credentials). Feeds return such errors instead of
+// reconnecting.
 var ErrPermanent = errors.New("couch: permanent error")
 
 // HTTPError is an answer of the server with a status of 300 or more. It never holds
@@ -44,28 +44,20 @@ func (e *HTTPError) Error() string {
 	return logging.RedactText(b.String())
 }
 
-// Is reports whether e matches ErrNotFound (404) or ErrPermanent (400, 401, 403).
+// Is reports whether e matches ErrNotFound or ErrPermanent (see Classify).
 func (e *HTTPError) Is(target error) bool {
 	switch target {
 	case ErrNotFound:
-		return e.Status == http.StatusNotFound
+		return Classify(e) == NotFound
 	case ErrPermanent:
-		return isPermanentStatus(e.Status)
+		c := Classify(e)
+		return c == Permanent || c == Auth
 	}
 	return false
 }
 
-// Unauthorized reports whether the server refused the credentials (401 or 403).
-func (e *HTTPError) Unauthorized() bool {
-	return e.Status == http.StatusUnauthorized || e.Status == http.StatusForbidden
-}
-
-func isPermanentStatus(status int) bool {
-	return status == http.StatusBadRequest || status == http.StatusUnauthorized ||
-		status == http.StatusForbidden
-}
-
-// IsPermanent reports whether err is an *HTTPError that retrying cannot fix (400, 401, 403).
+// IsPermanent reports whether err is an *HTTPError that retrying cannot fix (classes Permanent
+// and Auth).
 func IsPermanent(err error) bool { return errors.Is(err, ErrPermanent) }
 
 // httpStatus returns the status of the *HTTPError in err's chain, or 0.
@@ -83,13 +75,16 @@ func readHTTPError(resp *http.Response, method, path string) *HTTPError {
 	he := &HTTPError{Status: resp.StatusCode, Method: method, Path: path}
 	data, _ := io.ReadAll(io.LimitReader(resp.Body, 64<<10))
 	var body struct {
-		Error  string `json:"error"`
-		Reason string `json:"reason"`
+		Error  string          `json:"error"`
+		Reason json.RawMessage `json:"reason"` // a string, or a JSON term (CouchDB's _replicate)
 	}
 	if json.Unmarshal(data, &body) == nil {
-		he.ErrorName, he.Reason = body.Error, body.Reason
-	} else if s := strings.TrimSpace(string(data)); s != "" && len(s) < 200 {
-		he.Reason = s
+		he.ErrorName = body.Error
+		if err := json.Unmarshal(body.Reason, &he.Reason); err != nil && len(body.Reason) > 0 {
+			he.Reason = string(body.Reason)
+		}
+	} else if s := strings.TrimSpace(string(data)); s != "" {
+		he.Reason = truncate([]byte(s), 300) // e.g. an HTML error page of a crashed PouchDB Server
 	}
 	return he
 }

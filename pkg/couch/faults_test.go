@@ -283,7 +283,7 @@ func TestNewValidatesURL(t *testing.T) {
 	assert.Equal(t, "http://admin:SECRETPW@127.0.0.1:5999/prefix", c.BaseURL().String())
 	c.BaseURL().Host = "changed"
 	assert.Equal(t, "127.0.0.1:5999", c.BaseURL().Host, "BaseURL returns a copy")
-	tr := c.tr
+	tr := c.tr.(*http.Transport)
 	assert.True(t, tr.DisableCompression)
 	assert.Equal(t, 64, tr.MaxIdleConnsPerHost)
 	assert.Zero(t, c.HTTPClient().Timeout, "feeds need a client without an overall timeout")

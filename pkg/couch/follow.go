@@ -213,7 +213,7 @@ func (f *follower[T]) resolveNow(ctx context.Context, since *string, emit func(T
 	if err != nil {
 		return err
 	}
-	resp, err := f.c.send(req, f.path)
+	resp, err := f.c.Send(req)
 	if err != nil {
 		return err
 	}

@@ -95,7 +95,7 @@ func (c *Client) openStream(ctx context.Context, window time.Duration, path stri
 		s.stop()
 		return nil, err
 	}
-	resp, err := c.send(req, path)
+	resp, err := c.Send(req)
 	if err != nil {
 		s.stop()
 		if errors.Is(context.Cause(sctx), errStalled) && ctx.Err() == nil {

@@ -8,7 +8,6 @@ import (
 	"github.com/sirupsen/logrus"
 
 	"github.com/spiegel-nats/spiegel/pkg/backoff"
-	"github.com/spiegel-nats/spiegel/pkg/events"
 )
 
 // PollSeq is the Seq of every event of the poll source: polling has no server position, so a
@@ -71,7 +70,7 @@ func (p *pollFeed) Run(ctx context.Context, since string, emit func(DBEvent) err
 		case first:
 			evs = make([]DBEvent, 0, len(snap))
 			for db := range snap {
-				evs = append(evs, DBEvent{DB: db, Type: events.TypeUpdated})
+				evs = append(evs, DBEvent{DB: db, Type: EventUpdated})
 			}
 			sort.Slice(evs, func(i, j int) bool { return evs[i].DB < evs[j].DB })
 		default:

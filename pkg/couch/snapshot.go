@@ -4,8 +4,6 @@ import (
 	"context"
 	"fmt"
 	"sort"
-
-	"github.com/spiegel-nats/spiegel/pkg/events"
 )
 
 // Snapshot maps each db to its update_seq (opaque) at one moment.
@@ -49,14 +47,14 @@ func Diff(prev, next Snapshot) []DBEvent {
 		old, ok := prev[db]
 		switch {
 		case !ok:
-			out = append(out, DBEvent{DB: db, Type: events.TypeCreated})
+			out = append(out, DBEvent{DB: db, Type: EventCreated})
 		case old != seq:
-			out = append(out, DBEvent{DB: db, Type: events.TypeUpdated})
+			out = append(out, DBEvent{DB: db, Type: EventUpdated})
 		}
 	}
 	for db := range prev {
 		if _, ok := next[db]; !ok {
-			out = append(out, DBEvent{DB: db, Type: events.TypeDeleted})
+			out = append(out, DBEvent{DB: db, Type: EventDeleted})
 		}
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i].DB < out[j].DB })

@@ -47,6 +47,7 @@ type updatesLog struct {
 	timer   *time.Timer          // flushes pending after window; nil when none pending
 	gen     uint64               // identifies the current timer
 	changed chan struct{}        // closed and replaced whenever seq advances
+	held    bool                 // pending rows wait for release
 	closed  bool
 	timers  sync.WaitGroup // running or armed flush timers
 }
@@ -68,6 +69,9 @@ func (l *updatesLog) record(db, typ string) {
 	k := updateKey{db: db, typ: typ}
 	l.pending = slices.DeleteFunc(l.pending, func(p updateKey) bool { return p == k })
 	l.pending = append(l.pending, k)
+	if l.held {
+		return
+	}
 	if l.window <= 0 {
 		l.flushLocked()
 		return
@@ -93,6 +97,22 @@ func (l *updatesLog) flush() {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	l.stopTimerLocked()
+	l.flushLocked()
+}
+
+// hold keeps rows pending, however long, until release.
+func (l *updatesLog) hold() {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.held = true
+	l.stopTimerLocked()
+}
+
+// release ends hold and gives the pending rows their seqs now.
+func (l *updatesLog) release() {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.held = false
 	l.flushLocked()
 }
 

@@ -99,6 +99,32 @@ func TestUpdatesLogKeepsOneRowPerTypeAndDBInWriteOrder(t *testing.T) {
 	assert.Equal(t, uint64(3), last, "limit=0 stays at since")
 }
 
+func TestUpdatesLogHoldKeepsRowsUntilRelease(t *testing.T) {
+	t.Parallel()
+	l := newUpdatesLog(0) // rows get seqs at once, unless held
+	t.Cleanup(l.close)
+	l.record("a", updateUpdated)
+	l.hold()
+	l.record("b", updateUpdated)
+	l.record("c", updateUpdated)
+	rows, last, changed := l.read(0, -1)
+	assert.Equal(t, []updateRow{{updateKey{"a", updateUpdated}, 1}}, rows, "held rows are not in the feed")
+	assert.Equal(t, uint64(1), last)
+
+	l.release()
+	select {
+	case <-changed:
+	default:
+		t.Fatal("release did not signal the change")
+	}
+	rows, last, _ = l.read(1, -1)
+	assert.Equal(t, []updateRow{{updateKey{"b", updateUpdated}, 2}, {updateKey{"c", updateUpdated}, 3}}, rows)
+	assert.Equal(t, uint64(3), last)
+	l.record("d", updateUpdated)
+	_, last, _ = l.read(3, -1)
+	assert.Equal(t, uint64(4), last, "after release, rows get seqs as before")
+}
+
 func TestClassifyWrite(t *testing.T) {
 	t.Parallel()
 	for _, tc := range []struct {

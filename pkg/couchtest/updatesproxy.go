@@ -193,6 +193,22 @@ func (p *UpdatesProxy) Flush() {
 	}
 }
 
+// Hold keeps the rows of writes from now on out of the synthesized feed until Release: a
+// _db_updates feed that is late by as long as the test needs. It does nothing when the proxy is
+// not Synthetic.
+func (p *UpdatesProxy) Hold() {
+	if p.log != nil {
+		p.log.hold()
+	}
+}
+
+// Release ends Hold: the rows held get their seqs now.
+func (p *UpdatesProxy) Release() {
+	if p.log != nil {
+		p.log.release()
+	}
+}
+
 // Requests returns how many requests the proxy received, whatever their outcome, whose method is
 // method ("" for any) and whose escaped path, relative to the server URL, starts with pathPrefix.
 func (p *UpdatesProxy) Requests(method, pathPrefix string) int {

@@ -61,6 +61,21 @@ func (s Subjects) WorkStream() string { return s.streamBase() + "_WORK" }
 // ChangesStream captures the changes published by `subject` rules: SPIEGEL_CHANGES.
 func (s Subjects) ChangesStream() string { return s.streamBase() + "_CHANGES" }
 
+// OnChangeBucket is the key-value bucket caching the checkpoints of on_change rules:
+// SPIEGEL_ONCHANGE (its stream is KV_SPIEGEL_ONCHANGE).
+func (s Subjects) OnChangeBucket() string { return s.streamBase() + "_ONCHANGE" }
+
+// WakeupStream keeps the wakeup markers: SPIEGEL_WAKEUPS (see natsjs.Jobs.Offer).
+func (s Subjects) WakeupStream() string { return s.streamBase() + "_WAKEUPS" }
+
+// WakeupAll is the wakeup stream's subject filter.
+func (s Subjects) WakeupAll() string { return s.Prefix + ".wakeup.>" }
+
+// Wakeup is the subject of the wakeup marker of group g and db.
+func (s Subjects) Wakeup(g Group, db string) string {
+	return s.Prefix + ".wakeup." + string(g) + "." + EncodeDBName(db)
+}
+
 // DeadLetterStream keeps records of work given up: SPIEGEL_DEADLETTER.
 func (s Subjects) DeadLetterStream() string { return s.streamBase() + "_DEADLETTER" }
 

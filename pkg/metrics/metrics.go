@@ -33,6 +33,9 @@ type Producer struct {
 	RulesLoaded     *prometheus.GaugeVec
 	RulesRejected   prometheus.Gauge
 	SweepEnqueued   prometheus.Counter
+	HotFeeds        prometheus.Gauge
+	HotFeedJobs     prometheus.Counter
+	EventsCovered   prometheus.Counter
 }
 
 // NewProducer registers the producer's metrics on reg.
@@ -65,9 +68,18 @@ func NewProducer(reg prometheus.Registerer) *Producer {
 		SweepEnqueued: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "spiegel_sweep_dbs_total", Help: "Dbs the reconciliation sweep found changed and enqueued.",
 		}),
+		HotFeeds: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "spiegel_hot_feeds", Help: "Continuous _changes feeds open on recently changed dbs (SPIEGEL_HOT_FEEDS).",
+		}),
+		HotFeedJobs: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "spiegel_hot_feed_publishes_total", Help: "Publishes of a db's jobs on a change its hot feed delivered.",
+		}),
+		EventsCovered: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "spiegel_feed_events_covered_total", Help: "Db-update events passed over because the db's hot feed publishes its changes' jobs.",
+		}),
 	}
 	reg.MustRegister(m.FeedEvents, m.JobsPublished, m.JobsDeduped, m.PublishErrors, m.FeedPositionAge,
-		m.FeedReconnects, m.RulesLoaded, m.RulesRejected, m.SweepEnqueued)
+		m.FeedReconnects, m.RulesLoaded, m.RulesRejected, m.SweepEnqueued, m.HotFeeds, m.HotFeedJobs, m.EventsCovered)
 	return m
 }
 

@@ -14,8 +14,22 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/sirupsen/logrus"
 
+	"github.com/spiegel-nats/spiegel/pkg/backoff"
+	"github.com/spiegel-nats/spiegel/pkg/config"
 	"github.com/spiegel-nats/spiegel/pkg/logging"
 )
+
+// connectRetry paces the attempts of the first connection.
+var connectRetry = backoff.Policy{Initial: 250 * time.Millisecond, Max: 5 * time.Second, Multiplier: 2, Jitter: 0.2}
+
+// OptionsFrom returns the options of a connection named name from the configuration.
+func OptionsFrom(c config.NATS, name string) Options {
+	return Options{
+		URLs: c.NATSURL, Name: name, CredsFile: c.NATSCredsFile, NKeySeedFile: c.NATSNKeySeedFile,
+		User: c.NATSUser, Password: c.NATSPassword, Token: c.NATSToken,
+		CAFile: c.NATSCAFile, CertFile: c.NATSCertFile, KeyFile: c.NATSKeyFile,
+	}
+}
 
 // Options says how to reach NATS. Only URLs is required; the rest are the usual NATS
 // authentication and TLS settings, used when set.
@@ -112,7 +126,7 @@ func Connect(ctx context.Context, o Options, log logrus.FieldLogger) (*nats.Conn
 			return nil, fmt.Errorf("connect to NATS at %s: %s", logging.RedactText(o.URLs), redacted)
 		}
 		log.WithField("attempt", attempt).WithField("error", redacted).Warn("NATS not reachable yet, retrying")
-		if err := sleep(ctx, attempt); err != nil {
+		if err := backoff.Sleep(ctx, connectRetry.Delay(attempt)); err != nil {
 			return nil, fmt.Errorf("connect to NATS at %s: %s", logging.RedactText(o.URLs), redacted)
 		}
 	}
@@ -157,19 +171,4 @@ func isPermanentConnectError(err error) bool {
 		}
 	}
 	return strings.Contains(err.Error(), "tls:")
-}
-
-func sleep(ctx context.Context, attempt int) error {
-	d := time.Duration(attempt) * 250 * time.Millisecond
-	if d > 5*time.Second {
-		d = 5 * time.Second
-	}
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-ctx.Done():
-		return ctx.Err()
-	case <-t.C:
-		return nil
-	}
 }

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/nats-io/nats.go"
@@ -32,10 +33,14 @@ func IsDuplicateJob(err error) bool {
 		strings.Contains(strings.ToLower(apiErr.Description), perSubjectLimit)
 }
 
-// Jobs publishes jobs to the work stream.
+// Jobs publishes jobs to the work stream and keeps their wakeup markers. It is safe for
+// concurrent use.
 type Jobs struct {
 	js       jetstream.JetStream
 	subjects events.Subjects
+
+	mu           sync.Mutex
+	wakeupStream jetstream.Stream // looked up once
 }
 
 // NewJobs returns a job publisher for the work stream named by subjects.
@@ -78,4 +83,85 @@ func (j *Jobs) PublishAsync(g events.Group, job events.Job) (jetstream.PubAckFut
 			return nil, fmt.Errorf("publish %s job for %q: %w", g, job.DB, err)
 		}
 	}
+}
+
+// The lost-wakeup rule (SPEC §3) without asking CouchDB. A change that lands while its db's job
+// is pending or running is refused as a duplicate; Offer then leaves a wakeup marker for the
+// (group, db). A worker clears the marker when it starts the db's job (whatever it marked is
+// read by that run) and takes it after the ack: a marker still there came during the run, so
+// the job is offered again. Offer publishes once more after writing the marker, so that a job
+// acked between the refusal and the marker is enqueued anyway: whichever way the two race, the
+// change is covered by the running job, the job offered again, or the job this second publish
+// enqueues.
+
+// Offer enqueues job for group g. When a job for the same (group, db) is already pending or
+// running, it writes the wakeup marker and publishes once more; deduplicated is true when that
+// second publish was refused too (the marker stands for the change). An error means the change
+// is not represented yet: the caller retries.
+func (j *Jobs) Offer(ctx context.Context, g events.Group, job events.Job) (deduplicated bool, err error) {
+	dedup, err := j.Publish(ctx, g, job)
+	if err != nil || !dedup {
+		return false, err
+	}
+	return j.MarkAndRetry(ctx, g, job)
+}
+
+// MarkAndRetry is what Offer does after a refused publish (for a caller that published
+// asynchronously and saw the refusal in the answer): write the wakeup marker, publish again.
+func (j *Jobs) MarkAndRetry(ctx context.Context, g events.Group, job events.Job) (deduplicated bool, err error) {
+	subject := j.subjects.Wakeup(g, job.DB)
+	if _, err := j.js.Publish(ctx, subject, nil, jetstream.WithExpectStream(j.subjects.WakeupStream())); err != nil {
+		return false, fmt.Errorf("write wakeup marker %s: %w", subject, err)
+	}
+	return j.Publish(ctx, g, job)
+}
+
+// ClearWakeup removes the wakeup marker of (g, db): the job about to run reads everything it
+// stood for. A failure is harmless (TakeWakeup then finds the old marker and the job is
+// offered once more than needed) and is returned for logging.
+func (j *Jobs) ClearWakeup(ctx context.Context, g events.Group, db string) error {
+	s, err := j.wakeups(ctx)
+	if err == nil {
+		err = s.Purge(ctx, jetstream.WithPurgeSubject(j.subjects.Wakeup(g, db)))
+	}
+	if err != nil {
+		return fmt.Errorf("clear wakeup marker of %s %q: %w", g, db, err)
+	}
+	return nil
+}
+
+// TakeWakeup reports whether the wakeup marker of (g, db) is set, and removes it. A failure
+// to tell is an error; the caller offers the job again to be safe.
+func (j *Jobs) TakeWakeup(ctx context.Context, g events.Group, db string) (bool, error) {
+	s, err := j.wakeups(ctx)
+	if err != nil {
+		return false, fmt.Errorf("read wakeup marker of %s %q: %w", g, db, err)
+	}
+	m, err := s.GetLastMsgForSubject(ctx, j.subjects.Wakeup(g, db))
+	if errors.Is(err, jetstream.ErrMsgNotFound) {
+		return false, nil
+	}
+	if err != nil {
+		return false, fmt.Errorf("read wakeup marker of %s %q: %w", g, db, err)
+	}
+	// A newer marker replaces this one (one per subject): deleting an old sequence number that
+	// is gone already is fine.
+	if err := s.DeleteMsg(ctx, m.Sequence); err != nil && !errors.Is(err, jetstream.ErrMsgNotFound) {
+		return true, fmt.Errorf("remove wakeup marker of %s %q: %w", g, db, err)
+	}
+	return true, nil
+}
+
+func (j *Jobs) wakeups(ctx context.Context) (jetstream.Stream, error) {
+	j.mu.Lock()
+	defer j.mu.Unlock()
+	if j.wakeupStream != nil {
+		return j.wakeupStream, nil
+	}
+	s, err := j.js.Stream(ctx, j.subjects.WakeupStream())
+	if err != nil {
+		return nil, err
+	}
+	j.wakeupStream = s
+	return s, nil
 }

@@ -67,6 +67,33 @@ func (t Topology) WorkStreamConfig() jetstream.StreamConfig {
 	}
 }
 
+// WakeupStreamConfig keeps one marker per (group, db): "a change came while this db's job was
+// pending or running" (see Jobs.Offer). A new marker replaces the old one.
+func (t Topology) WakeupStreamConfig() jetstream.StreamConfig {
+	return jetstream.StreamConfig{
+		Name:              t.Subjects.WakeupStream(),
+		Description:       "Spiegel wakeup markers: a change arrived while its db's job was pending or running",
+		Subjects:          []string{t.Subjects.WakeupAll()},
+		Retention:         jetstream.LimitsPolicy,
+		Storage:           jetstream.FileStorage,
+		Discard:           jetstream.DiscardOld,
+		MaxMsgsPerSubject: 1,
+		Replicas:          t.replicas(),
+	}
+}
+
+// OnChangeBucketConfig is the cache of on_change checkpoints (their home is a _local doc in the
+// watched db: see checkpoint.OnChangeStore). One value per (rule, db).
+func (t Topology) OnChangeBucketConfig() jetstream.KeyValueConfig {
+	return jetstream.KeyValueConfig{
+		Bucket:      t.Subjects.OnChangeBucket(),
+		Description: "Spiegel: cache of the checkpoints of on_change rules (the _local docs in the watched dbs hold them)",
+		History:     1,
+		Storage:     jetstream.FileStorage,
+		Replicas:    t.replicas(),
+	}
+}
+
 // DeadLetterStreamConfig keeps records of requests and replications given up.
 func (t Topology) DeadLetterStreamConfig() jetstream.StreamConfig {
 	return jetstream.StreamConfig{
@@ -123,10 +150,13 @@ func (t Topology) ConsumerConfig(g events.Group) jetstream.ConsumerConfig {
 // Ensure creates or updates every stream and consumer. It is idempotent and safe to run from
 // several processes at once.
 func Ensure(ctx context.Context, js jetstream.JetStream, t Topology) error {
-	for _, cfg := range []jetstream.StreamConfig{t.WorkStreamConfig(), t.DeadLetterStreamConfig(), t.ChangesStreamConfig()} {
+	for _, cfg := range []jetstream.StreamConfig{t.WorkStreamConfig(), t.WakeupStreamConfig(), t.DeadLetterStreamConfig(), t.ChangesStreamConfig()} {
 		if err := ensureStream(ctx, js, cfg); err != nil {
 			return err
 		}
+	}
+	if err := ensureBucket(ctx, js, t.OnChangeBucketConfig()); err != nil {
+		return err
 	}
 	for _, g := range events.Groups {
 		cfg := t.ConsumerConfig(g)
@@ -144,6 +174,32 @@ func Ensure(ctx context.Context, js jetstream.JetStream, t Topology) error {
 		}
 	}
 	return nil
+}
+
+func ensureBucket(ctx context.Context, js jetstream.JetStream, cfg jetstream.KeyValueConfig) error {
+	var err error
+	for attempt := 0; attempt < 5; attempt++ {
+		if _, err = js.CreateOrUpdateKeyValue(ctx, cfg); err == nil {
+			return nil
+		}
+		if !isRace(err) {
+			break
+		}
+	}
+	return fmt.Errorf("create key-value bucket %s: %w", cfg.Bucket, err)
+}
+
+// OnChangeBucket opens the cache of on_change checkpoints; a missing bucket is an error wrapping
+// ErrNotInstalled.
+func OnChangeBucket(ctx context.Context, js jetstream.JetStream, t Topology) (jetstream.KeyValue, error) {
+	kv, err := js.KeyValue(ctx, t.Subjects.OnChangeBucket())
+	if errors.Is(err, jetstream.ErrBucketNotFound) {
+		return nil, fmt.Errorf("key-value bucket %s is missing: %w", t.Subjects.OnChangeBucket(), ErrNotInstalled)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("open key-value bucket %s: %w", t.Subjects.OnChangeBucket(), err)
+	}
+	return kv, nil
 }
 
 func ensureStream(ctx context.Context, js jetstream.JetStream, cfg jetstream.StreamConfig) error {
@@ -174,9 +230,15 @@ func isRace(err error) bool {
 		errors.Is(err, jetstream.ErrConsumerExists) || errors.Is(err, jetstream.ErrConsumerNotFound)
 }
 
-// CheckInstalled returns an error wrapping ErrNotInstalled when the work stream, or the
-// consumer of one of groups, is missing.
+// CheckInstalled returns an error wrapping ErrNotInstalled when the work stream, the wakeup
+// stream, or the consumer of one of groups, is missing (an installation made by an older
+// release lacks the wakeup stream: running install again adds it).
 func CheckInstalled(ctx context.Context, js jetstream.JetStream, t Topology, groups ...events.Group) error {
+	if _, err := js.Stream(ctx, t.Subjects.WakeupStream()); errors.Is(err, jetstream.ErrStreamNotFound) {
+		return fmt.Errorf("stream %s is missing: %w", t.Subjects.WakeupStream(), ErrNotInstalled)
+	} else if err != nil {
+		return fmt.Errorf("look up stream %s: %w", t.Subjects.WakeupStream(), err)
+	}
 	s, err := js.Stream(ctx, t.Subjects.WorkStream())
 	if errors.Is(err, jetstream.ErrStreamNotFound) {
 		return fmt.Errorf("stream %s is missing: %w", t.Subjects.WorkStream(), ErrNotInstalled)
@@ -195,13 +257,16 @@ func CheckInstalled(ctx context.Context, js jetstream.JetStream, t Topology, gro
 	return nil
 }
 
-// Remove deletes the work and dead-letter streams (and so their consumers) and the changes
-// stream. Missing streams are not an error.
+// Remove deletes the work, wakeup and dead-letter streams (and so their consumers), the changes
+// stream and the checkpoint cache. Missing ones are not an error.
 func Remove(ctx context.Context, js jetstream.JetStream, t Topology) error {
-	for _, name := range []string{t.Subjects.WorkStream(), t.Subjects.DeadLetterStream(), t.Subjects.ChangesStream()} {
+	for _, name := range []string{t.Subjects.WorkStream(), t.Subjects.WakeupStream(), t.Subjects.DeadLetterStream(), t.Subjects.ChangesStream()} {
 		if err := js.DeleteStream(ctx, name); err != nil && !errors.Is(err, jetstream.ErrStreamNotFound) {
 			return fmt.Errorf("delete stream %s: %w", name, err)
 		}
+	}
+	if err := js.DeleteKeyValue(ctx, t.Subjects.OnChangeBucket()); err != nil && !errors.Is(err, jetstream.ErrBucketNotFound) {
+		return fmt.Errorf("delete key-value bucket %s: %w", t.Subjects.OnChangeBucket(), err)
 	}
 	return nil
 }

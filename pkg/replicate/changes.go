@@ -9,7 +9,7 @@ import (
 	"strconv"
 
 	"github.com/spiegel-nats/spiegel/pkg/couch"
-	"github.com/spiegel-nats/spiegel/pkg/rules"
+	"github.com/spiegel-nats/spiegel/pkg/mango"
 )
 
 // change is one row of the source's _changes (style=all_docs): every leaf rev of the doc.
@@ -37,7 +37,7 @@ type changesReader struct {
 	filter string     // server-side filter name ("" none)
 	query  url.Values // filter parameters
 	body   any        // POST body (doc_ids, selector), nil for GET
-	local  *rules.Selector
+	local  *mango.Selector
 }
 
 // newChangesReader prepares the reader for opt. pouchDB tells whether the source server is
@@ -54,7 +54,7 @@ func newChangesReader(src *endpoint, opt Options, pouchDB bool) (*changesReader,
 			r.body = map[string]any{"selector": opt.Selector}
 			break
 		}
-		sel, err := rules.CompileSelector(opt.Selector)
+		sel, err := mango.Compile(opt.Selector)
 		if err != nil {
 			return nil, fmt.Errorf("compile selector: %w", err)
 		}

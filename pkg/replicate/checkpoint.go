@@ -97,6 +97,10 @@ type checkpointer struct {
 	tgtRev   string
 	written  couch.Seq // the last seq written to both sides
 	deferred bool      // the final checkpoint was left to a later run
+	// deferredSeq is where the run got to when its checkpoint was deferred
+	deferredSeq couch.Seq
+	// lastWritten is the doc this run last wrote on both sides (nil: none)
+	lastWritten *checkpointDoc
 	// lastSession is the session of the checkpoint both sides hold alike ("" if they differ)
 	lastSession string
 }
@@ -169,8 +173,14 @@ func (c *checkpointer) write(ctx context.Context, seq couch.Seq, st stats) error
 	if err := errors.Join(srcErr, tgtErr); err != nil {
 		return err
 	}
-	c.written = seq
+	c.written, c.lastWritten = seq, &doc
 	return nil
+}
+
+// withRev returns a copy of d with rev.
+func (d checkpointDoc) withRev(rev string) checkpointDoc {
+	d.Rev = rev
+	return d
 }
 
 // put writes doc as e's checkpoint over *rev and stores the new rev. A 409 (a rev we did not

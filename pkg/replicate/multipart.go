@@ -15,7 +15,6 @@ import (
 
 	"github.com/spiegel-nats/spiegel/pkg/couch"
 	"github.com/spiegel-nats/spiegel/pkg/couchpath"
-	"github.com/spiegel-nats/spiegel/pkg/logging"
 )
 
 // putMultipart streams one revision to the target: PUT /db/id?new_edits=false as
@@ -91,49 +90,32 @@ func (r *run) putMultipartOnce(ctx context.Context, d attachedDoc, names []strin
 		pw.CloseWithError(r.writeParts(ctx, pw, boundary, d, names, jsonHeader, jsonPart))
 	}()
 	defer pr.Close()
-	target := r.tgt.base + r.tgt.docPath(d.doc.ID) + "?new_edits=false"
-	req, err := http.NewRequestWithContext(ctx, http.MethodPut, target, pr)
+	req, err := r.tgt.c.NewRequest(ctx, http.MethodPut, r.tgt.docPath(d.doc.ID), url.Values{"new_edits": {"false"}}, pr)
 	if err != nil {
-		return nil, false, false, fmt.Errorf("build multipart put of %q: %s", d.doc.ID, logging.RedactText(err.Error()))
+		return nil, false, false, fmt.Errorf("build multipart put of %q: %w", d.doc.ID, err)
 	}
 	req.ContentLength = length
-	r.tgt.authorize(req)
-	req.Header.Set("Accept", "application/json")
 	req.Header.Set("Content-Type", mime.FormatMediaType("multipart/related", map[string]string{"boundary": boundary}))
-	resp, err := r.tgt.hc.Do(req)
-	if err != nil {
-		var se *sourceError
-		switch {
-		case errors.As(err, &se) && se.gone:
-			return nil, false, false, nil // fetched again inline, with latest=true
-		case errors.As(err, &se):
-			return nil, false, se.retry, se.err
-		}
-		var ue *url.Error
-		if errors.As(err, &ue) {
-			err = ue.Err
-		}
-		return nil, false, true, &transportError{msg: logging.RedactText(fmt.Sprintf("multipart put of %q to %s: %v", d.doc.ID, r.tgt.shown, err)), err: err}
-	}
-	defer func() {
+	resp, err := r.tgt.c.Send(req)
+	var se *sourceError
+	var he *couch.HTTPError
+	switch {
+	case err == nil:
 		_, _ = io.Copy(io.Discard, io.LimitReader(resp.Body, 1<<20))
 		_ = resp.Body.Close()
-	}()
-	if resp.StatusCode < 300 {
 		return nil, true, false, nil
-	}
-	var eb struct {
-		Error  string `json:"error"`
-		Reason string `json:"reason"`
-	}
-	_ = json.NewDecoder(io.LimitReader(resp.Body, 64<<10)).Decode(&eb)
-	switch {
-	case resp.StatusCode >= 500 || resp.StatusCode == http.StatusTooManyRequests:
-		return nil, false, true, &couch.HTTPError{Status: resp.StatusCode, Method: http.MethodPut, Path: r.tgt.docPath(d.doc.ID), ErrorName: eb.Error, Reason: eb.Reason}
-	case resp.StatusCode == http.StatusUnsupportedMediaType || resp.StatusCode == http.StatusPreconditionFailed:
+	case errors.As(err, &se) && se.gone:
+		return nil, false, false, nil // fetched again inline, with latest=true
+	case errors.As(err, &se):
+		return nil, false, se.retry, se.err
+	case !errors.As(err, &he):
+		return nil, false, true, fmt.Errorf("multipart put of %q to %s: %w", d.doc.ID, r.tgt.shown, err)
+	case he.Status >= 500 || he.Status == http.StatusTooManyRequests:
+		return nil, false, true, err
+	case he.Status == http.StatusUnsupportedMediaType || he.Status == http.StatusPreconditionFailed:
 		return nil, false, false, nil
 	default:
-		return &writeFailure{ID: d.doc.ID, Rev: d.doc.Rev, Error: eb.Error, Reason: eb.Reason}, true, false, nil
+		return &writeFailure{ID: d.doc.ID, Rev: d.doc.Rev, Error: he.ErrorName, Reason: he.Reason}, true, false, nil
 	}
 }
 
@@ -178,27 +160,21 @@ func (r *run) writeParts(ctx context.Context, w io.Writer, boundary string, d at
 // bytes, else an error.
 func (r *run) copyAttachment(ctx context.Context, w io.Writer, doc fetchedDoc, name string, length int64) error {
 	path := r.src.docPath(doc.ID) + "/" + couchpath.Segment(name)
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, r.src.base+path+"?"+url.Values{"rev": {doc.Rev}}.Encode(), nil)
+	req, err := r.src.c.NewRequest(ctx, http.MethodGet, path, url.Values{"rev": {doc.Rev}}, nil)
 	if err != nil {
-		return &sourceError{err: fmt.Errorf("build attachment request: %s", logging.RedactText(err.Error()))}
+		return &sourceError{err: fmt.Errorf("build attachment request: %w", err)}
 	}
-	r.src.authorize(req)
-	resp, err := r.src.hc.Do(req)
+	req.Header.Del("Accept") // the attachment's own type
+	resp, err := r.src.c.Send(req)
 	if err != nil {
-		var ue *url.Error
-		if errors.As(err, &ue) {
-			err = ue.Err
+		class := couch.Classify(err)
+		return &sourceError{
+			retry: class == couch.Transient && ctx.Err() == nil,
+			gone:  class == couch.NotFound,
+			err:   fmt.Errorf("read attachment from %s: %w", r.src.shown, err),
 		}
-		return &sourceError{retry: true, err: &transportError{msg: logging.RedactText(fmt.Sprintf("GET %s: %v", path, err)), err: err}}
 	}
 	defer resp.Body.Close()
-	if resp.StatusCode >= 300 {
-		return &sourceError{
-			retry: resp.StatusCode >= 500 || resp.StatusCode == http.StatusTooManyRequests,
-			gone:  resp.StatusCode == http.StatusNotFound,
-			err:   fmt.Errorf("read attachment from %s: %w", r.src.shown, &couch.HTTPError{Status: resp.StatusCode, Method: http.MethodGet, Path: path}),
-		}
-	}
 	n, err := io.Copy(w, io.LimitReader(resp.Body, length+1))
 	if err == nil && n != length {
 		err = fmt.Errorf("attachment %q of %q: got %d bytes, want %d", name, doc.ID, n, length)

@@ -16,7 +16,7 @@ import (
 // an error: ask with attachments=true, which inlines them, or false, which sends stubs.
 type openRevsAnswer []bulkGetResult
 
-func (a *openRevsAnswer) decodeResponse(contentType string, body io.Reader) error {
+func (a *openRevsAnswer) DecodeResponse(contentType string, body io.Reader) error {
 	mediaType, params, err := mime.ParseMediaType(contentType)
 	if err != nil || !strings.HasPrefix(mediaType, "multipart/") {
 		return json.NewDecoder(body).Decode((*[]bulkGetResult)(a))

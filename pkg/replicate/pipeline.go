@@ -140,7 +140,7 @@ func (r *run) pipeline(parent context.Context, reader *changesReader, first chan
 		return err
 	}
 	if err == nil && next == 1 && cp.recent(r.opt.CheckpointDefer) {
-		cp.deferred = true
+		cp.deferred, cp.deferredSeq = true, recorded
 		r.log.WithField("seq", string(recorded)).Debug("checkpoint deferred: the last one is recent and this run was small")
 		return nil
 	}

@@ -30,7 +30,6 @@ import (
 	"fmt"
 	"io"
 	"net/http"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -78,6 +77,9 @@ type Options struct {
 	// CheckpointInterval is the least time between two checkpoints (default 5s); a run always
 	// checkpoints at its end, and on cancellation records what was completed.
 	CheckpointInterval time.Duration
+	// Checkpoints, when set, caches the checkpoint docs between runs of this process (share
+	// one between runs): a run that finds its replication there reads no checkpoint.
+	Checkpoints *CheckpointCache
 	// CheckpointDefer batches the checkpoints of a burst of small runs: a run that completes
 	// within one batch of changes, less than CheckpointDefer after the previous checkpoint of
 	// the same replication, skips its final checkpoint (two PUTs). The next run then starts at
@@ -172,13 +174,16 @@ func Run(ctx context.Context, opt Options, log logrus.FieldLogger) (Result, erro
 		return Result{}, err
 	}
 	var requests atomic.Int64
-	hc, release := countingClient(opt.HTTPClient, &requests)
+	tr, release, err := countingTransportOf(opt.HTTPClient, &requests)
+	if err != nil {
+		return Result{}, fmt.Errorf("replicate: %w", err)
+	}
 	defer release()
-	src, err := newEndpoint(opt.Source, hc)
+	src, err := newEndpoint(opt.Source, tr)
 	if err != nil {
 		return Result{}, fmt.Errorf("replicate: source: %w", err)
 	}
-	tgt, err := newEndpoint(opt.Target, hc)
+	tgt, err := newEndpoint(opt.Target, tr)
 	if err != nil {
 		return Result{}, fmt.Errorf("replicate: target: %w", err)
 	}
@@ -215,12 +220,20 @@ type run struct {
 func (r *run) run(ctx context.Context) (Result, error) {
 	cp := &checkpointer{src: r.src, tgt: r.tgt, id: r.id, session: newSessionID(), started: time.Now()}
 	res := Result{SessionID: cp.session, ReplicationID: r.id}
-	srcDoc, tgtDoc, err := r.readCheckpoints(ctx, cp)
-	if err != nil {
-		return res, err
+	var err error
+	srcDoc, tgtDoc, progress, cached := r.opt.Checkpoints.get(r.id)
+	if !cached {
+		if srcDoc, tgtDoc, err = r.readCheckpoints(ctx, cp); err != nil {
+			return res, err
+		}
 	}
 	cp.startSeq, cp.history = findStartSeq(srcDoc, tgtDoc)
 	cp.written = cp.startSeq
+	if progress != "" {
+		// An earlier run of this process left its checkpoint to a later run: everything up to
+		// its progress is on the target already.
+		cp.startSeq, cp.written = progress, progress
+	}
 	if srcDoc != nil && tgtDoc != nil && srcDoc.SessionID == tgtDoc.SessionID {
 		cp.lastSession = srcDoc.SessionID
 	}
@@ -243,6 +256,9 @@ func (r *run) run(ctx context.Context) (Result, error) {
 		return res, err
 	}
 	first, raw, err := reader.page(ctx, cp.startSeq)
+	if err != nil {
+		r.opt.Checkpoints.drop(r.id)
+	}
 	if errors.Is(err, couch.ErrNotFound) {
 		if ok, xerr := r.src.exists(ctx); xerr == nil && !ok {
 			return res, fmt.Errorf("%w: %s", ErrSourceNotFound, r.src.shown)
@@ -254,9 +270,23 @@ func (r *run) run(ctx context.Context) (Result, error) {
 	if raw == 0 {
 		res.OK, res.NoChanges = true, true
 		r.log.WithField("seq", res.StartSeq).Debug("no changes since the checkpoint")
+		if !cached && srcDoc != nil && tgtDoc != nil {
+			r.opt.Checkpoints.put(r.id, *srcDoc, *tgtDoc)
+		}
 		return res, nil
 	}
 	err = r.pipeline(ctx, reader, first, raw, cp)
+	switch {
+	case err != nil:
+		r.opt.Checkpoints.drop(r.id)
+	case cp.lastWritten != nil:
+		r.opt.Checkpoints.put(r.id, cp.lastWritten.withRev(cp.srcRev), cp.lastWritten.withRev(cp.tgtRev))
+	case cp.deferred:
+		if !cached && srcDoc != nil && tgtDoc != nil { // both sides still hold what was read
+			r.opt.Checkpoints.put(r.id, *srcDoc, *tgtDoc)
+		}
+		r.opt.Checkpoints.advance(r.id, cp.deferredSeq)
+	}
 	res.EndSeq, res.CheckpointDeferred = string(cp.written), cp.deferred
 	res.OK = err == nil
 	if err != nil {
@@ -317,16 +347,11 @@ func (r *run) readCheckpoints(ctx context.Context, cp *checkpointer) (src, tgt *
 	return src, tgt, tgtErr
 }
 
-// isPouchDB reads the source server's welcome doc (GET /).
+// isPouchDB tells whether the source server is PouchDB Server (its welcome doc, read once).
 func (r *run) isPouchDB(ctx context.Context) (bool, error) {
-	var root struct {
-		PouchDB string `json:"express-pouchdb"`
-		Vendor  struct {
-			Name string `json:"name"`
-		} `json:"vendor"`
+	info, err := r.src.c.Server(ctx)
+	if err != nil {
+		return false, err
 	}
-	if err := r.src.do(ctx, http.MethodGet, "/", nil, nil, &root); err != nil {
-		return false, fmt.Errorf("read server info of %s: %w", r.src.shown, err)
-	}
-	return root.PouchDB != "" || strings.Contains(root.Vendor.Name, "PouchDB"), nil
+	return info.PouchDB, nil
 }

@@ -128,6 +128,56 @@ func TestIncrementalRequests(t *testing.T) {
 	requireSameLeaves(t, s, source, target)
 }
 
+// TestCheckpointCache: with the checkpoint cache and deferred checkpoints, an incremental run of
+// a few new docs costs four requests (_changes, _revs_diff, _bulk_get, _bulk_docs) and a run
+// without changes one; a cache that another process made stale costs no doc twice; a target
+// recreated behind the cache's back is replicated from the beginning once the entry is too old.
+func TestCheckpointCache(t *testing.T) {
+	s := couchtest.Get(t)
+	source, target := s.NewDB(t, "csrc_"), s.NewDB(t, "ctgt_")
+	createDocs(t, s, source, "base", 20)
+	cache := NewCheckpointCache(time.Hour, 100)
+	opt := Options{Source: dbURL(s, source), Target: dbURL(s, target), CheckpointDefer: time.Hour, Checkpoints: cache}
+	_, err := Run(t.Context(), opt, testLog(t))
+	require.NoError(t, err)
+	for i := 1; i <= 3; i++ {
+		s.Put(t, source, fmt.Sprintf("new-%d", i), map[string]any{"i": i})
+		res, err := Run(t.Context(), opt, testLog(t))
+		require.NoError(t, err)
+		assert.EqualValues(t, 1, res.DocsWritten)
+		assert.LessOrEqual(t, res.Requests, int64(4), "run %d", i)
+		t.Logf("incremental run %d: %d requests", i, res.Requests)
+	}
+	none, err := Run(t.Context(), opt, testLog(t))
+	require.NoError(t, err)
+	assert.True(t, none.NoChanges)
+	assert.EqualValues(t, 1, none.Requests, "a run without changes reads _changes only")
+	requireSameLeaves(t, s, source, target)
+
+	// Another process (no shared cache) runs the replication meanwhile: this one's cache is
+	// stale; its next run re-checks and writes nothing twice.
+	s.Put(t, source, "elsewhere", map[string]any{})
+	other := opt
+	other.Checkpoints, other.CheckpointDefer = nil, 0
+	_, err = Run(t.Context(), other, testLog(t))
+	require.NoError(t, err)
+	s.Put(t, source, "here", map[string]any{})
+	res, err := Run(t.Context(), opt, testLog(t))
+	require.NoError(t, err)
+	assert.EqualValues(t, 1, res.DocsWritten, "only the new doc")
+	requireSameLeaves(t, s, source, target)
+
+	// The target is deleted and recreated empty; once the cache entry is too old the next run
+	// reads the checkpoints, finds none on the target and replicates everything.
+	require.NoError(t, s.Do(t, "DELETE", "/"+couchtest.PathDB(target), nil, nil))
+	require.NoError(t, s.Do(t, "PUT", "/"+couchtest.PathDB(target), nil, nil))
+	opt.Checkpoints = NewCheckpointCache(time.Nanosecond, 100)
+	s.Put(t, source, "after-recreate", map[string]any{})
+	_, err = Run(t.Context(), opt, testLog(t))
+	require.NoError(t, err)
+	requireSameLeaves(t, s, source, target)
+}
+
 // TestCheckpointDefer: a burst of small runs on one db writes one checkpoint, not one per run;
 // each deferred run costs two requests less, later runs re-read the skipped changes without
 // writing them twice, and a run past the window checkpoints again.

@@ -60,7 +60,7 @@ func TestBulkGetPouchDBShapes(t *testing.T) {
 func TestFixtureOpenRevsMultipart(t *testing.T) {
 	ct, body := fixture(t, "open-revs-all")
 	var ans openRevsAnswer
-	require.NoError(t, ans.decodeResponse(ct, bytes.NewReader(body)))
+	require.NoError(t, ans.DecodeResponse(ct, bytes.NewReader(body)))
 	a := bulkGetAnswer{Results: []struct {
 		ID   string          `json:"id"`
 		Docs []bulkGetResult `json:"docs"`
@@ -71,7 +71,7 @@ func TestFixtureOpenRevsMultipart(t *testing.T) {
 	assert.Equal(t, "2-0123456789abcdef0123456789abcdef", docs[0].Rev)
 
 	var js openRevsAnswer
-	require.NoError(t, js.decodeResponse("application/json", strings.NewReader(`[{"ok":{"_id":"d","_rev":"1-a"}},{"missing":"1-b"}]`)))
+	require.NoError(t, js.DecodeResponse("application/json", strings.NewReader(`[{"ok":{"_id":"d","_rev":"1-a"}},{"missing":"1-b"}]`)))
 	assert.Len(t, js, 2)
 	assert.Equal(t, "1-b", js[1].Missing)
 }
@@ -198,16 +198,16 @@ func TestReplicationID(t *testing.T) {
 
 func TestNewEndpoint(t *testing.T) {
 	t.Parallel()
-	e, err := newEndpoint("http://u:pw@Example.com:5984/prefix/my%2Fdb%2Bx/", http.DefaultClient)
+	e, err := newEndpoint("http://u:pw@Example.com:5984/prefix/my%2Fdb%2Bx/", http.DefaultTransport)
 	require.NoError(t, err)
 	assert.Equal(t, "my/db+x", e.db)
 	assert.Equal(t, "/my%2Fdb%2Bx", e.dbPath)
-	assert.Equal(t, "http://example.com:5984/prefix", e.base)
+	assert.Equal(t, "http://u:pw@example.com:5984/prefix", e.c.BaseURL().String(), "the server: credentials, lower-cased host, path prefix")
 	assert.NotContains(t, e.shown, "pw")
 	assert.Equal(t, "/my%2Fdb%2Bx/_design/a%20b", e.docPath("_design/a b"))
 
 	for _, bad := range []string{"", "ftp://h/db", "http://h", "http://h/", "http://u:pw@h/db?x=1"} {
-		_, err := newEndpoint(bad, http.DefaultClient)
+		_, err := newEndpoint(bad, http.DefaultTransport)
 		if assert.Error(t, err, bad) {
 			assert.NotContains(t, err.Error(), "pw")
 		}

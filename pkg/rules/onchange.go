@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/spiegel-nats/spiegel/pkg/events"
+	"github.com/spiegel-nats/spiegel/pkg/mango"
 )
 
 // Where a new on_change rule starts reading a db that has no checkpoint yet (the "since" field).
@@ -28,7 +29,7 @@ type OnChange struct {
 	// If maps top-level doc fields to regexes that must all match (see MatchDoc); a nil regex
 	// means the field must be absent or null.
 	If       map[string]*regexp.Regexp
-	Selector *Selector // nil: no selector
+	Selector *mango.Selector // nil: no selector
 	// URL is the webhook template as written (may hold ${db_name}, ${change.id}, ...; see
 	// Interpolate with urlEscape=true).
 	URL     string
@@ -125,7 +126,7 @@ func parseOnChange(f fields) (*OnChange, error) {
 		if !ok {
 			return nil, f.errorf("selector", "must be an object (a Mango selector)")
 		}
-		if r.Selector, err = CompileSelector(sel); err != nil {
+		if r.Selector, err = mango.Compile(sel); err != nil {
 			return nil, f.errorf("selector", "%v", err)
 		}
 	}

@@ -6,6 +6,8 @@ import (
 	"sort"
 	"strconv"
 	"strings"
+
+	"github.com/spiegel-nats/spiegel/pkg/mango"
 )
 
 // QueryString encodes params as Node's `qs.stringify(params)` does with its defaults (bracket
@@ -75,7 +77,7 @@ func scalarText(v any) string {
 		}
 		return s
 	}
-	if f, ok := toFloat(v); ok {
+	if f, ok := mango.Number(v); ok {
 		return jsNumber(f)
 	}
 	return fieldText(v)

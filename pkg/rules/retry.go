@@ -4,6 +4,8 @@ import (
 	"math"
 	"sort"
 	"time"
+
+	"github.com/spiegel-nats/spiegel/pkg/mango"
 )
 
 // Backoff kinds of a RetryPolicy.
@@ -112,13 +114,13 @@ func parseRetry(f fields) (RetryPolicy, error) {
 				return p, err
 			}
 		case "multiplier":
-			m, ok := toFloat(x)
+			m, ok := mango.Number(x)
 			if !ok || m < 1 || math.IsInf(m, 0) || math.IsNaN(m) {
 				return p, f.errorf(field, "must be a number ≥ 1")
 			}
 			p.Multiplier = m
 		case "limit":
-			n, ok := toFloat(x)
+			n, ok := mango.Number(x)
 			if !ok || n < 0 || n != math.Trunc(n) || n > math.MaxInt32 {
 				return p, f.errorf(field, "must be a non-negative integer (0 = forever)")
 			}

@@ -19,6 +19,7 @@ import (
 	"time"
 
 	"github.com/spiegel-nats/spiegel/pkg/events"
+	"github.com/spiegel-nats/spiegel/pkg/mango"
 )
 
 // Rule kinds: the value of a rule document's "type" field.
@@ -178,7 +179,7 @@ func millisValue(f fields, field string, v any, def time.Duration) (time.Duratio
 	if v == nil {
 		return def, nil
 	}
-	n, ok := toFloat(v)
+	n, ok := mango.Number(v)
 	if !ok {
 		return 0, f.errorf(field, "must be a number of milliseconds, not %s", jsonTypeName(v))
 	}
@@ -244,7 +245,7 @@ func jsonTypeName(v any) string {
 	case map[string]any:
 		return "an object"
 	default:
-		if _, ok := toFloat(v); ok {
+		if _, ok := mango.Number(v); ok {
 			return "a number"
 		}
 		return fmt.Sprintf("%T", v)

@@ -69,6 +69,13 @@ func TestSubstitute(t *testing.T) {
 	assert.Nil(t, Substitute("$change.doc", Vars{}), "no doc → null")
 }
 
+func decodeJSON(t testing.TB, s string) map[string]any {
+	t.Helper()
+	var m map[string]any
+	require.NoError(t, json.Unmarshal([]byte(s), &m), s)
+	return m
+}
+
 func TestInterpolate(t *testing.T) {
 	t.Parallel()
 	v := testVars(t)

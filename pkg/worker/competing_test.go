@@ -54,8 +54,8 @@ func TestCompetingRunnersNeverOverlapOnADB(t *testing.T) {
 	_, jsB := e.srv.Connect(t)
 	cfg := testConfig()
 	cfg.Concurrency = 60
-	start(t, e.newRunner(t, nil, cfg, handler(0), nil))
-	start(t, e.newRunner(t, jsB, cfg, handler(1), nil))
+	start(t, e.newRunner(t, nil, cfg, handler(0)))
+	start(t, e.newRunner(t, jsB, cfg, handler(1)))
 
 	// Keep enqueueing every db while the runners work, as a busy producer would, until every db
 	// ran three times: each db is processed again and again, by either runner.

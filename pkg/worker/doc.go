@@ -16,8 +16,8 @@
 //   - No prefetching: the runner never asks the server for more messages than it has free
 //     handler slots, so a job's AckWait only starts when a slot is ready to run it.
 //   - Lost-wakeup check: a change that lands while a db's job runs is refused by the work stream
-//     as a duplicate. So after the ack the runner asks the WakeupChecker whether the db changed
-//     after the seq the handler reported with Job.Reached, and republishes the job if so (or if
-//     the check fails). Handlers that process a db must call Reached; without it the check is
-//     skipped.
+//     as a duplicate, and its offer leaves a wakeup marker (natsjs.Jobs.Offer). The runner clears
+//     the db's marker when the job starts and takes it after the ack: a marker set during the
+//     run makes the job run again (so does a marker that cannot be read). No CouchDB request is
+//     made for it.
 package worker

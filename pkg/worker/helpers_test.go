@@ -91,12 +91,12 @@ func testConfig() Config {
 	}
 }
 
-func (e *env) newRunner(t *testing.T, js jetstream.JetStream, cfg Config, h Handler, wake WakeupChecker) *Runner {
+func (e *env) newRunner(t *testing.T, js jetstream.JetStream, cfg Config, h Handler) *Runner {
 	t.Helper()
 	if js == nil {
 		js = e.js
 	}
-	r, err := New(js, e.topo.Subjects, cfg, h, wake, testLogger(t))
+	r, err := New(js, e.topo.Subjects, cfg, h, testLogger(t))
 	require.NoError(t, err)
 	return r
 }
@@ -253,4 +253,14 @@ func (o *results) sequence() []string {
 	o.mu.Lock()
 	defer o.mu.Unlock()
 	return append([]string(nil), o.order...)
+}
+
+// holdsFor checks cond every tick for d and fails as soon as it is false. Unlike require.Never,
+// cond runs on the test's goroutine: it may use t (and t.Context()) and is never left running
+// when the test ends.
+func holdsFor(t *testing.T, d time.Duration, cond func() bool, what string) {
+	t.Helper()
+	for deadline := time.Now().Add(d); time.Now().Before(deadline); time.Sleep(tick) {
+		require.True(t, cond(), what)
+	}
 }

@@ -17,8 +17,6 @@ import (
 const (
 	// settleTimeout bounds one ack, dead-letter publish or republish.
 	settleTimeout = 10 * time.Second
-	// wakeupTimeout bounds one lost-wakeup check.
-	wakeupTimeout = 30 * time.Second
 )
 
 // process runs one job and settles its message. handlerCtx ends when the grace period of a
@@ -47,6 +45,7 @@ func (r *Runner) process(handlerCtx context.Context, msg jetstream.Msg) {
 	ctx, cancel := context.WithCancel(withJob(handlerCtx, job))
 	defer cancel()
 	stopKeepAlive := r.keepAlive(ctx, msg, log)
+	r.clearWakeup(ctx, job, log)
 	started := time.Now()
 	herr := r.runHandler(ctx, job)
 	took := time.Since(started)
@@ -54,7 +53,7 @@ func (r *Runner) process(handlerCtx context.Context, msg jetstream.Msg) {
 	result := r.settle(handlerCtx, msg, job, herr, stopKeepAlive, log)
 	r.observe(result, took)
 	if result == ResultOK {
-		r.checkWakeup(handlerCtx, job, log)
+		r.takeWakeup(handlerCtx, job, log)
 	}
 }
 
@@ -190,39 +189,57 @@ func (r *Runner) observe(result string, d time.Duration) {
 	}
 }
 
-// checkWakeup runs the lost-wakeup check of an acked job whose handler called Reached: when the
-// db changed after the seq the handler reached ("" is the beginning: a db that was empty), or
-// when that cannot be told, the job is published again.
-func (r *Runner) checkWakeup(handlerCtx context.Context, job *Job, log logrus.FieldLogger) {
-	if r.wake == nil || job.reached.Load() == nil {
-		return
+// wakeupFailurePause paces the jobs enqueued again because their lost-wakeup check failed.
+var wakeupFailurePause = backoff.Policy{Initial: 500 * time.Millisecond, Max: 30 * time.Second, Multiplier: 2, Jitter: 0.2}
+
+// clearWakeup removes the db's wakeup marker before the handler runs: the run reads every
+// change the marker stood for (natsjs.Jobs.Offer).
+func (r *Runner) clearWakeup(ctx context.Context, job *Job, log logrus.FieldLogger) {
+	cctx, cancel := context.WithTimeout(ctx, settleTimeout)
+	defer cancel()
+	if err := r.jobs.ClearWakeup(cctx, job.Group, job.DB); err != nil {
+		log.WithError(err).Debug("clear wakeup marker failed: the job may be offered once more than needed")
 	}
-	seq := job.ReachedSeq()
-	ctx, cancel := context.WithTimeout(handlerCtx, wakeupTimeout)
-	changed, err := r.wake.ChangedSince(ctx, job.DB, seq)
+}
+
+// takeWakeup runs the lost-wakeup check of an acked job (SPEC §3): a wakeup marker set while the
+// job ran means a change came that the run may have missed, so the job is offered again. When
+// the marker cannot be read, the job is offered again to be safe. The job is acked already: the
+// offer is retried until it is stored or the handlers' context ends (the end of a shutdown's
+// grace period).
+func (r *Runner) takeWakeup(handlerCtx context.Context, job *Job, log logrus.FieldLogger) {
+	ctx, cancel := context.WithTimeout(handlerCtx, settleTimeout)
+	set, err := r.jobs.TakeWakeup(ctx, job.Group, job.DB)
 	cancel()
 	if err != nil {
-		log.WithError(err).WithField("seq", seq).Warn("lost-wakeup check failed: enqueueing the job again to be safe")
-		changed = true
+		// Enqueued again to be safe, after a pause that grows while checks keep failing (the
+		// wakeup stream missing, NATS down): a run must not follow a run without end.
+		n := r.wakeupFailures.Add(1)
+		delay := wakeupFailurePause.Delay(int(n))
+		log.WithError(err).WithField("delay", delay.String()).Warn("lost-wakeup check failed: enqueueing the job again to be safe")
+		if backoff.Sleep(handlerCtx, delay) != nil {
+			return
+		}
+		set = true
+	} else {
+		r.wakeupFailures.Store(0)
 	}
-	if !changed {
+	if !set {
 		return
 	}
-	// The job is acked: this publish is the only trace of the change left, so it is retried
-	// until it is stored or the handlers' context ends (the end of a shutdown's grace period).
 	retry := backoff.Policy{Initial: 200 * time.Millisecond, Max: 5 * time.Second, Multiplier: 2, Jitter: 0.2}
 	for attempt := 1; ; attempt++ {
 		pctx, cancel := context.WithTimeout(handlerCtx, settleTimeout)
-		_, err := r.jobs.Publish(pctx, job.Group, events.Job{DB: job.DB, Reason: events.ReasonWakeup})
+		_, err := r.jobs.Offer(pctx, job.Group, events.Job{DB: job.DB, Reason: events.ReasonWakeup})
 		cancel()
 		if err == nil {
-			log.WithField("seq", seq).Debug("db changed while its job ran: job enqueued again")
+			log.Debug("db changed while its job ran: job enqueued again")
 			return
 		}
 		if backoff.Sleep(handlerCtx, retry.Delay(attempt)) != nil {
-			log.WithError(err).WithField("seq", seq).Error("enqueue job again after a lost wakeup failed until shutdown: the db waits for its next change or sweep")
+			log.WithError(err).Error("enqueue job again after a lost wakeup failed until shutdown: the db waits for its next change or sweep")
 			return
 		}
-		log.WithError(err).WithFields(logrus.Fields{"seq": seq, "attempt": attempt}).Warn("enqueue job again after a lost wakeup failed: retrying")
+		log.WithError(err).WithField("attempt", attempt).Warn("enqueue job again after a lost wakeup failed: retrying")
 	}
 }

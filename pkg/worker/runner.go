@@ -36,20 +36,20 @@ type Runner struct {
 	cfg         Config
 	consumer    jetstream.Consumer
 	handler     Handler
-	wake        WakeupChecker
 	jobs        *natsjs.Jobs
 	deadLetters *DeadLetters
 	subjects    events.Subjects
 	log         logrus.FieldLogger
 
-	inFlight atomic.Int64
-	running  atomic.Bool
+	inFlight       atomic.Int64
+	running        atomic.Bool
+	wakeupFailures atomic.Int64 // lost-wakeup checks failed in a row
 }
 
 // New returns a runner for cfg.Group's durable consumer on the work stream. It looks the
 // consumer up (within 10s) and returns an error wrapping natsjs.ErrNotInstalled when the stream
-// or the consumer is missing. wake may be nil: then no lost-wakeup check runs.
-func New(js jetstream.JetStream, subjects events.Subjects, cfg Config, h Handler, wake WakeupChecker, log logrus.FieldLogger) (*Runner, error) {
+// or the consumer is missing.
+func New(js jetstream.JetStream, subjects events.Subjects, cfg Config, h Handler, log logrus.FieldLogger) (*Runner, error) {
 	cfg, err := cfg.withDefaults()
 	if err != nil {
 		return nil, err
@@ -79,7 +79,6 @@ func New(js jetstream.JetStream, subjects events.Subjects, cfg Config, h Handler
 		cfg:         cfg,
 		consumer:    consumer,
 		handler:     h,
-		wake:        wake,
 		jobs:        natsjs.NewJobs(js, subjects),
 		deadLetters: NewDeadLetters(js, subjects),
 		subjects:    subjects,

@@ -19,10 +19,10 @@ func TestNewWithoutConsumerIsNotInstalled(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, 0)
 	require.NoError(t, e.js.DeleteConsumer(t.Context(), e.topo.Subjects.WorkStream(), group.ConsumerName()))
-	_, err := New(e.js, e.topo.Subjects, testConfig(), func(context.Context, *Job) error { return nil }, nil, testLogger(t))
+	_, err := New(e.js, e.topo.Subjects, testConfig(), func(context.Context, *Job) error { return nil }, testLogger(t))
 	require.ErrorIs(t, err, natsjs.ErrNotInstalled)
 
-	_, err = New(e.js, e.topo.Subjects, Config{}, func(context.Context, *Job) error { return nil }, nil, testLogger(t))
+	_, err = New(e.js, e.topo.Subjects, Config{}, func(context.Context, *Job) error { return nil }, testLogger(t))
 	require.Error(t, err, "a config without group")
 }
 
@@ -40,7 +40,7 @@ func TestEveryJobRunsOnce(t *testing.T) {
 		}
 		rec.add(job)
 		return nil
-	}, nil)
+	})
 	start(t, r)
 
 	const n = 50
@@ -78,7 +78,7 @@ func TestTransientErrorsRetryWithBackoff(t *testing.T) {
 			return errors.New("couchdb unavailable")
 		}
 		return nil
-	}, nil)
+	})
 	start(t, r)
 	e.publish(t, "flaky", "")
 
@@ -104,7 +104,7 @@ func TestHandlerPanicIsTransient(t *testing.T) {
 			panic("bug")
 		}
 		return nil
-	}, nil)
+	})
 	start(t, r)
 	e.publish(t, "panics", "")
 	require.Eventually(t, func() bool { return rec.count() >= 2 }, waitFor, tick)
@@ -124,7 +124,7 @@ func TestPermanentErrorDeadLettersAndFreesTheSubject(t *testing.T) {
 			return fmt.Errorf("replicate: %w", Permanent(errors.New("target refused: forbidden")))
 		}
 		return nil
-	}, nil)
+	})
 	start(t, r)
 	dedup, err := e.jobs.Publish(t.Context(), group, events.Job{DB: "a/b", Seq: "17-abc"})
 	require.NoError(t, err)
@@ -162,7 +162,7 @@ func TestRetryAfterDelaysTheJob(t *testing.T) {
 			return RetryAfter(300*time.Millisecond, nil)
 		}
 		return nil
-	}, nil)
+	})
 	start(t, r)
 	e.publish(t, "dirty-after", "")
 
@@ -189,7 +189,7 @@ func TestInProgressKeepsALongJobAlive(t *testing.T) {
 		case <-ctx.Done():
 			return ctx.Err()
 		}
-	}, nil)
+	})
 	require.Equal(t, time.Second, r.cfg.AckWait, "AckWait is read from the consumer")
 	start(t, r)
 	e.publish(t, "long", "")
@@ -227,7 +227,7 @@ func TestConcurrencyIsBoundedAndNothingIsPrefetched(t *testing.T) {
 		}
 		done.Add(1)
 		return nil
-	}, nil)
+	})
 	for i := range jobs {
 		e.publish(t, fmt.Sprintf("slow-%d", i), "")
 	}
@@ -252,7 +252,7 @@ func TestBadMessages(t *testing.T) {
 	r := e.newRunner(t, nil, testConfig(), func(_ context.Context, job *Job) error {
 		rec.add(job)
 		return nil
-	}, nil)
+	})
 	start(t, r)
 
 	// A payload that is not JSON: the subject alone names the db.

@@ -27,7 +27,7 @@ func TestShutdownLetsRunningJobsFinish(t *testing.T) {
 			ctxErrs.Add(1)
 		}
 		return nil
-	}, nil)
+	})
 	rr := start(t, r)
 	e.publish(t, "one", "")
 	e.publish(t, "two", "")
@@ -70,7 +70,7 @@ func TestShutdownNaksJobsPastGrace(t *testing.T) {
 		started <- struct{}{}
 		<-ctx.Done()
 		return nil // even "success" after the cancellation must not be acked
-	}, nil)
+	})
 	rr := start(t, r)
 	e.publish(t, "stuck", "")
 	select {
@@ -91,7 +91,7 @@ func TestShutdownNaksJobsPastGrace(t *testing.T) {
 	start(t, e.newRunner(t, nil, testConfig(), func(_ context.Context, job *Job) error {
 		rec.add(job)
 		return nil
-	}, nil))
+	}))
 	require.Eventually(t, func() bool { return rec.count() == 1 }, waitFor, tick)
 	e.requireDrained(t)
 	assert.Equal(t, 2, rec.all()[0].Attempt)
@@ -109,7 +109,7 @@ func TestKilledConsumerJobGoesToAnother(t *testing.T) {
 		startedA <- struct{}{}
 		<-ctx.Done() // hangs until the process "dies"
 		return ctx.Err()
-	}, nil)
+	})
 	rrA := start(t, runnerA)
 	e.publish(t, "orphan", "")
 	select {
@@ -123,7 +123,7 @@ func TestKilledConsumerJobGoesToAnother(t *testing.T) {
 	start(t, e.newRunner(t, nil, testConfig(), func(_ context.Context, job *Job) error {
 		rec.add(job)
 		return nil
-	}, nil))
+	}))
 	require.Eventually(t, func() bool { return rec.count() == 1 }, waitFor, tick, "runner B got the job after AckWait")
 	e.requireDrained(t)
 	assert.Equal(t, 2, rec.all()[0].Attempt)
@@ -139,7 +139,7 @@ func TestRunnerSurvivesNATSRestart(t *testing.T) {
 	r := e.newRunner(t, nil, testConfig(), func(_ context.Context, job *Job) error {
 		rec.add(job)
 		return nil
-	}, nil)
+	})
 	start(t, r)
 	e.publish(t, "before", "")
 	require.Eventually(t, func() bool { return rec.count() == 1 }, waitFor, tick)
@@ -189,26 +189,6 @@ func TestErrorClassification(t *testing.T) {
 	assert.Equal(t, "retry after 300ms", later.Error())
 }
 
-func TestJobReachedIsConcurrencySafe(t *testing.T) {
-	t.Parallel()
-	var j Job
-	assert.Empty(t, j.ReachedSeq())
-	done := make(chan struct{})
-	for range 8 {
-		go func() {
-			defer func() { done <- struct{}{} }()
-			for range 100 {
-				j.Reached("7-x")
-				_ = j.ReachedSeq()
-			}
-		}()
-	}
-	for range 8 {
-		<-done
-	}
-	assert.Equal(t, "7-x", j.ReachedSeq())
-}
-
 func TestRunnerSurvivesConsumerRecreation(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, 0)
@@ -216,7 +196,7 @@ func TestRunnerSurvivesConsumerRecreation(t *testing.T) {
 	start(t, e.newRunner(t, nil, testConfig(), func(_ context.Context, job *Job) error {
 		rec.add(job)
 		return nil
-	}, nil))
+	}))
 	require.Eventually(t, func() bool { return e.consumerInfo(t).NumWaiting > 0 }, waitFor, tick, "runner pulls")
 
 	require.NoError(t, e.js.DeleteConsumer(t.Context(), e.topo.Subjects.WorkStream(), group.ConsumerName()))
@@ -237,7 +217,7 @@ func TestPermanentErrorWithoutDeadLetterStreamIsNotGivenUp(t *testing.T) {
 	start(t, e.newRunner(t, nil, cfg, func(_ context.Context, job *Job) error {
 		rec.add(job)
 		return Permanent(errors.New("bad rule"))
-	}, nil))
+	}))
 	e.publish(t, "doomed", "")
 
 	require.Eventually(t, func() bool { return rec.count() >= 2 }, waitFor, tick,

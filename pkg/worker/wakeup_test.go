@@ -2,9 +2,8 @@ package worker
 
 import (
 	"context"
-	"errors"
-	"sync"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -12,81 +11,89 @@ import (
 	"github.com/spiegel-nats/spiegel/pkg/events"
 )
 
-// fakeWake answers ChangedSince from a script per db and records the calls.
-type fakeWake struct {
-	mu      sync.Mutex
-	answers map[string][]error // nil error → changed; errNoChange → not changed; other → error
-	calls   []string
-}
+// The lost-wakeup rule through wakeup markers (natsjs.Jobs.Offer): a change offered while a db's
+// job runs is refused as a duplicate and leaves a marker; after the ack the runner finds it and
+// enqueues the job again. A change offered while the job was still pending is read by that run:
+// the marker is cleared when the run starts, and the job runs once.
 
-var errNoChange = errors.New("no change")
-
-func (f *fakeWake) ChangedSince(_ context.Context, db, seq string) (bool, error) {
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	f.calls = append(f.calls, db+"@"+seq)
-	script := f.answers[db]
-	if len(script) == 0 {
-		return false, nil
+// reasons returns the reasons of the recorded calls of db.
+func reasons(rec *recorder, db string) []string {
+	var out []string
+	for _, c := range rec.all() {
+		if c.DB == db {
+			out = append(out, c.Reason)
+		}
 	}
-	answer := script[0]
-	f.answers[db] = script[1:]
-	switch {
-	case answer == nil:
-		return true, nil
-	case errors.Is(answer, errNoChange):
-		return false, nil
-	default:
-		return false, answer
-	}
+	return out
 }
 
-func (f *fakeWake) callList() []string {
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	return append([]string(nil), f.calls...)
-}
-
-func TestLostWakeupRunsTheJobAgain(t *testing.T) {
+// TestWakeupDuringRunRunsTheJobAgain: a change offered while the job runs makes a second run.
+func TestWakeupDuringRunRunsTheJobAgain(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, 0)
-	wake := &fakeWake{answers: map[string][]error{
-		"changed":      {nil},                           // changed once after the first run
-		"check-fails":  {errors.New("couchdb is down")}, // unknown: republish to be safe
-		"unchanged":    {errNoChange},
-		"not-reported": {nil}, // never asked: its handler does not call Reached
-		"empty":        {nil}, // reached "" (found empty): a write during the job still wakes it
-	}}
+	running, release := make(chan struct{}), make(chan struct{})
 	var rec recorder
-	r := e.newRunner(t, nil, testConfig(), func(_ context.Context, job *Job) error {
-		rec.add(job)
-		switch job.DB {
-		case "not-reported":
-		case "empty":
-			job.Reached("")
-		default:
-			job.Reached("4")
-			job.Reached("5") // the last call wins
+	r := e.newRunner(t, nil, testConfig(), func(ctx context.Context, job *Job) error {
+		if rec.add(job) == 1 {
+			close(running)
+			select {
+			case <-release:
+			case <-ctx.Done():
+			}
 		}
 		return nil
-	}, wake)
+	})
 	start(t, r)
-	for _, db := range []string{"changed", "check-fails", "unchanged", "not-reported", "empty"} {
-		e.publish(t, db, events.TypeUpdated)
-	}
+	e.publish(t, "busy", events.TypeUpdated)
+	<-running
+	dedup, err := e.jobs.Offer(t.Context(), group, events.Job{DB: "busy", Reason: events.TypeUpdated})
+	require.NoError(t, err)
+	assert.True(t, dedup, "the running job holds the db's slot")
+	close(release)
 
-	require.Eventually(t, func() bool { return rec.count() >= 8 }, waitFor, tick)
+	require.Eventually(t, func() bool { return rec.count() == 2 }, waitFor, tick)
 	e.requireDrained(t)
-	require.Eventually(t, func() bool { return len(wake.callList()) >= 7 }, waitFor, tick)
+	assert.Equal(t, []string{events.TypeUpdated, events.ReasonWakeup}, reasons(&rec, "busy"))
+	set, err := e.jobs.TakeWakeup(t.Context(), group, "busy")
+	require.NoError(t, err)
+	assert.False(t, set, "the marker was taken")
+}
 
-	reasons := map[string][]string{}
-	for _, c := range rec.all() {
-		reasons[c.DB] = append(reasons[c.DB], c.Reason)
-	}
-	assert.Equal(t, []string{events.TypeUpdated, events.ReasonWakeup}, reasons["changed"])
-	assert.Equal(t, []string{events.TypeUpdated, events.ReasonWakeup}, reasons["check-fails"])
-	assert.Equal(t, []string{events.TypeUpdated}, reasons["unchanged"])
-	assert.Equal(t, []string{events.TypeUpdated}, reasons["not-reported"])
-	assert.Equal(t, []string{events.TypeUpdated, events.ReasonWakeup}, reasons["empty"])
-	assert.ElementsMatch(t, []string{"changed@5", "changed@5", "check-fails@5", "check-fails@5", "unchanged@5", "empty@", "empty@"}, wake.callList())
+// TestWakeupWhilePendingRunsOnce: a change offered while the job waits in the queue is read by
+// that job's run: one run, no second one.
+func TestWakeupWhilePendingRunsOnce(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 0)
+	e.publish(t, "queued", events.TypeUpdated)
+	dedup, err := e.jobs.Offer(t.Context(), group, events.Job{DB: "queued", Reason: events.TypeUpdated})
+	require.NoError(t, err)
+	require.True(t, dedup)
+	var rec recorder
+	var obs results
+	cfg := testConfig()
+	cfg.Observer = &obs
+	start(t, e.newRunner(t, nil, cfg, func(_ context.Context, job *Job) error { rec.add(job); return nil }))
+	require.Eventually(t, func() bool { return obs.get(ResultOK) == 1 }, waitFor, tick)
+	e.requireDrained(t)
+	// A second run would be enqueued right after the ack: nothing came within the time a
+	// settled job takes to be offered again.
+	holdsFor(t, 500*time.Millisecond, func() bool { return rec.count() == 1 && e.streamMsgs(t) == 0 }, "no second run")
+	assert.Equal(t, []string{events.TypeUpdated}, reasons(&rec, "queued"))
+}
+
+// TestWakeupCheckFailureRunsTheJobAgain: when the marker cannot be read, the job is enqueued
+// again to be safe.
+func TestWakeupCheckFailureRunsTheJobAgain(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 0)
+	var rec recorder
+	start(t, e.newRunner(t, nil, testConfig(), func(ctx context.Context, job *Job) error {
+		if rec.add(job) == 1 {
+			require.NoError(t, e.js.DeleteStream(ctx, e.topo.Subjects.WakeupStream()))
+		}
+		return nil
+	}))
+	e.publish(t, "unknown", events.TypeUpdated)
+	require.Eventually(t, func() bool { return rec.count() >= 2 }, waitFor, tick)
+	assert.Equal(t, events.ReasonWakeup, reasons(&rec, "unknown")[1])
 }

@@ -1,4 +1,4 @@
-package rules
+package mango
 
 import (
 	"encoding/json"
@@ -119,7 +119,7 @@ func TestSelector(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.sel, func(t *testing.T) {
 			t.Parallel()
-			s, err := CompileSelector(decodeJSON(t, tt.sel))
+			s, err := Compile(decodeJSON(t, tt.sel))
 			require.NoError(t, err)
 			assert.Equal(t, tt.want, s.Match(doc), "float64 doc")
 			assert.Equal(t, tt.want, s.Match(numDoc), "json.Number doc")
@@ -148,7 +148,7 @@ func TestSelectorCompileErrors(t *testing.T) {
 		`{"a":{"b":{"$bad":true}}}`:  "$bad",
 		`{"a":{"$beginsWith":true}}`: "$beginsWith",
 	} {
-		_, err := CompileSelector(decodeJSON(t, sel))
+		_, err := Compile(decodeJSON(t, sel))
 		require.Error(t, err, sel)
 		assert.Contains(t, err.Error(), want, sel)
 	}
@@ -156,7 +156,7 @@ func TestSelectorCompileErrors(t *testing.T) {
 
 func TestSelectorMatchRawInvalid(t *testing.T) {
 	t.Parallel()
-	s, err := CompileSelector(map[string]any{})
+	s, err := Compile(map[string]any{})
 	require.NoError(t, err)
 	assert.False(t, s.MatchRaw([]byte(`[1]`)))
 	assert.False(t, s.MatchRaw([]byte(`{`)))

@@ -1,4 +1,4 @@
-package rules
+package mango
 
 import (
 	"cmp"
@@ -11,8 +11,10 @@ import (
 	"unicode/utf8"
 )
 
-// toFloat returns the value of a JSON number in any of the accepted Go forms.
-func toFloat(v any) (float64, bool) {
+// Number returns the value of a JSON number in any of the Go forms a decoder gives (float64,
+// json.Number, int, int64, float32), and false for anything else. A json.Number out of float64
+// range saturates to ±Inf.
+func Number(v any) (float64, bool) {
 	switch x := v.(type) {
 	case float64:
 		return x, true
@@ -53,7 +55,7 @@ func toInt(v any) (int64, bool) {
 	case int64:
 		return x, true
 	}
-	f, ok := toFloat(v)
+	f, ok := Number(v)
 	if !ok || f != math.Trunc(f) || f < math.MinInt64 || f >= math.MaxInt64 {
 		return 0, false
 	}
@@ -88,7 +90,7 @@ func rank(v any) int {
 	case map[string]any:
 		return rankObject
 	}
-	if _, ok := toFloat(v); ok {
+	if _, ok := Number(v); ok {
 		return rankNumber
 	}
 	return rankOther
@@ -111,8 +113,8 @@ func collate(a, b any) int {
 				return cmp.Compare(ia, ib)
 			}
 		}
-		fa, _ := toFloat(a)
-		fb, _ := toFloat(b)
+		fa, _ := Number(a)
+		fb, _ := Number(b)
 		return cmp.Compare(fa, fb)
 	case rankString:
 		return collateString(a.(string), b.(string))

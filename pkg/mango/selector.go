@@ -1,4 +1,7 @@
-package rules
+// Package mango evaluates CouchDB Mango selectors locally, on decoded or raw JSON documents, with
+// CouchDB's view collation. Pure: no I/O. Rules (on_change "selector") and the native
+// replication engine (a replication's "selector" on servers without _selector) use it.
+package mango
 
 import (
 	"bytes"
@@ -32,9 +35,9 @@ type cond interface {
 	matchMissing() bool
 }
 
-// CompileSelector compiles a Mango selector (decoded with encoding/json, numbers as float64 or
+// Compile compiles a Mango selector (decoded with encoding/json, numbers as float64 or
 // json.Number). An unknown operator or a malformed argument is an error naming the operator.
-func CompileSelector(sel map[string]any) (*Selector, error) {
+func Compile(sel map[string]any) (*Selector, error) {
 	c, err := compileObject(sel)
 	if err != nil {
 		return nil, err

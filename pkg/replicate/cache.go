@@ -1,0 +1,122 @@
+package replicate
+
+import (
+	"container/list"
+	"sync"
+	"time"
+
+	"github.com/spiegel-nats/spiegel/pkg/couch"
+)
+
+// cachedHistory bounds the history entries a cached checkpoint keeps: enough to find a common
+// session with the other side, without holding 50 sessions for every replication in memory.
+const cachedHistory = 10
+
+// CheckpointCache keeps, per replication id, the checkpoint docs that a run of this process
+// last read or wrote on both sides, so that the next run of the same replication within MaxAge
+// does not read them again (two requests of the six a small incremental run needs otherwise).
+// A stale entry (another process ran the replication since) costs nothing but re-checking the
+// changes after the older seq, which the target already holds; a checkpoint write over a rev
+// that changed meanwhile is retried by the run. MaxAge bounds how long a run can trust an entry
+// about a side that changed behind its back (a target deleted and recreated, whose missing docs
+// the next run after MaxAge replicates from the beginning). Safe for concurrent use.
+type CheckpointCache struct {
+	maxAge  time.Duration
+	max     int
+	mu      sync.Mutex
+	order   *list.List // of ids, most recently used first
+	entries map[string]*cacheEntry
+}
+
+type cacheEntry struct {
+	src, tgt checkpointDoc
+	// progress is where a run whose checkpoint was deferred got to: every change up to it is on
+	// the target, but the checkpoints say less. The next run starts there.
+	progress couch.Seq
+	at       time.Time
+	elem     *list.Element
+}
+
+// NewCheckpointCache returns a cache of at most max replications (least recently used dropped
+// first) whose entries are trusted for maxAge.
+func NewCheckpointCache(maxAge time.Duration, max int) *CheckpointCache {
+	return &CheckpointCache{maxAge: maxAge, max: max, order: list.New(), entries: map[string]*cacheEntry{}}
+}
+
+// get returns copies of the cached checkpoint docs of replication id, if fresh, and the
+// progress of a deferred run since ("" if none).
+func (c *CheckpointCache) get(id string) (src, tgt *checkpointDoc, progress couch.Seq, ok bool) {
+	if c == nil {
+		return nil, nil, "", false
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	e, found := c.entries[id]
+	if !found {
+		return nil, nil, "", false
+	}
+	if time.Since(e.at) > c.maxAge {
+		c.removeLocked(id, e)
+		return nil, nil, "", false
+	}
+	c.order.MoveToFront(e.elem)
+	s, t := e.src, e.tgt
+	s.History, t.History = append([]historyEntry(nil), e.src.History...), append([]historyEntry(nil), e.tgt.History...)
+	return &s, &t, e.progress, true
+}
+
+// advance records where a deferred run of replication id got to.
+func (c *CheckpointCache) advance(id string, progress couch.Seq) {
+	if c == nil {
+		return
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if e, found := c.entries[id]; found {
+		e.progress = progress
+	}
+}
+
+// put records the checkpoint docs of replication id as both sides hold them now.
+func (c *CheckpointCache) put(id string, src, tgt checkpointDoc) {
+	if c == nil {
+		return
+	}
+	src.History, tgt.History = trimHistory(src.History), trimHistory(tgt.History)
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if e, found := c.entries[id]; found {
+		e.src, e.tgt, e.progress, e.at = src, tgt, "", time.Now()
+		c.order.MoveToFront(e.elem)
+		return
+	}
+	c.entries[id] = &cacheEntry{src: src, tgt: tgt, at: time.Now(), elem: c.order.PushFront(id)}
+	for c.max > 0 && c.order.Len() > c.max {
+		last := c.order.Back()
+		c.removeLocked(last.Value.(string), c.entries[last.Value.(string)])
+	}
+}
+
+// drop forgets replication id: its next run reads both checkpoints.
+func (c *CheckpointCache) drop(id string) {
+	if c == nil {
+		return
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if e, found := c.entries[id]; found {
+		c.removeLocked(id, e)
+	}
+}
+
+func (c *CheckpointCache) removeLocked(id string, e *cacheEntry) {
+	c.order.Remove(e.elem)
+	delete(c.entries, id)
+}
+
+func trimHistory(h []historyEntry) []historyEntry {
+	if len(h) > cachedHistory {
+		h = h[:cachedHistory]
+	}
+	return append([]historyEntry(nil), h...)
+}
