@@ -20,10 +20,13 @@ import (
 
 // couchServer is the CouchDB of the run: its own PouchDB Server on disk (a restart keeps the
 // data), or any CouchDB named by CHAOS_COUCHDB_URL, restarted only through
-// CHAOS_COUCHDB_RESTART_CMD.
+// CHAOS_COUCHDB_RESTART_CMD; without that command the Spiegel processes reach an external
+// server through an outageProxy, and the restart fault is an outage of the proxy.
 type couchServer struct {
-	url        string // with credentials, no trailing slash: never print it
-	pouch      *proc  // own PouchDB Server; nil for an external server
+	url        string       // with credentials, no trailing slash: never print it
+	pouch      *proc        // own PouchDB Server; nil for an external server
+	proxy      *outageProxy // external server without a restart command; else nil
+	procURL    string       // the URL the Spiegel processes use: url, or the proxy's
 	restartCmd string
 	isPouch    bool
 	http       *http.Client
@@ -36,6 +39,19 @@ func startCouch(ctx context.Context, r *run) (*couchServer, error) {
 		http: &http.Client{Transport: &http.Transport{DisableCompression: true, MaxIdleConnsPerHost: 64}}}
 	if r.cfg.CouchURL != "" {
 		s.url = strings.TrimRight(r.cfg.CouchURL, "/")
+		s.procURL = s.url
+		if s.restartCmd == "" {
+			u, err := url.Parse(s.url)
+			if err != nil {
+				return nil, errors.New("CHAOS_COUCHDB_URL does not parse") // never print it: it has the password
+			}
+			if s.proxy, err = startOutageProxy(u.Host); err != nil {
+				return nil, err
+			}
+			if s.procURL, err = s.proxy.url(s.url); err != nil {
+				return nil, err
+			}
+		}
 	} else {
 		tools, err := installPouchDisk(ctx, r)
 		if err != nil {
@@ -50,6 +66,7 @@ func startCouch(ctx context.Context, r *run) (*couchServer, error) {
 			return nil, err
 		}
 		s.url = fmt.Sprintf("http://127.0.0.1:%d", ports[0])
+		s.procURL = s.url
 		s.pouch = &proc{name: "pouchdb-server", path: "node", dir: dir, env: os.Environ(), run: r,
 			args: []string{"--unhandled-rejections=warn", filepath.Join(tools, "node_modules", "pouchdb-server", "bin", "pouchdb-server"),
 				"-d", filepath.Join(dir, "data") + "/", "-o", "127.0.0.1", "-p", fmt.Sprint(ports[0]), "-n"},
@@ -91,16 +108,33 @@ func (s *couchServer) describe() string {
 	case s.restartCmd != "":
 		return fmt.Sprintf("%s at %s (CHAOS_COUCHDB_URL; restart fault runs CHAOS_COUCHDB_RESTART_CMD)", kind, host)
 	default:
-		return fmt.Sprintf("%s at %s (CHAOS_COUCHDB_URL; restart fault SKIPPED: set CHAOS_COUCHDB_RESTART_CMD to enable it)", kind, host)
+		return fmt.Sprintf("%s at %s (CHAOS_COUCHDB_URL; the run does not restart a server it did not start: the restart fault "+
+			"cuts the Spiegel processes' connections at a proxy and refuses new ones for its down time instead; "+
+			"set CHAOS_COUCHDB_RESTART_CMD to restart the server itself)", kind, host)
 	}
 }
 
-// canRestart reports whether the restart fault can run.
-func (s *couchServer) canRestart() bool { return s.pouch != nil || s.restartCmd != "" }
+// restartWhat names what the restart fault does to this server.
+func (s *couchServer) restartWhat(term bool) string {
+	switch {
+	case s.proxy != nil:
+		return "CouchDB outage at the proxy (connections cut, new ones refused; the shared server is not restarted)"
+	case s.pouch == nil:
+		return "CHAOS_COUCHDB_RESTART_CMD"
+	case term:
+		return "SIGTERM CouchDB"
+	default:
+		return "SIGKILL CouchDB"
+	}
+}
 
 // restart stops the server (SIGTERM or SIGKILL), waits down, starts it again and waits until
-// it answers. With an external server it runs the restart command instead.
+// it answers. With an external server it runs the restart command instead, or, without one,
+// makes the proxy refuse the Spiegel processes for down.
 func (s *couchServer) restart(ctx context.Context, term bool, down time.Duration) error {
+	if s.proxy != nil {
+		return s.proxy.outage(ctx, down)
+	}
 	if s.pouch == nil {
 		cmd := exec.CommandContext(ctx, "sh", "-c", s.restartCmd)
 		if out, err := cmd.CombinedOutput(); err != nil {

@@ -101,20 +101,10 @@ func (f *faults) execute(ctx context.Context, ft Fault, began *time.Duration) (w
 		mark()
 		return what, "", r.nats.killAndRestart(ctx, n, ft.Down)
 	case FaultCouchRestart:
-		if !r.couch.canRestart() {
-			return "", "no restart command for the CouchDB at CHAOS_COUCHDB_URL", nil
-		}
 		f.couchMu.Lock()
 		defer f.couchMu.Unlock()
 		mark()
-		what = "SIGKILL CouchDB"
-		if ft.Term {
-			what = "SIGTERM CouchDB"
-		}
-		if r.couch.pouch == nil {
-			what = "CHAOS_COUCHDB_RESTART_CMD"
-		}
-		return what, "", r.couch.restart(ctx, ft.Term, ft.Down)
+		return r.couch.restartWhat(ft.Term), "", r.couch.restart(ctx, ft.Term, ft.Down)
 	case FaultSink500, FaultSinkStall:
 		f.sinkMu.Lock()
 		defer f.sinkMu.Unlock()

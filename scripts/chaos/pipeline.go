@@ -37,7 +37,7 @@ func (r *run) commonEnv() []string {
 		}
 	}
 	return append(env,
-		"SPIEGEL_COUCHDB_URL="+r.couch.url,
+		"SPIEGEL_COUCHDB_URL="+r.couch.procURL,
 		"SPIEGEL_DB_NAME="+r.spiegelDB(),
 		"SPIEGEL_NATS_URL="+r.nats.URLs(),
 		"SPIEGEL_STREAM_REPLICAS=3",

@@ -229,8 +229,13 @@ func (r *run) shutdown(res *Result) {
 		if r.couch.pouch != nil {
 			res.addExits(r.couch.pouch)
 			r.couch.pouch.stop(syscall.SIGTERM, 10*time.Second)
-		} else if !r.cfg.Keep {
-			r.dropDBs()
+		} else {
+			if r.couch.proxy != nil {
+				r.couch.proxy.close()
+			}
+			if !r.cfg.Keep {
+				r.dropDBs()
+			}
 		}
 	}
 	for _, c := range res.Crashes {
