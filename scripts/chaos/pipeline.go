@@ -17,6 +17,8 @@ const (
 	ruleHook      = "chaos_hook"
 	rulePublish   = "chaos_publish"
 	hookTimeout   = 2 * time.Second // timeout_ms of the webhook rule
+	hotFeedsSmall = 4               // SPIEGEL_HOT_FEEDS of producer-2
+	hotFeedIdle   = 5 * time.Second // SPIEGEL_HOT_FEED_IDLE of both producers
 )
 
 // Names of the run's dbs; prefix is unique to the run ("chaos_<random>_"), so that a shared
@@ -55,7 +57,8 @@ func (r *run) install(ctx context.Context) error {
 	var err error
 	for attempt := 1; attempt <= 3; attempt++ {
 		cctx, cancel := context.WithTimeout(ctx, 60*time.Second)
-		cmd := exec.CommandContext(cctx, filepath.Join(r.cfg.Root, "bin", "producer"), "install")
+		// --timeout: a freshly formed cluster may take a while to elect its meta leader.
+		cmd := exec.CommandContext(cctx, filepath.Join(r.cfg.Root, "bin", "producer"), "install", "--timeout", "45s")
 		cmd.Env = r.commonEnv()
 		var out []byte
 		out, err = cmd.CombinedOutput()
@@ -108,6 +111,14 @@ func (r *run) startPipeline(ctx context.Context) error {
 		case strings.HasPrefix(name, "producer"):
 			bin = "producer"
 			env = append(env, "SPIEGEL_POLL_INTERVAL=1s", "SPIEGEL_SWEEP_INTERVAL=30s", "SPIEGEL_FEED_HEARTBEAT=5s")
+			// Hot feeds: producer-1 keeps one for every busy db (the default limit), producer-2
+			// only hotFeedsSmall, so that it keeps closing the least recently changed; both close
+			// a feed idle for hotFeedIdle, so that feeds close and reopen during the run.
+			hot := "500"
+			if name == "producer-2" {
+				hot = fmt.Sprint(hotFeedsSmall)
+			}
+			env = append(env, "SPIEGEL_HOT_FEEDS="+hot, "SPIEGEL_HOT_FEED_IDLE="+hotFeedIdle.String())
 		case strings.HasPrefix(name, "replicator"):
 			bin = "replicator"
 			env = append(append(env, consumer...), "SPIEGEL_REPLICATION_ENGINE="+strings.TrimPrefix(name, "replicator-"))
