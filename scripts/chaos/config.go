@@ -66,10 +66,11 @@ type Config struct {
 	Strict bool
 }
 
-// shortConfig is the fixed-seed run of the test command: about a minute, every fault class.
+// shortConfig is the fixed-seed run of the test command: about a minute, every fault class,
+// two db recreations.
 func shortConfig(root string) Config {
 	return Config{
-		Name: "short", Seed: 20260611, Duration: 32 * time.Second, DBs: 16, OpsPerS: 10, Lanes: 3, Recreate: false,
+		Name: "short", Seed: 20260611, Duration: 32 * time.Second, DBs: 16, OpsPerS: 10, Lanes: 3, Recreate: true,
 		FaultEvery: 2500 * time.Millisecond, AckWait: 4 * time.Second, QuiesceTimeout: 60 * time.Second,
 		SinkFail: 0.02, SinkStall: 0.005, Q: 1, Root: root,
 	}
