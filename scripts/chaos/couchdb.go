@@ -13,6 +13,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"syscall"
 	"time"
@@ -112,6 +113,34 @@ func (s *couchServer) describe() string {
 			"cuts the Spiegel processes' connections at a proxy and refuses new ones for its down time instead; "+
 			"set CHAOS_COUCHDB_RESTART_CMD to restart the server itself)", kind, host)
 	}
+}
+
+// schedulerNote warns when an external Apache CouchDB's replication scheduler is full already:
+// the couchdb engine's POST /_replicate then waits for a slot (minutes on a server that runs
+// hundreds of other replications), and the run cannot converge. "" when there is room, or on
+// PouchDB Server.
+func (s *couchServer) schedulerNote(ctx context.Context) string {
+	if s.pouch != nil || s.isPouch {
+		return ""
+	}
+	var jobs struct {
+		Total int `json:"total_rows"`
+	}
+	if status, err := s.do(ctx, http.MethodGet, "/_scheduler/jobs?limit=0", nil, &jobs); err != nil || status != http.StatusOK {
+		return ""
+	}
+	maxJobs := 500 // CouchDB's default [replicator] max_jobs
+	var v string
+	if status, err := s.do(ctx, http.MethodGet, "/_node/_local/_config/replicator/max_jobs", nil, &v); err == nil && status == http.StatusOK {
+		if n, err := strconv.Atoi(v); err == nil && n > 0 {
+			maxJobs = n
+		}
+	}
+	if jobs.Total < maxJobs {
+		return ""
+	}
+	return fmt.Sprintf("WARNING: the server's replication scheduler holds %d jobs already (max_jobs %d): the couchdb engine's "+
+		"POST /_replicate waits for a free slot, so replication may not converge in time (not a fault of the run)", jobs.Total, maxJobs)
 }
 
 // restartWhat names what the restart fault does to this server.

@@ -147,6 +147,9 @@ func (r *run) setup(ctx context.Context, res *Result) error {
 		return err
 	}
 	res.Server = r.couch.describe()
+	if note := r.couch.schedulerNote(ctx); note != "" {
+		res.Server += "; " + note
+	}
 	r.logf("CouchDB: %s", res.Server)
 	if r.nats, err = startCluster(ctx, r, r.cfg.OutDir); err != nil {
 		return err
