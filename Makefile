@@ -24,7 +24,8 @@ bench:
 
 # The long chaos run (scripts/chaos): SEED (default: drawn and printed) and DURATION of writes
 # and faults. It runs against its own PouchDB Server on disk, or the CouchDB at COUCHDB_URL or
-# CHAOS_COUCHDB_URL (set CHAOS_COUCHDB_RESTART_CMD to restart that one). Output: .chaos/.
+# CHAOS_COUCHDB_URL, which it never restarts (its restart fault cuts the connections at a proxy;
+# CHAOS_COUCHDB_RESTART_CMD restarts the server instead). Output: .chaos/.
 SEED ?=
 DURATION ?= 30m
 chaos: build

@@ -32,7 +32,7 @@ if [ -z "${COUCHDB_URL:-}" ]; then
   # The chaos run (scripts/chaos, TestChaosShort) starts its own PouchDB Server on disk, which it
   # restarts as one of its faults.
 else
-  log "using the CouchDB at COUCHDB_URL (the chaos run too; it cannot restart that one)"
+  log "using the CouchDB at COUCHDB_URL (the chaos run too: it never restarts that one; its restart fault is an outage at a proxy)"
   export CHAOS_COUCHDB_URL=${CHAOS_COUCHDB_URL:-$COUCHDB_URL}
 fi
 export SPIEGEL_REQUIRE_COUCHDB=1

@@ -43,7 +43,8 @@ type Config struct {
 	// own PouchDB Server on disk, which the CouchDB-restart fault restarts.
 	CouchURL string
 	// CouchRestartCmd restarts the server at CouchURL (CHAOS_COUCHDB_RESTART_CMD, run with
-	// sh -c); empty: the CouchDB-restart fault is skipped with CouchURL.
+	// sh -c); empty: the CouchDB-restart fault is an outage of the proxy between the Spiegel
+	// processes and the server at CouchURL, which is never restarted (outage.go).
 	CouchRestartCmd string
 	// Q is the shard count of the source dbs on Apache CouchDB: 1 (default) gives each db one
 	// total feed order, which the change-stream oracle checks.

@@ -5,7 +5,7 @@
 // `npm ci --ignore-scripts`, or any CouchDB at CHAOS_COUCHDB_URL); a three-node JetStream cluster
 // of bin/nats-server processes with per-node stores, the streams installed with 3 replicas; two
 // producers, two replicators (engines native and couchdb), two onchange consumers, all real
-// processes of bin/; a webhook sink in this process that checks Basic auth and fails or stalls a
+// processes of bin/ (the producers with hot feeds, one of them with only 4); a webhook sink in this process that checks Basic auth and fails or stalls a
 // fraction of requests; a writer that creates, updates and deletes docs, adds conflicting
 // revisions, resolves conflicts, and deletes and recreates dbs.
 //
@@ -15,7 +15,9 @@
 //
 // Faults (plan.go): SIGKILL and restart of every kind of process — producers, both replicators,
 // onchange consumers, the NATS node leading the work stream, the JetStream meta leader, any NATS
-// node, CouchDB (SIGKILL or SIGTERM); SIGSTOP/SIGCONT of a consumer for longer than AckWait;
+// node, CouchDB (SIGKILL or SIGTERM of its own PouchDB Server; on an external server, which the
+// run never restarts, an outage of the proxy the Spiegel processes reach it through);
+// SIGSTOP/SIGCONT of a consumer for longer than AckWait;
 // the sink answering 500 or stalling for a while; the passwords file rewritten and SIGHUP sent
 // to the consumers.
 //
