@@ -1,9 +1,10 @@
-# Spiegel for NATS. `make run` runs the pipeline with a demo; `make test` runs the whole suite.
+# Spiegel for NATS. `make run` runs the pipeline with a demo; `make test` runs the whole suite;
+# `make chaos SEED=42 DURATION=30m` runs the long chaos suite.
 VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
 LDFLAGS := -s -w -X github.com/spiegel-nats/spiegel/pkg/config.Version=$(VERSION)
 BIN := bin
 
-.PHONY: all build run test bench bench-e2e fuzz vet clean
+.PHONY: all build run test bench bench-e2e fuzz vet clean chaos
 
 all: build
 
@@ -24,6 +25,16 @@ bench:
 bench-e2e:
 	@scripts/bench-e2e.sh
 
+# The long chaos run (scripts/chaos): SEED (default: drawn and printed) and DURATION of writes
+# and faults. It runs against its own PouchDB Server on disk, or the CouchDB at COUCHDB_URL or
+# CHAOS_COUCHDB_URL, which it never restarts (its restart fault cuts the connections at a proxy;
+# CHAOS_COUCHDB_RESTART_CMD restarts the server instead). Output: .chaos/.
+SEED ?=
+DURATION ?= 30m
+chaos: build
+	CHAOS_LONG=1 CHAOS_SEED=$(SEED) CHAOS_DURATION=$(DURATION) CHAOS_COUCHDB_URL=$${CHAOS_COUCHDB_URL:-$${COUCHDB_URL:-}} \
+	  go test -count=1 -v -timeout 24h -run '^TestChaosLong$$' ./scripts/chaos
+
 FUZZTIME ?= 20s
 fuzz:
 	@for t in $$(go test -list 'Fuzz.*' ./... | grep -E '^Fuzz'); do \
@@ -36,4 +47,4 @@ vet:
 	cd deployments && go vet ./...
 
 clean:
-	rm -rf $(BIN) .run
+	rm -rf $(BIN) .run .chaos

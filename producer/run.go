@@ -69,15 +69,21 @@ func runProducer(ctx context.Context, cfg *config.Producer, log *logrus.Logger) 
 		return err
 	}
 	defer func() { _ = d.nc.Drain() }()
-	if err := natsjs.CheckInstalled(ctx, d.js, d.topo); err != nil {
+	nlog := log.WithField("component", "nats")
+	if err := natsjs.AwaitInstalled(ctx, nlog, func(ctx context.Context) error {
+		return natsjs.CheckInstalled(ctx, d.js, d.topo)
+	}); err != nil {
 		return err
 	}
 	if _, err := d.couch.DBInfo(ctx, cfg.DBName); errors.Is(err, couch.ErrNotFound) {
 		return fmt.Errorf("the spiegel db %q does not exist: %w", cfg.DBName, natsjs.ErrNotInstalled)
 	}
 
-	kv, err := natsjs.OnChangeBucket(ctx, d.js, d.topo)
-	if err != nil {
+	var kv jetstream.KeyValue
+	if err := natsjs.AwaitInstalled(ctx, nlog, func(ctx context.Context) (err error) {
+		kv, err = natsjs.OnChangeBucket(ctx, d.js, d.topo)
+		return err
+	}); err != nil {
 		return err
 	}
 

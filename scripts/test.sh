@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The test command (README, `make test`, .ci/run): installs what the tests need, starts PouchDB
 # Server unless COUCHDB_URL names a server, runs the whole suite with the race detector — the main
-# module's and the deployments module's (deployments/, the deployment-validation tests) — and
-# stops everything it started, also when tests fail.
+# module's (the short chaos run of scripts/chaos included) and the deployments module's
+# (deployments/, the deployment-validation tests) — and stops everything it started, also when
+# tests fail.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 cd "$ROOT"
@@ -28,8 +29,11 @@ go mod download
 
 if [ -z "${COUCHDB_URL:-}" ]; then
   start_pouchdb "$work/couchdb"
+  # The chaos run (scripts/chaos, TestChaosShort) starts its own PouchDB Server on disk, which it
+  # restarts as one of its faults.
 else
-  log "using the CouchDB at COUCHDB_URL"
+  log "using the CouchDB at COUCHDB_URL (the chaos run too: it never restarts that one; its restart fault is an outage at a proxy)"
+  export CHAOS_COUCHDB_URL=${CHAOS_COUCHDB_URL:-$COUCHDB_URL}
 fi
 export SPIEGEL_REQUIRE_COUCHDB=1
 

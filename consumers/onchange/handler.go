@@ -201,10 +201,11 @@ func (h *handler) runRule(ctx context.Context, db string, rule *rules.OnChange) 
 				return finish(ruleResult{err: err, outcome: status.ResultFailed, why: errNoStream})
 			}
 		}
-		if readFrom != since { // the page read ahead starts elsewhere
+		if pending == nil || readFrom != since { // no page read ahead, or one that starts elsewhere
 			readFrom, pending = since, h.readPage(ctx, db, since)
 		}
 		got := <-pending
+		pending = nil // used up: a page read twice is read again (starting over may come back to the same seq)
 		page, err := got.page, got.err
 		if errors.Is(err, couch.ErrNotFound) {
 			h.store.Forget(ctx, rule.ID(), db)

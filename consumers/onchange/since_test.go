@@ -109,3 +109,36 @@ func instance(t *testing.T, cs *couchtest.Server, db string) string {
 	require.NoError(t, cs.Do(t, http.MethodGet, "/"+couchtest.PathDB(db), nil, &info))
 	return info.Instance
 }
+
+// TestCheckpointRewrittenAtTheSameSeq: a job whose cached checkpoint finds nothing new checks it
+// against the _local doc; when the doc was written by anyone else since, at the same seq (another
+// consumer's run of the same db after an AckWait redelivery), the job starts over from the doc —
+// which is where it stood — and must read that page again rather than wait for the one it had
+// used up. Found by the chaos suite (SEED 7301): the job hung, ignoring its context, and every
+// later change of the db waited behind it.
+func TestCheckpointRewrittenAtTheSameSeq(t *testing.T) {
+	e := newEnv(t, 60*time.Second)
+	app := e.start(t)
+	db := e.Couch.NewDB(t, e.Prefix)
+	e.Couch.Put(t, db, "a1", map[string]any{})
+	s := newSink(t, nil)
+	e.ruleIn(t, app, "r", db, map[string]any{"url": s.URL + "/r", "block": true, "params": map[string]any{"id": "$change.id"}})
+	e.enqueue(t, db)
+	s.waitHits(t, 20*time.Second, hasID("a1"), "a1 delivered")
+	require.Eventually(t, func() bool { return e.caughtUp(t, "r", db) }, 10*time.Second, 20*time.Millisecond)
+	// The _local doc is written (LocalEvery batches only later writes) and the cache holds it.
+	path := "/" + couchtest.PathDB(db) + "/_local/spiegel_onchange_r"
+	var doc map[string]any
+	require.Eventually(t, func() bool { return e.Couch.Do(t, http.MethodGet, path, nil, &doc) == nil }, 10*time.Second, 50*time.Millisecond)
+	seq, _ := e.checkpoint(t, "r", db)
+	require.Equal(t, seq, doc["last_seq"], "the doc holds the cached seq")
+
+	// Someone else writes the doc again at the same seq: a new rev, the cache entry untouched.
+	require.NoError(t, e.Couch.Do(t, http.MethodPut, path, doc, nil))
+	e.enqueue(t, db) // finds nothing after the cached seq, checks the doc, starts over from it
+	require.Eventually(t, func() bool { return strings.Contains(e.Logs.String(), "starting over") }, 20*time.Second, 50*time.Millisecond)
+
+	e.Couch.Put(t, db, "a2", map[string]any{})
+	e.enqueue(t, db)
+	s.waitHits(t, 20*time.Second, hasID("a2"), "the db's next change is delivered: the job that started over ended")
+}

@@ -101,7 +101,10 @@ func Open(ctx context.Context, cfg *config.Consumer, group events.Group, log log
 	topo := natsjs.DefaultTopology(cfg.SubjectPrefix)
 	topo.Replicas, topo.AckWait = cfg.StreamReplicas, cfg.AckWait
 	fail := func(err error) (*App, error) { nc.Close(); return nil, err }
-	if err := natsjs.CheckInstalled(ctx, js, topo, group); err != nil {
+	nlog := log.WithField("component", "nats")
+	if err := natsjs.AwaitInstalled(ctx, nlog, func(ctx context.Context) error {
+		return natsjs.CheckInstalled(ctx, js, topo, group)
+	}); err != nil {
 		return fail(err)
 	}
 	if _, err := cc.DBInfo(ctx, cfg.DBName); errors.Is(err, couch.ErrNotFound) {
@@ -112,8 +115,11 @@ func Open(ctx context.Context, cfg *config.Consumer, group events.Group, log log
 	metrics.RegisterJobGauges(reg, js, topo.Subjects.WorkStream())
 	var checkpoints *checkpoint.OnChangeStore
 	if group == events.GroupOnChange {
-		kv, err := natsjs.OnChangeBucket(ctx, js, topo)
-		if err != nil {
+		var kv jetstream.KeyValue
+		if err := natsjs.AwaitInstalled(ctx, nlog, func(ctx context.Context) (err error) {
+			kv, err = natsjs.OnChangeBucket(ctx, js, topo)
+			return err
+		}); err != nil {
 			return fail(err)
 		}
 		checkpoints = checkpoint.NewOnChangeStore(cc, kv)

@@ -7,8 +7,11 @@ import (
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
+	"github.com/sirupsen/logrus"
 
+	"github.com/spiegel-nats/spiegel/pkg/backoff"
 	"github.com/spiegel-nats/spiegel/pkg/events"
+	"github.com/spiegel-nats/spiegel/pkg/logging"
 )
 
 // ErrNotInstalled means the streams or consumers the service needs do not exist yet.
@@ -269,4 +272,27 @@ func Remove(ctx context.Context, js jetstream.JetStream, t Topology) error {
 		return fmt.Errorf("delete key-value bucket %s: %w", t.Subjects.OnChangeBucket(), err)
 	}
 	return nil
+}
+
+// installedRetry paces AwaitInstalled's attempts.
+var installedRetry = backoff.Policy{Initial: 250 * time.Millisecond, Max: 5 * time.Second, Multiplier: 2, Jitter: 0.2}
+
+// AwaitInstalled runs check (a daemon's look-up of the installation at start: CheckInstalled,
+// OnChangeBucket) until it succeeds or finds the installation missing (an error wrapping
+// ErrNotInstalled), which it returns. Any other error is NATS not answering yet — a JetStream API
+// request timing out or finding no responders while the cluster elects a meta or stream leader —
+// and the daemons wait for NATS as long as it takes: the attempt is logged and retried until ctx
+// ends, when the last error is returned.
+func AwaitInstalled(ctx context.Context, log logrus.FieldLogger, check func(context.Context) error) error {
+	for attempt := 1; ; attempt++ {
+		err := check(ctx)
+		if err == nil || errors.Is(err, ErrNotInstalled) || ctx.Err() != nil {
+			return err
+		}
+		log.WithField("attempt", attempt).WithField("error", logging.RedactText(err.Error())).
+			Warn("JetStream did not answer the installation check, retrying")
+		if backoff.Sleep(ctx, installedRetry.Delay(attempt)) != nil {
+			return err
+		}
+	}
 }

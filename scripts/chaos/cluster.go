@@ -1,0 +1,233 @@
+package chaos
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net"
+	"net/http"
+	"os"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+)
+
+// cluster is three nats-server processes (bin/nats-server, built from the module's pinned
+// nats-server) clustered over loopback routes, each with JetStream and its own store dir. A
+// node keeps its ports and store across restarts.
+type cluster struct {
+	nodes []*natsNode
+	nc    *nats.Conn // the run's own connection, to all three nodes
+	js    jetstream.JetStream
+}
+
+// natsNode is one server of the cluster.
+type natsNode struct {
+	*proc
+	name            string // server_name, as the servers report leaders
+	client, monitor int    // ports
+}
+
+// startCluster writes the three configs into dir and starts the nodes; it returns once every
+// node answers /healthz with 200 and the run's connection has JetStream.
+func startCluster(ctx context.Context, r *run, dir string) (*cluster, error) {
+	ports, err := freePorts(9)
+	if err != nil {
+		return nil, err
+	}
+	var routes []string
+	for i := range 3 {
+		routes = append(routes, fmt.Sprintf("nats-route://127.0.0.1:%d", ports[6+i]))
+	}
+	c := &cluster{}
+	for i := range 3 {
+		n := &natsNode{name: fmt.Sprintf("n%d", i+1), client: ports[i], monitor: ports[3+i]}
+		conf := fmt.Sprintf(`server_name: %s
+listen: 127.0.0.1:%d
+http: 127.0.0.1:%d
+jetstream { store_dir: %q }
+cluster { name: chaos, listen: 127.0.0.1:%d, routes: [%s] }
+`, n.name, n.client, n.monitor, filepath.Join(dir, n.name+"-store"), ports[6+i], strings.Join(routes, ", "))
+		path := filepath.Join(dir, n.name+".conf")
+		if err := os.WriteFile(path, []byte(conf), 0o644); err != nil {
+			return nil, err
+		}
+		n.proc = &proc{name: "nats-" + n.name, path: filepath.Join(r.cfg.Root, "bin", "nats-server"), args: []string{"-c", path},
+			env: os.Environ(), dir: dir, logPath: filepath.Join(r.logDir, "nats-"+n.name+".log"),
+			ready: fmt.Sprintf("http://127.0.0.1:%d/healthz", n.monitor), run: r}
+		c.nodes = append(c.nodes, n)
+	}
+	for _, n := range c.nodes {
+		if err := n.start(); err != nil {
+			return nil, err
+		}
+	}
+	for _, n := range c.nodes {
+		if err := n.waitReady(ctx, 30*time.Second); err != nil {
+			return nil, err
+		}
+	}
+	c.nc, err = nats.Connect(c.URLs(), nats.MaxReconnects(-1), nats.ReconnectWait(100*time.Millisecond))
+	if err != nil {
+		return nil, fmt.Errorf("connect to the cluster: %w", err)
+	}
+	if c.js, err = jetstream.New(c.nc); err != nil {
+		return nil, err
+	}
+	err = waitUntil(ctx, 30*time.Second, 200*time.Millisecond, "a meta leader with every peer current", func() bool {
+		return c.metaCurrent(ctx)
+	})
+	return c, err
+}
+
+// metaCurrent reports whether the meta group has a leader that sees the two other nodes as
+// current peers.
+func (c *cluster) metaCurrent(ctx context.Context) bool {
+	leader, err := c.metaLeader(ctx)
+	if err != nil {
+		return false
+	}
+	n, err := c.node(leader)
+	if err != nil {
+		return false
+	}
+	var jsz struct {
+		Meta struct {
+			Leader   string `json:"leader"`
+			Replicas []struct {
+				Current bool `json:"current"`
+			} `json:"replicas"`
+		} `json:"meta_cluster"`
+	}
+	if err := getJSON(ctx, fmt.Sprintf("http://127.0.0.1:%d/jsz", n.monitor), &jsz); err != nil || jsz.Meta.Leader != leader {
+		return false
+	}
+	current := 0
+	for _, r := range jsz.Meta.Replicas {
+		if r.Current {
+			current++
+		}
+	}
+	return current == len(c.nodes)-1
+}
+
+// URLs is the client URL list of all three nodes, as SPIEGEL_NATS_URL takes it.
+func (c *cluster) URLs() string {
+	var urls []string
+	for _, n := range c.nodes {
+		urls = append(urls, fmt.Sprintf("nats://127.0.0.1:%d", n.client))
+	}
+	return strings.Join(urls, ",")
+}
+
+// node returns the node named name.
+func (c *cluster) node(name string) (*natsNode, error) {
+	for _, n := range c.nodes {
+		if n.name == name {
+			return n, nil
+		}
+	}
+	return nil, fmt.Errorf("no node named %q", name)
+}
+
+// metaLeader returns the name of the JetStream meta leader, as the first running node's /jsz
+// reports it (meta_cluster.leader).
+func (c *cluster) metaLeader(ctx context.Context) (string, error) {
+	for _, n := range c.nodes {
+		if !n.running() {
+			continue
+		}
+		var jsz struct {
+			Meta struct {
+				Leader string `json:"leader"`
+			} `json:"meta_cluster"`
+		}
+		if err := getJSON(ctx, fmt.Sprintf("http://127.0.0.1:%d/jsz", n.monitor), &jsz); err == nil && jsz.Meta.Leader != "" {
+			return jsz.Meta.Leader, nil
+		}
+	}
+	return "", errors.New("no node names a meta leader")
+}
+
+// streamLeader returns the name of the node leading stream (the JetStream API's
+// STREAM.INFO cluster.leader).
+func (c *cluster) streamLeader(ctx context.Context, stream string) (string, error) {
+	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	s, err := c.js.Stream(ctx, stream)
+	if err != nil {
+		return "", err
+	}
+	info, err := s.Info(ctx)
+	if err != nil {
+		return "", err
+	}
+	if info.Cluster == nil || info.Cluster.Leader == "" {
+		return "", fmt.Errorf("stream %s has no leader", stream)
+	}
+	return info.Cluster.Leader, nil
+}
+
+// killAndRestart SIGKILLs the node, waits down, starts it again and waits for its /healthz
+// (JetStream current again). It returns an error only if the node did not come back.
+func (c *cluster) killAndRestart(ctx context.Context, n *natsNode, down time.Duration) error {
+	n.Lock()
+	defer n.Unlock()
+	if err := n.restart(ctx, syscall.SIGKILL, down); err != nil {
+		return err
+	}
+	return n.waitReady(ctx, 60*time.Second)
+}
+
+// close closes the run's connection.
+func (c *cluster) close() {
+	if c != nil && c.nc != nil {
+		c.nc.Close()
+	}
+}
+
+// getJSON decodes the answer of GET url into out.
+func getJSON(ctx context.Context, url string, out any) error {
+	ctx, cancel := context.WithTimeout(ctx, 3*time.Second)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
+	if err != nil {
+		return err
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return err
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		return fmt.Errorf("GET %s: %s", url, resp.Status)
+	}
+	return json.NewDecoder(resp.Body).Decode(out)
+}
+
+// freePorts returns n loopback ports that were free a moment ago, none of them 5984.
+func freePorts(n int) ([]int, error) {
+	var ports []int
+	var lns []net.Listener
+	defer func() {
+		for _, ln := range lns {
+			_ = ln.Close()
+		}
+	}()
+	for len(ports) < n {
+		ln, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			return nil, err
+		}
+		lns = append(lns, ln)
+		if p := ln.Addr().(*net.TCPAddr).Port; p != 5984 {
+			ports = append(ports, p)
+		}
+	}
+	return ports, nil
+}

@@ -1,0 +1,38 @@
+// Package chaos is the chaos suite: the whole pipeline as real processes, under faults injected
+// at random moments from a seed, checked at the end against what the writer did.
+//
+// What runs: CouchDB (its own PouchDB Server on disk, installed from the pinned lock with
+// `npm ci --ignore-scripts`, or any CouchDB at CHAOS_COUCHDB_URL); a three-node JetStream cluster
+// of bin/nats-server processes with per-node stores, the streams installed with 3 replicas; two
+// producers, two replicators (engines native and couchdb), two onchange consumers, all real
+// processes of bin/ (the producers with hot feeds, one of them with only 4); a webhook sink in this process that checks Basic auth and fails or stalls a
+// fraction of requests; a writer that creates, updates and deletes docs, adds conflicting
+// revisions, resolves conflicts, and deletes and recreates dbs.
+//
+// Rules: a pattern replicator rule from every source db to its own target db (create_target), an
+// on_change webhook rule (POST with $change, $db_name, $seq; password from the passwords file)
+// and an on_change subject rule publishing to SPIEGEL_CHANGES.
+//
+// Faults (plan.go): SIGKILL and restart of every kind of process — producers, both replicators,
+// onchange consumers, the NATS node leading the work stream, the JetStream meta leader, any NATS
+// node, CouchDB (SIGKILL or SIGTERM of its own PouchDB Server; on an external server, which the
+// run never restarts, an outage of the proxy the Spiegel processes reach it through);
+// SIGSTOP/SIGCONT of a consumer for longer than AckWait;
+// the sink answering 500 or stalling for a while; the passwords file rewritten and SIGHUP sent
+// to the consumers.
+//
+// Verdict (oracle.go, after the writer and the faults stop and the pipeline converges): every
+// target holds exactly its source's docs and leaf revisions; every (rule, doc, final revision)
+// was delivered to the webhook; the change stream holds every final revision, each db
+// incarnation in feed order; no dead letter; no process crashed or is left running; no webhook
+// password in any log. Duplicates are counted and reported, not failures.
+//
+// Determinism: the plan (writer ops and faults) derives from the seed alone and is printed with
+// its digest; a replay runs the same ops and faults at the same moments. Process timing is not
+// deterministic (which node leads, which job a consumer holds when it is killed, how a fault
+// slips while the previous one on the same resource lasts), so a replay repeats the schedule,
+// not every interleaving.
+//
+// Run it: TestChaosShort (fixed seed, about a minute) runs in the test command; the long run is
+// `make chaos SEED=42 DURATION=30m` (TestChaosLong with CHAOS_LONG=1). See README "Chaos suite".
+package chaos

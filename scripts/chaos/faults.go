@@ -1,0 +1,227 @@
+package chaos
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"syscall"
+	"time"
+)
+
+// faultRecord is what one fault did, as it happened.
+type faultRecord struct {
+	Fault
+	// Offsets on the run's clock: the planned moment, when the fault took effect (after waiting
+	// for the previous fault on its resource), and when it was over.
+	Started, Began, Ended time.Duration
+	What                  string // e.g. "SIGKILL nats-n2 (leader of SPIEGEL_WORK)"
+	Skipped               string // why it did not run
+	Err                   error
+}
+
+// faults runs the plan's faults, each at its planned moment in its own goroutine. Faults on
+// one resource are serialized (a fault waits for the previous one on the same resource to
+// end, so it may run later than planned; its record says when it was over): one NATS node down
+// at a time (the streams keep a quorum of two), one CouchDB restart, one sink period, one
+// fault per process.
+type faults struct {
+	r     *run
+	start time.Time
+
+	natsMu, couchMu, sinkMu, rotateMu sync.Mutex
+
+	mu      sync.Mutex
+	records []faultRecord
+}
+
+// run executes every fault and returns when all have ended (processes back and ready).
+func (f *faults) run(ctx context.Context, plan []Fault) {
+	var wg sync.WaitGroup
+	for _, ft := range plan {
+		if sleepCtx(ctx, time.Until(f.start.Add(ft.At))) != nil {
+			break
+		}
+		wg.Go(func() {
+			rec := faultRecord{Fault: ft, Started: f.r.since()}
+			rec.What, rec.Skipped, rec.Err = f.execute(ctx, ft, &rec.Began)
+			rec.Ended = f.r.since()
+			f.mu.Lock()
+			f.records = append(f.records, rec)
+			f.mu.Unlock()
+			switch {
+			case rec.Skipped != "":
+				f.r.logf("fault %s skipped: %s", ft.Kind, rec.Skipped)
+			case rec.Err != nil:
+				f.r.logf("fault %s (%s) FAILED: %v", ft.Kind, rec.What, rec.Err)
+			default:
+				f.r.logf("fault %-22s %s, %s → +%s", ft.Kind, rec.What, ft.Down.Round(time.Millisecond), rec.Ended)
+			}
+		})
+	}
+	wg.Wait()
+}
+
+// execute runs one fault and returns once it is over; began is set when it takes effect.
+func (f *faults) execute(ctx context.Context, ft Fault, began *time.Duration) (what, skipped string, err error) {
+	r := f.r
+	mark := func() { *began = r.since() }
+	if r.cfg.SkipFaults[ft.Kind.String()] {
+		return "", "CHAOS_SKIP_FAULTS", nil
+	}
+	switch ft.Kind {
+	case FaultKillProc:
+		p := r.procs[ft.Target]
+		p.Lock()
+		defer p.Unlock()
+		mark()
+		if err := p.restart(ctx, syscall.SIGKILL, ft.Down); err != nil {
+			return "SIGKILL " + p.name, "", err
+		}
+		return "SIGKILL " + p.name, "", f.ready(ctx, p)
+	case FaultStopProc:
+		p := r.procs[ft.Target]
+		p.Lock()
+		defer p.Unlock()
+		mark()
+		if err := p.signal(syscall.SIGSTOP); err != nil {
+			return "SIGSTOP " + p.name, "", err
+		}
+		werr := sleepCtx(ctx, ft.Down)
+		if err := p.signal(syscall.SIGCONT); err != nil {
+			return "SIGSTOP " + p.name, "", err
+		}
+		return "SIGSTOP/SIGCONT " + p.name, "", werr
+	case FaultNATSWorkLdr, FaultNATSMetaLdr, FaultNATSNode:
+		f.natsMu.Lock()
+		defer f.natsMu.Unlock()
+		n, what, err := f.natsTarget(ctx, ft)
+		if err != nil {
+			return what, "", err
+		}
+		mark()
+		return what, "", r.nats.killAndRestart(ctx, n, ft.Down)
+	case FaultCouchRestart:
+		f.couchMu.Lock()
+		defer f.couchMu.Unlock()
+		mark()
+		return r.couch.restartWhat(ft.Term), "", r.couch.restart(ctx, ft.Term, ft.Down)
+	case FaultSink500, FaultSinkStall:
+		f.sinkMu.Lock()
+		defer f.sinkMu.Unlock()
+		mark()
+		mode, what := sinkFail, "sink answers 500"
+		if ft.Kind == FaultSinkStall {
+			mode, what = sinkStall, "sink stalls past the rule's timeout"
+		}
+		r.sink.setMode(mode)
+		err := sleepCtx(ctx, ft.Down)
+		r.sink.setMode(sinkNormal)
+		return what, "", err
+	case FaultRotatePasswords:
+		f.rotateMu.Lock()
+		defer f.rotateMu.Unlock()
+		mark()
+		if err := r.sink.rotate(); err != nil {
+			return "rotate", "", err
+		}
+		// A process being killed or restarted reads the new file when it starts; a SIGHUP that
+		// reached it before it handles the signal would end it, so each waits for its own fault.
+		var sent []string
+		for _, p := range r.consumers() {
+			p.Lock()
+			if p.running() {
+				if err := p.signal(syscall.SIGHUP); err == nil {
+					sent = append(sent, p.name)
+				}
+			}
+			p.Unlock()
+		}
+		return fmt.Sprintf("password generation %d, SIGHUP to %v", r.sink.generation(), sent), "", nil
+	}
+	return "", "", fmt.Errorf("unknown fault kind %d", ft.Kind)
+}
+
+// ready waits until a restarted product process is ready again. CouchDB or NATS may be down
+// meanwhile (another fault), so the wait is long; not being ready is recorded, not fatal.
+func (f *faults) ready(ctx context.Context, p *proc) error {
+	return p.waitReady(ctx, 90*time.Second)
+}
+
+// natsTarget picks the node a NATS fault kills: the leader of the work stream or the meta
+// leader, as the servers say at this moment, or the planned node.
+func (f *faults) natsTarget(ctx context.Context, ft Fault) (*natsNode, string, error) {
+	c := f.r.nats
+	if ft.Kind == FaultNATSNode {
+		n := c.nodes[ft.Target%len(c.nodes)]
+		return n, "SIGKILL nats-" + n.name, nil
+	}
+	var leader, role string
+	err := waitUntil(ctx, 20*time.Second, 200*time.Millisecond, "a leader to kill", func() bool {
+		var err error
+		if ft.Kind == FaultNATSWorkLdr {
+			role = "leader of " + f.r.subjects.WorkStream()
+			leader, err = c.streamLeader(ctx, f.r.subjects.WorkStream())
+		} else {
+			role = "JetStream meta leader"
+			leader, err = c.metaLeader(ctx)
+		}
+		return err == nil
+	})
+	if err != nil {
+		return nil, "SIGKILL the " + role, err
+	}
+	n, err := c.node(leader)
+	if err != nil {
+		return nil, "SIGKILL the " + role, err
+	}
+	also := ""
+	if ft.Kind == FaultNATSWorkLdr {
+		if m, err := c.metaLeader(ctx); err == nil && m == leader {
+			also = ", also the meta leader"
+		}
+	} else if w, err := c.streamLeader(ctx, f.r.subjects.WorkStream()); err == nil && w == leader {
+		also = ", also the work stream's leader"
+	}
+	return n, fmt.Sprintf("SIGKILL nats-%s (%s%s)", n.name, role, also), nil
+}
+
+// list returns the records in the order the faults started.
+func (f *faults) list() []faultRecord {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	out := append([]faultRecord(nil), f.records...)
+	for i := 1; i < len(out); i++ {
+		for j := i; j > 0 && out[j].Started < out[j-1].Started; j-- {
+			out[j], out[j-1] = out[j-1], out[j]
+		}
+	}
+	return out
+}
+
+// natsWindows returns, for every NATS fault, the span from its SIGKILL to slack after the node
+// was back: the stream leader elections it caused fall inside.
+func (f *faults) natsWindows(slack time.Duration) [][2]time.Duration {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	var out [][2]time.Duration
+	for _, rec := range f.records {
+		switch rec.Kind {
+		case FaultNATSWorkLdr, FaultNATSMetaLdr, FaultNATSNode:
+			if rec.Began > 0 {
+				out = append(out, [2]time.Duration{rec.Began, rec.Ended + slack})
+			}
+		}
+	}
+	return out
+}
+
+// lastEnd is when the last fault ended.
+func (f *faults) lastEnd() time.Duration {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	var last time.Duration
+	for _, rec := range f.records {
+		last = max(last, rec.Ended)
+	}
+	return last
+}

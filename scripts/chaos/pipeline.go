@@ -1,0 +1,145 @@
+package chaos
+
+import (
+	"context"
+	"fmt"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"time"
+)
+
+// Names of the run's rules (docs in the spiegel db).
+const (
+	ruleReplicate = "chaos_replicate"
+	ruleHook      = "chaos_hook"
+	rulePublish   = "chaos_publish"
+	hookTimeout   = 2 * time.Second // timeout_ms of the webhook rule
+	hotFeedsSmall = 4               // SPIEGEL_HOT_FEEDS of producer-2
+	hotFeedIdle   = 5 * time.Second // SPIEGEL_HOT_FEED_IDLE of both producers
+)
+
+// Names of the run's dbs; prefix is unique to the run ("chaos_<random>_"), so that a shared
+// CouchDB never sees the run touch a db it did not create.
+func (r *run) spiegelDB() string     { return r.prefix + "spiegel" }
+func (r *run) sourceDB(i int) string { return fmt.Sprintf("%ssrc_%03d", r.prefix, i) }
+
+// targetDB is the target of source db src under the replicator rule.
+func (r *run) targetDB(src string) string { return r.prefix + "tgt_" + src }
+
+// commonEnv is the environment of every product process: no SPIEGEL_ variable of the run's
+// own environment leaks in.
+func (r *run) commonEnv() []string {
+	var env []string
+	for _, kv := range os.Environ() {
+		if !strings.HasPrefix(kv, "SPIEGEL_") {
+			env = append(env, kv)
+		}
+	}
+	return append(env,
+		"SPIEGEL_COUCHDB_URL="+r.couch.procURL,
+		"SPIEGEL_DB_NAME="+r.spiegelDB(),
+		"SPIEGEL_NATS_URL="+r.nats.URLs(),
+		"SPIEGEL_STREAM_REPLICAS=3",
+		"SPIEGEL_ACK_WAIT="+r.cfg.AckWait.String(),
+		"SPIEGEL_LOG_LEVEL="+r.cfg.LogLevel,
+		"SPIEGEL_SHUTDOWN_GRACE=5s",
+	)
+}
+
+// install runs `producer install` (streams with 3 replicas) — up to three times, as an operator
+// would on a timeout of a freshly formed cluster: install is idempotent — and writes the three
+// rules.
+func (r *run) install(ctx context.Context) error {
+	logPath := filepath.Join(r.logDir, "producer-install.log")
+	var err error
+	for attempt := 1; attempt <= 3; attempt++ {
+		cctx, cancel := context.WithTimeout(ctx, 60*time.Second)
+		// --timeout: a freshly formed cluster may take a while to elect its meta leader.
+		cmd := exec.CommandContext(cctx, filepath.Join(r.cfg.Root, "bin", "producer"), "install", "--timeout", "45s")
+		cmd.Env = r.commonEnv()
+		var out []byte
+		out, err = cmd.CombinedOutput()
+		cancel()
+		if f, ferr := os.OpenFile(logPath, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644); ferr == nil {
+			fmt.Fprintf(f, "=== chaos: producer install, attempt %d: %v\n%s", attempt, err, out)
+			_ = f.Close()
+		}
+		if err == nil {
+			break
+		}
+		r.logf("producer install failed (attempt %d, output in %s): %v", attempt, logPath, err)
+	}
+	if err != nil {
+		return fmt.Errorf("producer install: %v (output in %s)", err, logPath)
+	}
+	pattern := "^" + r.prefix + "src_"
+	retry := map[string]any{"backoff": "exponential", "delay_ms": 200, "multiplier": 2, "max_delay_ms": 2000, "limit": 0}
+	rules := map[string]map[string]any{
+		ruleReplicate: {"type": "replicator", "db_name": pattern, "source": "$db_name",
+			"target": r.prefix + "tgt_${db_name}", "create_target": true},
+		ruleHook: {"type": "on_change", "db_name": pattern, "method": "POST",
+			"url":        "http://" + hookUser + "@" + r.sink.addr() + "/hook/${db_name}",
+			"params":     map[string]any{"change": "$change", "db": "$db_name", "seq": "$seq"},
+			"timeout_ms": hookTimeout.Milliseconds(), "retry": retry},
+		rulePublish: {"type": "on_change", "db_name": pattern, "subject": "spiegel.changes.${db_name}", "retry": retry},
+	}
+	for id, doc := range rules {
+		status, err := r.couch.do(ctx, http.MethodPut, "/"+r.spiegelDB()+"/"+id, doc, nil)
+		if err != nil || status != http.StatusCreated && status != http.StatusAccepted {
+			return fmt.Errorf("put rule %s: status %d, %v", id, status, err)
+		}
+	}
+	return nil
+}
+
+// startPipeline starts the six product processes (procNames) and waits until each is ready.
+func (r *run) startPipeline(ctx context.Context) error {
+	ports, err := freePorts(len(procNames))
+	if err != nil {
+		return err
+	}
+	common := r.commonEnv()
+	consumer := []string{"SPIEGEL_PASSWORDS_FILE=" + r.sink.pwFile, "SPIEGEL_RETRY_INITIAL=200ms", "SPIEGEL_RETRY_MAX=3s"}
+	for i, name := range procNames {
+		addr := fmt.Sprintf("127.0.0.1:%d", ports[i])
+		env := append(append([]string(nil), common...), "SPIEGEL_HTTP_ADDR="+addr)
+		bin := ""
+		switch {
+		case strings.HasPrefix(name, "producer"):
+			bin = "producer"
+			env = append(env, "SPIEGEL_POLL_INTERVAL=1s", "SPIEGEL_SWEEP_INTERVAL=30s", "SPIEGEL_FEED_HEARTBEAT=5s")
+			// Hot feeds: producer-1 keeps one for every busy db (the default limit), producer-2
+			// only hotFeedsSmall, so that it keeps closing the least recently changed; both close
+			// a feed idle for hotFeedIdle, so that feeds close and reopen during the run.
+			hot := "500"
+			if name == "producer-2" {
+				hot = fmt.Sprint(hotFeedsSmall)
+			}
+			env = append(env, "SPIEGEL_HOT_FEEDS="+hot, "SPIEGEL_HOT_FEED_IDLE="+hotFeedIdle.String())
+		case strings.HasPrefix(name, "replicator"):
+			bin = "replicator"
+			env = append(append(env, consumer...), "SPIEGEL_REPLICATION_ENGINE="+strings.TrimPrefix(name, "replicator-"))
+		default:
+			bin = "onchange"
+			env = append(env, consumer...)
+		}
+		p := &proc{name: name, path: filepath.Join(r.cfg.Root, "bin", bin), env: env, dir: r.cfg.OutDir,
+			logPath: filepath.Join(r.logDir, name+".log"), ready: "http://" + addr + "/readyz", run: r}
+		if err := p.start(); err != nil {
+			return err
+		}
+		r.procs = append(r.procs, p)
+	}
+	for _, p := range r.procs {
+		if err := p.waitReady(ctx, 60*time.Second); err != nil {
+			return fmt.Errorf("%w; its log ends:\n%s", err, p.logTail(15))
+		}
+	}
+	return nil
+}
+
+// consumers are the processes that read the passwords file.
+func (r *run) consumers() []*proc { return r.procs[2:] }

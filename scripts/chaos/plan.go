@@ -1,0 +1,355 @@
+package chaos
+
+import (
+	"crypto/sha256"
+	"fmt"
+	"io"
+	"math/rand/v2"
+	"sort"
+	"strings"
+	"time"
+)
+
+// OpKind is what one writer operation does.
+type OpKind int
+
+// Writer operations. Doc ids carry the db's incarnation ("i<inc>_d<k>"), so that no doc of a
+// recreated db shares an id (or a revision tree) with a doc of an earlier incarnation.
+const (
+	OpCreateDB OpKind = iota // (re)create the source db: incarnation Inc starts
+	OpPut                    // create doc Doc, or update it, or bring it back if deleted
+	OpDelete                 // delete doc Doc
+	OpConflict               // add a sibling of Doc's winning revision (_bulk_docs new_edits:false)
+	OpResolve                // delete one losing leaf of Doc, if it has any
+	OpBulk                   // _bulk_docs: create or update Docs
+	OpDeleteDB               // delete the source db and then its target db
+)
+
+var opNames = [...]string{"create_db", "put", "delete", "conflict", "resolve", "bulk", "delete_db"}
+
+func (k OpKind) String() string { return opNames[k] }
+
+// Op is one planned writer operation.
+type Op struct {
+	At   time.Duration // offset from the start of the writer
+	DB   int           // source db index
+	Inc  int           // the db's incarnation
+	Kind OpKind
+	Doc  int    // OpPut, OpDelete, OpConflict, OpResolve
+	Docs []int  // OpBulk
+	Salt uint64 // body content; the sibling's revision hash
+}
+
+// docID is the id of doc k in incarnation inc.
+func docID(inc, k int) string { return fmt.Sprintf("i%d_d%04d", inc, k) }
+
+// FaultKind is a class of fault.
+type FaultKind int
+
+// Fault classes.
+const (
+	FaultKillProc        FaultKind = iota // SIGKILL a product process, restart it after Down
+	FaultStopProc                         // SIGSTOP a consumer for Down (longer than AckWait), then SIGCONT
+	FaultNATSWorkLdr                      // SIGKILL the NATS node leading the work stream, restart after Down
+	FaultNATSMetaLdr                      // SIGKILL the JetStream meta leader, restart after Down
+	FaultNATSNode                         // SIGKILL NATS node Target, restart after Down
+	FaultCouchRestart                     // stop CouchDB (SIGKILL or SIGTERM), start it after Down
+	FaultSink500                          // the webhook sink answers 500 to every request for Down
+	FaultSinkStall                        // the webhook sink answers after the rule's timeout for Down
+	FaultRotatePasswords                  // new webhook password: passwords file rewritten, SIGHUP to consumers
+	numFaultKinds
+)
+
+var faultNames = [...]string{"kill", "stop", "kill-nats-work-leader", "kill-nats-meta-leader", "kill-nats-node",
+	"restart-couchdb", "sink-500", "sink-stall", "rotate-passwords"}
+
+func (k FaultKind) String() string { return faultNames[k] }
+
+// Fault is one planned fault.
+type Fault struct {
+	At     time.Duration
+	Kind   FaultKind
+	Target int           // product process index (procNames), or NATS node index
+	Down   time.Duration // how long the fault lasts
+	Term   bool          // FaultCouchRestart: SIGTERM instead of SIGKILL
+}
+
+// procNames are the product processes, by index.
+var procNames = []string{"producer-1", "producer-2", "replicator-native", "replicator-couchdb", "onchange-1", "onchange-2"}
+
+// Plan is everything a run does on purpose, derived from the Config alone.
+type Plan struct {
+	Ops    []Op
+	Faults []Fault
+}
+
+// newPlan derives the plan of cfg. Writer ops and faults come from separate random streams of
+// the seed. Contract: the same Config always gives the same Plan (see Digest).
+func newPlan(cfg Config) Plan {
+	return Plan{Ops: planOps(cfg), Faults: planFaults(cfg)}
+}
+
+// dbModel is the writer's model of one source db while the plan is generated.
+type dbModel struct {
+	live     bool
+	inc      int
+	next     int   // next new doc index
+	docs     []int // live doc indexes
+	deleted  []int // deleted doc indexes
+	conflict map[int]bool
+}
+
+func (m *dbModel) take(list *[]int, r *rand.Rand) int {
+	i := r.IntN(len(*list))
+	k := (*list)[i]
+	(*list)[i] = (*list)[len(*list)-1]
+	*list = (*list)[:len(*list)-1]
+	return k
+}
+
+// planOps plans the writer: every db is created at the start, then operations arrive at
+// OpsPerS on uniformly chosen live dbs. With cfg.Recreate a deleted db is recreated (next
+// incarnation) after a delay, QuickRecreatePct% of the time shorter than a poll round; it stays
+// deleted if that falls after the end (and always without cfg.Recreate).
+func planOps(cfg Config) []Op {
+	r := rand.New(rand.NewPCG(cfg.Seed, 0x7772697465))
+	dbs := make([]*dbModel, cfg.DBs)
+	var ops []Op
+	for i := range dbs {
+		dbs[i] = &dbModel{live: true, conflict: map[int]bool{}}
+		ops = append(ops, Op{At: time.Duration(i) * time.Second / time.Duration(cfg.DBs), DB: i, Kind: OpCreateDB})
+	}
+	type due struct {
+		at time.Duration
+		db int
+	}
+	var recreate []due
+	t := time.Second
+	for {
+		t += time.Duration(r.ExpFloat64() / cfg.OpsPerS * float64(time.Second))
+		sort.Slice(recreate, func(i, j int) bool { return recreate[i].at < recreate[j].at })
+		for len(recreate) > 0 && recreate[0].at <= t && recreate[0].at < cfg.Duration {
+			d := recreate[0]
+			recreate = recreate[1:]
+			m := dbs[d.db]
+			*m = dbModel{live: true, inc: m.inc + 1, conflict: map[int]bool{}}
+			ops = append(ops, Op{At: d.at, DB: d.db, Inc: m.inc, Kind: OpCreateDB})
+		}
+		if t >= cfg.Duration {
+			break
+		}
+		var live []int
+		for i, m := range dbs {
+			if m.live {
+				live = append(live, i)
+			}
+		}
+		if len(live) == 0 {
+			continue
+		}
+		i := live[r.IntN(len(live))]
+		m := dbs[i]
+		op := Op{At: t, DB: i, Inc: m.inc, Salt: r.Uint64()}
+		w := r.IntN(1000)
+		switch {
+		case w < 12 && t < cfg.Duration*9/10:
+			op.Kind = OpDeleteDB
+			m.live = false
+			delay := time.Duration(1000+r.IntN(19000)) * time.Millisecond
+			if r.IntN(100) < cfg.QuickRecreatePct {
+				delay = time.Duration(100+r.IntN(900)) * time.Millisecond
+			}
+			if cfg.Recreate {
+				recreate = append(recreate, due{t + delay, i})
+			}
+		case w < 100 && len(m.docs) > 0:
+			op.Kind, op.Doc = OpDelete, m.take(&m.docs, r)
+			m.deleted = append(m.deleted, op.Doc)
+			delete(m.conflict, op.Doc)
+		case w < 140 && len(m.deleted) > 0:
+			op.Kind, op.Doc = OpPut, m.take(&m.deleted, r)
+			m.docs = append(m.docs, op.Doc)
+		case w < 220 && len(m.docs) > 0:
+			op.Kind, op.Doc = OpConflict, m.docs[r.IntN(len(m.docs))]
+			m.conflict[op.Doc] = true
+		case w < 260 && len(m.conflict) > 0:
+			op.Kind = OpResolve
+			keys := make([]int, 0, len(m.conflict))
+			for k := range m.conflict {
+				keys = append(keys, k)
+			}
+			sort.Ints(keys)
+			op.Doc = keys[r.IntN(len(keys))]
+			delete(m.conflict, op.Doc)
+		case w < 360:
+			op.Kind = OpBulk
+			for range 3 + r.IntN(12) {
+				if len(m.docs) > 0 && r.IntN(2) == 0 {
+					op.Docs = append(op.Docs, m.docs[r.IntN(len(m.docs))])
+				} else {
+					op.Docs = append(op.Docs, m.next)
+					m.docs = append(m.docs, m.next)
+					m.next++
+				}
+			}
+			op.Docs = dedupe(op.Docs)
+		case w < 660 && len(m.docs) > 0:
+			op.Kind, op.Doc = OpPut, m.docs[r.IntN(len(m.docs))]
+		default:
+			op.Kind, op.Doc = OpPut, m.next
+			m.docs = append(m.docs, m.next)
+			m.next++
+		}
+		ops = append(ops, op)
+	}
+	sort.SliceStable(ops, func(i, j int) bool { return ops[i].At < ops[j].At })
+	return ops
+}
+
+func dedupe(xs []int) []int {
+	seen := map[int]bool{}
+	out := xs[:0]
+	for _, x := range xs {
+		if !seen[x] {
+			seen[x] = true
+			out = append(out, x)
+		}
+	}
+	return out
+}
+
+// requiredFaults is one of every class, with the kinds of process each kill must cover: the
+// first faults of every run are these, in an order the seed shuffles.
+var requiredFaults = []struct {
+	kind    FaultKind
+	targets []int
+}{
+	{FaultKillProc, []int{0, 1}}, {FaultKillProc, []int{2}}, {FaultKillProc, []int{3}}, {FaultKillProc, []int{4, 5}},
+	{FaultStopProc, []int{4, 5}}, {FaultNATSWorkLdr, nil}, {FaultNATSMetaLdr, nil}, {FaultCouchRestart, nil},
+	{FaultSink500, nil}, {FaultSinkStall, nil}, {FaultRotatePasswords, nil},
+}
+
+// faultWeights are the odds of each class after the required ones.
+var faultWeights = [numFaultKinds]int{30, 10, 8, 6, 6, 6, 8, 6, 6}
+
+// planFaults plans the faults: max(#required, window/FaultEvery) of them at uniformly random
+// moments between a warm-up of 3s and 2s before the end; the required ones first (shuffled),
+// the rest by faultWeights. Password rotations are kept at least rotationGap apart, so that a
+// stopped consumer never misses two (the sink accepts the current and the previous password).
+func planFaults(cfg Config) []Fault {
+	r := rand.New(rand.NewPCG(cfg.Seed, 0x6661756c74))
+	from, to := 3*time.Second, cfg.Duration-2*time.Second
+	n := max(len(requiredFaults), int((to-from)/cfg.FaultEvery))
+	times := make([]time.Duration, n)
+	for i := range times {
+		times[i] = from + time.Duration(r.Int64N(int64(to-from)))
+	}
+	sort.Slice(times, func(i, j int) bool { return times[i] < times[j] })
+	kinds := r.Perm(len(requiredFaults))
+	rotationGap := 2 * (cfg.AckWait + 4*time.Second)
+	lastRotation := -rotationGap
+	var out []Fault
+	for i, at := range times {
+		var f Fault
+		if i < len(kinds) {
+			req := requiredFaults[kinds[i]]
+			f = Fault{Kind: req.kind}
+			if len(req.targets) > 0 {
+				f.Target = req.targets[r.IntN(len(req.targets))]
+			}
+		} else {
+			f = Fault{Kind: weighted(r), Target: r.IntN(len(procNames))}
+			if f.Kind == FaultStopProc {
+				f.Target = 2 + r.IntN(4) // consumers only
+			}
+			if f.Kind == FaultNATSNode {
+				f.Target = r.IntN(3)
+			}
+		}
+		f.At = at
+		switch f.Kind {
+		case FaultKillProc:
+			f.Down = time.Duration(r.IntN(4000)) * time.Millisecond
+		case FaultStopProc:
+			f.Down = cfg.AckWait + time.Duration(1000+r.IntN(3000))*time.Millisecond
+		case FaultNATSWorkLdr, FaultNATSMetaLdr, FaultNATSNode:
+			f.Down = time.Duration(1000+r.IntN(5000)) * time.Millisecond
+		case FaultCouchRestart:
+			f.Down, f.Term = time.Duration(500+r.IntN(2500))*time.Millisecond, r.IntN(2) == 0
+		case FaultSink500:
+			f.Down = time.Duration(2000+r.IntN(6000)) * time.Millisecond
+		case FaultSinkStall:
+			f.Down = time.Duration(2000+r.IntN(5000)) * time.Millisecond
+		case FaultRotatePasswords:
+			if at-lastRotation < rotationGap {
+				continue
+			}
+			lastRotation = at
+		}
+		out = append(out, f)
+	}
+	return out
+}
+
+func weighted(r *rand.Rand) FaultKind {
+	total := 0
+	for _, w := range faultWeights {
+		total += w
+	}
+	x := r.IntN(total)
+	for k, w := range faultWeights {
+		if x < w {
+			return FaultKind(k)
+		}
+		x -= w
+	}
+	return FaultKillProc
+}
+
+// write writes the plan as text, one line per op and fault: what Digest hashes.
+func (p Plan) write(w io.Writer) {
+	for _, f := range p.Faults {
+		fmt.Fprintf(w, "fault %9.3fs %-22s target=%d down=%s term=%t\n", f.At.Seconds(), f.Kind, f.Target, f.Down, f.Term)
+	}
+	for _, o := range p.Ops {
+		fmt.Fprintf(w, "op %9.3fs db=%03d inc=%d %-9s doc=%d docs=%v salt=%016x\n", o.At.Seconds(), o.DB, o.Inc, o.Kind, o.Doc, o.Docs, o.Salt)
+	}
+}
+
+// Digest is the sha256 of the plan's text: equal digests mean the same operations and faults.
+func (p Plan) Digest() string {
+	h := sha256.New()
+	p.write(h)
+	return fmt.Sprintf("%x", h.Sum(nil))[:16]
+}
+
+// Summary counts the plan's ops and faults by kind.
+func (p Plan) Summary() string {
+	ops := map[string]int{}
+	for _, o := range p.Ops {
+		ops[o.Kind.String()]++
+	}
+	faults := map[string]int{}
+	for _, f := range p.Faults {
+		name := f.Kind.String()
+		if f.Kind == FaultKillProc || f.Kind == FaultStopProc {
+			name += " " + procNames[f.Target]
+		}
+		faults[name]++
+	}
+	return fmt.Sprintf("%d writer ops %s; %d faults %s", len(p.Ops), counts(ops), len(p.Faults), counts(faults))
+}
+
+// counts formats a count map in key order.
+func counts(m map[string]int) string {
+	keys := make([]string, 0, len(m))
+	for k := range m {
+		keys = append(keys, k)
+	}
+	sort.Strings(keys)
+	parts := make([]string, 0, len(keys))
+	for _, k := range keys {
+		parts = append(parts, fmt.Sprintf("%s=%d", k, m[k]))
+	}
+	return "{" + strings.Join(parts, ", ") + "}"
+}

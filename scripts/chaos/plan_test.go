@@ -1,0 +1,92 @@
+package chaos
+
+import (
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+// The plan derives from the config alone: a replay runs the same ops and faults.
+func TestPlanIsDeterministic(t *testing.T) {
+	t.Parallel()
+	cfg := shortConfig("/repo")
+	a, b := newPlan(cfg), newPlan(cfg)
+	assert.Equal(t, a.Digest(), b.Digest())
+	assert.Equal(t, a, b)
+	cfg.Seed++
+	assert.NotEqual(t, a.Digest(), newPlan(cfg).Digest(), "another seed, another plan")
+}
+
+// Every run has one fault of every required class (each kind of process killed), inside the
+// window, and password rotations far enough apart.
+func TestPlanCoversEveryFaultClass(t *testing.T) {
+	t.Parallel()
+	for _, seed := range []uint64{1, 2, 3, 42, 20260611} {
+		cfg := shortConfig("/repo")
+		cfg.Seed = seed
+		p := newPlan(cfg)
+		kinds := map[FaultKind]bool{}
+		killed := map[string]bool{}
+		var rotations []time.Duration
+		for _, f := range p.Faults {
+			kinds[f.Kind] = true
+			if f.Kind == FaultKillProc {
+				killed[strings.SplitN(procNames[f.Target], "-", 2)[0]] = true
+			}
+			if f.Kind == FaultStopProc {
+				assert.Greater(t, f.Down, cfg.AckWait, "a SIGSTOP outlasts AckWait")
+				assert.GreaterOrEqual(t, f.Target, 2, "only consumers are stopped")
+			}
+			if f.Kind == FaultRotatePasswords {
+				rotations = append(rotations, f.At)
+			}
+			assert.True(t, f.At >= 3*time.Second && f.At < cfg.Duration, "fault at %s", f.At)
+		}
+		for _, req := range requiredFaults {
+			assert.True(t, kinds[req.kind], "seed %d: no %s fault", seed, req.kind)
+		}
+		for _, k := range []string{"producer", "replicator", "onchange"} {
+			assert.True(t, killed[k], "seed %d: no %s killed", seed, k)
+		}
+		for i := 1; i < len(rotations); i++ {
+			assert.GreaterOrEqual(t, rotations[i]-rotations[i-1], 2*(cfg.AckWait+4*time.Second))
+		}
+	}
+}
+
+// The writer's plan keeps its model: no op on a deleted db, recreations only when asked,
+// ids of a recreated db in its new incarnation.
+func TestPlanOpsFollowDBLifecycle(t *testing.T) {
+	t.Parallel()
+	for _, recreate := range []bool{false, true} {
+		cfg, err := longConfig("/repo")
+		require.NoError(t, err)
+		cfg.Seed, cfg.Duration, cfg.DBs, cfg.Recreate = 5, 3*time.Minute, 20, recreate
+		ops := newPlan(cfg).Ops
+		live := map[int]int{} // db → incarnation, while live
+		created := 0
+		for _, op := range ops {
+			inc, ok := live[op.DB]
+			switch op.Kind {
+			case OpCreateDB:
+				require.False(t, ok, "db %d created while live", op.DB)
+				live[op.DB] = op.Inc
+				created++
+			case OpDeleteDB:
+				require.True(t, ok)
+				delete(live, op.DB)
+			default:
+				require.True(t, ok, "op %s on deleted db %d", op.Kind, op.DB)
+				require.Equal(t, inc, op.Inc)
+			}
+		}
+		if recreate {
+			assert.Greater(t, created, cfg.DBs, "some dbs recreated")
+		} else {
+			assert.Equal(t, cfg.DBs, created)
+		}
+	}
+}

@@ -1,0 +1,232 @@
+package chaos
+
+import (
+	"crypto/rand"
+	"crypto/sha256"
+	"encoding/binary"
+	"encoding/hex"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"path/filepath"
+	"sync"
+	"time"
+)
+
+// sinkMode is what the sink does with every request during a fault.
+type sinkMode int
+
+const (
+	sinkNormal sinkMode = iota
+	sinkFail            // 500 to everything
+	sinkStall           // answer only after the rule's timeout
+)
+
+// delivery is one change the sink acknowledged with 200 while the client still waited.
+type delivery struct {
+	DB, ID, Rev, Seq string
+}
+
+// sink is the webhook receiver of the on_change rule. It checks Basic auth (user "hook" and
+// the current or previous password of the passwords file: see rotate), records every request,
+// and answers 500 or stalls a fraction of them: always during a fault period (setMode), and
+// outside one for the fraction the config names, decided by a hash of the seed, the change and
+// its attempt number (the same requests fail in a replay). A stalled request is answered after
+// stallFor, longer than the rule's timeout, unless the client gave up first.
+type sink struct {
+	ln       net.Listener
+	srv      *http.Server
+	seed     uint64
+	fail     float64
+	stall    float64
+	stallFor time.Duration
+	pwFile   string
+	journal  *journal // sink.log: every request and its answer
+
+	mu        sync.Mutex
+	passwords []string // by generation; the last is current
+	mode      sinkMode
+	attempts  map[string]int
+	ok        map[delivery]int // 200 answers per change
+	status    map[string]int   // answers by kind
+	okByGen   map[int]int      // 200 answers by password generation
+	badBodies []string
+}
+
+const hookUser = "hook"
+
+// startSink listens on a loopback port and writes the first passwords file into dir.
+func startSink(cfg Config, dir string, ruleTimeout time.Duration, j *journal) (*sink, error) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return nil, err
+	}
+	s := &sink{ln: ln, seed: cfg.Seed, fail: cfg.SinkFail, stall: cfg.SinkStall, stallFor: ruleTimeout + time.Second,
+		pwFile: filepath.Join(dir, "passwords.json"), journal: j, attempts: map[string]int{}, ok: map[delivery]int{},
+		status: map[string]int{}, okByGen: map[int]int{}}
+	if err := s.rotate(); err != nil {
+		_ = ln.Close()
+		return nil, err
+	}
+	s.srv = &http.Server{Handler: http.HandlerFunc(s.serve), ReadHeaderTimeout: 10 * time.Second}
+	go func() { _ = s.srv.Serve(ln) }()
+	return s, nil
+}
+
+// addr is the sink's host:port.
+func (s *sink) addr() string { return s.ln.Addr().String() }
+
+// close stops the sink.
+func (s *sink) close() { _ = s.srv.Close() }
+
+// setMode starts or ends a fault period.
+func (s *sink) setMode(m sinkMode) {
+	s.mu.Lock()
+	s.mode = m
+	s.mu.Unlock()
+}
+
+// rotate makes a new random password current and rewrites the passwords file atomically (the
+// consumers read it on SIGHUP). The previous password stays accepted, for requests built
+// before a consumer reloaded; older ones are refused with 401. Passwords are never shown.
+func (s *sink) rotate() error {
+	b := make([]byte, 12)
+	if _, err := rand.Read(b); err != nil {
+		return err
+	}
+	pw := "hookS3cret-" + hex.EncodeToString(b)
+	data, err := json.Marshal(map[string]map[string]string{s.addr(): {hookUser: pw}})
+	if err != nil {
+		return err
+	}
+	tmp := s.pwFile + ".tmp"
+	if err := os.WriteFile(tmp, data, 0o600); err != nil {
+		return err
+	}
+	s.mu.Lock()
+	s.passwords = append(s.passwords, pw)
+	s.mu.Unlock()
+	return os.Rename(tmp, s.pwFile)
+}
+
+// generation is the number of the current password (1 = the first).
+func (s *sink) generation() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return len(s.passwords)
+}
+
+// hookBody is what the on_change rule sends (params change, db, seq).
+type hookBody struct {
+	DB     string `json:"db"`
+	Change struct {
+		ID      string `json:"id"`
+		Changes []struct {
+			Rev string `json:"rev"`
+		} `json:"changes"`
+	} `json:"change"`
+	Seq json.RawMessage `json:"seq"`
+}
+
+func (s *sink) serve(w http.ResponseWriter, r *http.Request) {
+	body, _ := io.ReadAll(r.Body)
+	user, pw, _ := r.BasicAuth()
+	var b hookBody
+	decodeErr := json.Unmarshal(body, &b)
+
+	s.mu.Lock()
+	gen := 0
+	for i := len(s.passwords) - 1; i >= 0 && i >= len(s.passwords)-2; i-- {
+		if user == hookUser && pw == s.passwords[i] {
+			gen = i + 1
+		}
+	}
+	if gen == 0 {
+		s.journal.printf("401 user=%q", user)
+		s.status["401"]++
+		s.mu.Unlock()
+		w.WriteHeader(http.StatusUnauthorized)
+		return
+	}
+	if decodeErr != nil || b.DB == "" || b.Change.ID == "" || len(b.Change.Changes) == 0 {
+		s.journal.printf("400 %q", body[:min(len(body), 200)])
+		s.status["400"]++
+		if len(s.badBodies) < 5 {
+			s.badBodies = append(s.badBodies, string(body[:min(len(body), 300)]))
+		}
+		s.mu.Unlock()
+		w.WriteHeader(http.StatusBadRequest)
+		return
+	}
+	d := delivery{DB: b.DB, ID: b.Change.ID, Rev: b.Change.Changes[0].Rev, Seq: string(b.Seq)}
+	key := d.DB + "\x00" + d.ID + "\x00" + d.Rev
+	s.attempts[key]++
+	mode := s.mode
+	if mode == sinkNormal {
+		switch x := s.fraction(key, s.attempts[key]); {
+		case x < s.fail:
+			mode = sinkFail
+		case x < s.fail+s.stall:
+			mode = sinkStall
+		}
+	}
+	s.journal.printf("%s %s %s %s seq=%s attempt=%d gen=%d", [...]string{"200", "500", "stall"}[mode], d.DB, d.ID, d.Rev, d.Seq, s.attempts[key], gen)
+	switch mode {
+	case sinkFail:
+		s.status["500"]++
+		s.mu.Unlock()
+		w.WriteHeader(http.StatusInternalServerError)
+		return
+	case sinkStall:
+		s.status["stalled"]++
+		s.mu.Unlock()
+		select {
+		case <-time.After(s.stallFor):
+		case <-r.Context().Done():
+			s.journal.printf("gave up %s %s %s seq=%s", d.DB, d.ID, d.Rev, d.Seq)
+			return // the client gave up: not a delivery
+		}
+		s.journal.printf("200 after stall %s %s %s seq=%s", d.DB, d.ID, d.Rev, d.Seq)
+		s.mu.Lock()
+	}
+	s.status["200"]++
+	s.ok[d]++
+	s.okByGen[gen]++
+	s.mu.Unlock()
+	w.WriteHeader(http.StatusOK)
+}
+
+// fraction maps (seed, change, attempt) to [0, 1), uniformly: attempts of one change are
+// independent draws.
+func (s *sink) fraction(key string, attempt int) float64 {
+	h := sha256.Sum256(fmt.Appendf(nil, "%d\x00%s\x00%d", s.seed, key, attempt))
+	return float64(binary.BigEndian.Uint64(h[:8])>>11) / (1 << 53)
+}
+
+// delivered returns the number of 200 answers per (db, doc id, rev), seqs merged.
+func (s *sink) delivered() map[[3]string]int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	out := map[[3]string]int{}
+	for d, n := range s.ok {
+		out[[3]string{d.DB, d.ID, d.Rev}] += n
+	}
+	return out
+}
+
+// stats returns the answers by kind, the 200s by password generation, and bad bodies.
+func (s *sink) stats() (status map[string]int, okByGen map[int]int, bad []string) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	status, okByGen = map[string]int{}, map[int]int{}
+	for k, v := range s.status {
+		status[k] = v
+	}
+	for k, v := range s.okByGen {
+		okByGen[k] = v
+	}
+	return status, okByGen, append([]string(nil), s.badBodies...)
+}

@@ -1,0 +1,126 @@
+package chaos
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
+)
+
+// streamMsg is one message of the change stream, as the oracle needs it.
+type streamMsg struct {
+	Seq    uint64 // stream sequence: the stored order
+	MsgID  string // Nats-Msg-Id
+	DB     string
+	ID     string
+	Rev    string
+	Feed   string    // the change's seq in its db's feed
+	Stored time.Time // when the stream stored it
+}
+
+// streamReader reads a stream into memory, incrementally: each catchUp reads the messages
+// stored since the last one, with a fresh ordered consumer starting after the last message
+// read (a NATS node killed meanwhile costs a retry at the next call, nothing else).
+type streamReader struct {
+	js     jetstream.JetStream
+	stream string
+
+	mu   sync.Mutex
+	last uint64 // stream sequence of the last message read
+	msgs []streamMsg
+}
+
+// catchUp reads every message stored up to the stream's last sequence at the time of the call.
+// It returns the number of messages read so far; an error leaves what was read in place.
+func (s *streamReader) catchUp(ctx context.Context) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	ctx, cancel := context.WithTimeout(ctx, 60*time.Second)
+	defer cancel()
+	st, err := s.js.Stream(ctx, s.stream)
+	if err != nil {
+		return len(s.msgs), err
+	}
+	info, err := st.Info(ctx)
+	if err != nil {
+		return len(s.msgs), err
+	}
+	target := info.State.LastSeq
+	if target <= s.last {
+		return len(s.msgs), nil
+	}
+	cons, err := s.js.OrderedConsumer(ctx, s.stream, jetstream.OrderedConsumerConfig{
+		DeliverPolicy: jetstream.DeliverByStartSequencePolicy, OptStartSeq: s.last + 1})
+	if err != nil {
+		return len(s.msgs), err
+	}
+	for s.last < target {
+		batch, err := cons.Fetch(1000, jetstream.FetchMaxWait(5*time.Second))
+		if err != nil {
+			return len(s.msgs), err
+		}
+		n := 0
+		for m := range batch.Messages() {
+			n++
+			meta, err := m.Metadata()
+			if err != nil {
+				return len(s.msgs), err
+			}
+			s.last = meta.Sequence.Stream
+			var c struct {
+				DB      string `json:"db"`
+				Seq     string `json:"seq"`
+				ID      string `json:"id"`
+				Changes []struct {
+					Rev string `json:"rev"`
+				} `json:"changes"`
+			}
+			if err := json.Unmarshal(m.Data(), &c); err != nil || len(c.Changes) == 0 {
+				return len(s.msgs), fmt.Errorf("message %d of %s is not a change: %q", s.last, s.stream, m.Data())
+			}
+			s.msgs = append(s.msgs, streamMsg{Seq: s.last, MsgID: m.Headers().Get(jetstream.MsgIDHeader),
+				DB: c.DB, ID: c.ID, Rev: c.Changes[0].Rev, Feed: c.Seq, Stored: meta.Timestamp})
+		}
+		if err := batch.Error(); err != nil {
+			return len(s.msgs), err
+		}
+		if n == 0 {
+			return len(s.msgs), fmt.Errorf("no message of %s after %d although it holds up to %d", s.stream, s.last, target)
+		}
+	}
+	return len(s.msgs), nil
+}
+
+// all returns the messages read so far, in stream order.
+func (s *streamReader) all() []streamMsg {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return append([]streamMsg(nil), s.msgs...)
+}
+
+// feedOrder is the test-only oracle of a seq's position in its db's feed: the number before the
+// first '-' of a CouchDB 2+/3 seq (the sum of the shard positions it covers; with one shard, q=1,
+// it grows by one per row) or PouchDB Server's integer seq. The product never parses seqs.
+func feedOrder(seq string) (int64, bool) {
+	head, _, _ := strings.Cut(strings.Trim(seq, `"`), "-")
+	n, err := strconv.ParseInt(head, 10, 64)
+	return n, err == nil
+}
+
+// incarnation returns the incarnation a doc id carries ("i3_d0007" → 3), or -1.
+func incarnation(id string) int {
+	head, _, ok := strings.Cut(id, "_")
+	if !ok || !strings.HasPrefix(head, "i") {
+		return -1
+	}
+	n, err := strconv.Atoi(head[1:])
+	if err != nil {
+		return -1
+	}
+	return n
+}
