@@ -22,7 +22,8 @@ const (
 	// NotFound: the db or doc does not exist (404, not_found, db_not_found).
 	NotFound
 	// Auth: the credentials are refused (401, 403, unauthorized, forbidden, and CouchDB 3's 500
-	// replication_auth_error). Retrying cannot help until they are fixed.
+	// replication_auth_error, unless its session request only failed to get an answer).
+	// Retrying cannot help until they are fixed.
 	Auth
 )
 
@@ -52,7 +53,15 @@ func Classify(err error) Class {
 		return Transient
 	}
 	switch he.ErrorName {
-	case "unauthorized", "forbidden", "replication_auth_error":
+	case "replication_auth_error":
+		// CouchDB's replicator could not get a session: refused credentials say
+		// session_request_unauthorized (or _forbidden); session_request_failed is a session
+		// request that got no answer (connection closed or refused, timeout): transient.
+		if strings.Contains(he.Reason, "session_request_failed") {
+			return Transient
+		}
+		return Auth
+	case "unauthorized", "forbidden":
 		return Auth
 	case "not_found", "db_not_found":
 		return NotFound
