@@ -82,6 +82,7 @@ func TestHotFeedPublishesBeforeDBUpdates(t *testing.T) {
 	e.putRule(t, "rep", map[string]any{"type": "replicator", "source": db, "target": db + "_copy"})
 	e.startProducer(t)
 	e.waitJob(t, rep, db, 20*time.Second) // the rule's own enqueue
+	e.waitRulesCaughtUp(t)
 	e.Purge(t)
 	e.Couch.Put(t, db, "first", map[string]any{})
 	e.waitJob(t, rep, db, 20*time.Second) // from its db-updates event, which opens the feed
@@ -163,6 +164,7 @@ func TestHotFeedIdleClosesQuietly(t *testing.T) {
 	e.putRule(t, "rep", map[string]any{"type": "replicator", "source": db, "target": db + "_copy"})
 	e.startProducer(t)
 	e.waitJob(t, rep, db, 20*time.Second)
+	e.waitRulesCaughtUp(t)
 	e.writeUntil(t, db, 30*time.Second, func() bool { return e.passedOverFor(db) }, "event of quiet passed over")
 	e.quiet(t, rep, db)
 	require.Eventually(t, func() bool {

@@ -50,6 +50,15 @@ func (e *env) startProcess(t *testing.T, extra ...string) *exec.Cmd {
 	return cmd
 }
 
+// waitRulesCaughtUp waits until the saved position records the rules seq: the rules' catch-up
+// jobs are acknowledged, and none is published again (a catch-up that fails, e.g. on a slow
+// server, is retried whole, publishing its jobs again).
+func (e *env) waitRulesCaughtUp(t *testing.T) {
+	t.Helper()
+	require.Eventually(t, func() bool { return e.position(t).RulesSeq != "" }, 30*time.Second, 20*time.Millisecond,
+		"the saved position never recorded the rules' catch-up")
+}
+
 // position returns the saved producer position (zero when there is none).
 func (e *env) position(t *testing.T) checkpoint.Position {
 	t.Helper()
@@ -154,10 +163,8 @@ func TestProducerSIGKILL(t *testing.T) {
 			e.waitJob(t, rep, c, 20*time.Second)
 			if source == "db_updates" {
 				e.waitSettled(t, c, mark)
-				// The rule's catch-up is saved too (once its jobs are acknowledged): else the
-				// restart runs it again, and c gets a job for that reason.
-				require.Eventually(t, func() bool { return e.position(t).RulesSeq != "" }, 20*time.Second, 50*time.Millisecond,
-					"the saved position never recorded the rules seq")
+				e.waitRulesCaughtUp(t) // else the restart runs the catch-up again: a job for c
+
 			}
 			require.NoError(t, p1.Process.Signal(syscall.SIGKILL))
 			_ = p1.Wait()
@@ -191,6 +198,7 @@ func TestIdleProducerWritesNothing(t *testing.T) {
 	e.cfg.PositionSaveInterval = 50 * time.Millisecond
 	e.startProducer(t)
 	e.waitJob(t, rep, db, 20*time.Second)
+	e.waitRulesCaughtUp(t)
 	e.Couch.Put(t, db, "d", map[string]any{"x": 1})
 	e.waitSettled(t, db, mark)
 

@@ -140,7 +140,9 @@ func TestDeletedSourceNoLoopThenResumes(t *testing.T) {
 	jobs := p.jobCount(src)
 	t.Logf("jobs for the deleted db in 8s: %d, attempts %v", jobs, p.attemptsOf(src))
 	assert.GreaterOrEqual(t, jobs, 1)
-	assert.LessOrEqual(t, jobs, 2, "a missing source must not loop")
+	// The test's job, the deletion's own (unless a hot feed covered it), and the hot feed's,
+	// which ends with the db and publishes once more for an event it passed over: at most 3.
+	assert.LessOrEqual(t, jobs, 3, "a missing source must not loop")
 	assert.Empty(t, p.replications(src), "no _replicate for a missing source (PouchDB would recreate it)")
 	assert.Equal(t, uint64(0), e.WorkMsgs(t))
 	assert.Contains(t, e.Logs.String(), "source db does not exist")
