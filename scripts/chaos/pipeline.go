@@ -46,6 +46,9 @@ func (r *run) commonEnv() []string {
 		"SPIEGEL_ACK_WAIT="+r.cfg.AckWait.String(),
 		"SPIEGEL_LOG_LEVEL="+r.cfg.LogLevel,
 		"SPIEGEL_SHUTDOWN_GRACE=5s",
+		// A request caught by a CouchDB restart may hang on a connection nobody answers until
+		// its timeout: 10s instead of the default 30s keeps the run within its quiesce limit.
+		"SPIEGEL_COUCHDB_TIMEOUT=10s",
 	)
 }
 
