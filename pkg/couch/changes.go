@@ -175,7 +175,12 @@ func (c *Client) Changes(ctx context.Context, db string, opt ChangesOptions) (Ch
 // ctx.Err() when ctx ends, emit's error unchanged, or a permanent error (400, 401, 403)
 // wrapping the *HTTPError. opt.Limit is ignored.
 func (c *Client) FollowChanges(ctx context.Context, db string, opt ChangesOptions, emit func(Change) error) error {
-	f := &follower[Change]{
+	return c.changesFollower(db, opt).run(ctx, opt.Since, emit)
+}
+
+// changesFollower follows db's continuous _changes with opt.
+func (c *Client) changesFollower(db string, opt ChangesOptions) *follower[Change] {
+	return &follower[Change]{
 		c:         c,
 		log:       c.log.WithField("db", db),
 		name:      "_changes of " + db,
@@ -186,7 +191,6 @@ func (c *Client) FollowChanges(ctx context.Context, db string, opt ChangesOption
 		},
 		decode: parseChangeLine,
 	}
-	return f.run(ctx, opt.Since, emit)
 }
 
 // WatchChanges opens one continuous _changes connection of db from now (changes made before it
@@ -197,21 +201,11 @@ func (c *Client) FollowChanges(ctx context.Context, db string, opt ChangesOption
 // error too: the caller cannot tell what it missed) — so the caller knows exactly which span of
 // time the changes it saw cover. opt.Since and opt.Limit are ignored.
 func (c *Client) WatchChanges(ctx context.Context, db string, opt ChangesOptions, connected func(), emit func(Change) error) error {
-	f := &follower[Change]{
-		c:         c,
-		log:       c.log.WithField("db", db),
-		name:      "_changes of " + db,
-		path:      c.DBPath(db) + "/_changes",
-		heartbeat: opt.Heartbeat,
-		request: func(ctx context.Context, feed, since string) (*http.Request, error) {
-			return c.changesRequest(ctx, db, opt, feed, since)
-		},
-		decode: parseChangeLine,
-		onState: func(err error) {
-			if err == nil && connected != nil {
-				connected()
-			}
-		},
+	f := c.changesFollower(db, opt)
+	f.onState = func(err error) {
+		if err == nil && connected != nil {
+			connected()
+		}
 	}
 	since := SinceNow
 	var st connState
