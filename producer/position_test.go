@@ -243,8 +243,11 @@ func TestSweepCatchesDroppedEvents(t *testing.T) {
 	e.startProducer(t)
 	e.waitJob(t, rep, db, 20*time.Second)
 	e.waitSettled(t, db, mark) // no event of db left to enqueue it
-	require.Eventually(t, func() bool { return e.updates.Requests(http.MethodPost, "/_dbs_info") > 0 }, 20*time.Second, 20*time.Millisecond,
-		"the first sweep (the baseline) never ran")
+	// The sweeps run one after another: once the second has started, the first (the baseline)
+	// has its answer. Counting the first request alone let the write below land before CouchDB
+	// answered the baseline, which then already held it.
+	require.Eventually(t, func() bool { return e.updates.Requests(http.MethodPost, "/_dbs_info") >= 2 }, 20*time.Second, 20*time.Millisecond,
+		"the first sweep (the baseline) never finished")
 	e.Purge(t)
 	e.direct.Put(t, db, "unseen", map[string]any{"x": 1})
 	e.waitJob(t, rep, db, 20*time.Second)
