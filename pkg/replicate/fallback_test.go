@@ -7,8 +7,10 @@ import (
 	"net/http/httputil"
 	"net/url"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -23,11 +25,26 @@ func TestOpenRevsFallback(t *testing.T) {
 	up, err := url.Parse(s.URL)
 	require.NoError(t, err)
 	var bulkGets, openRevs atomic.Int64
+	// Each _bulk_get is answered once another one arrives or after a second: batches are
+	// fetched in parallel, and a run whose batches each tried _bulk_get before the first
+	// answer came would send a second one within that time.
+	var mu sync.Mutex
+	arrived := make(chan struct{}) // closed by the next _bulk_get to arrive
 	proxy := httputil.NewSingleHostReverseProxy(&url.URL{Scheme: up.Scheme, Host: up.Host, Path: up.Path})
 	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		switch {
 		case strings.HasSuffix(r.URL.Path, "/_bulk_get"):
 			bulkGets.Add(1)
+			mu.Lock()
+			close(arrived)
+			next := make(chan struct{})
+			arrived = next
+			mu.Unlock()
+			select {
+			case <-next:
+			case <-time.After(time.Second):
+			case <-r.Context().Done():
+			}
 			w.Header().Set("Content-Type", "application/json")
 			w.WriteHeader(http.StatusMethodNotAllowed)
 			_, _ = w.Write([]byte(`{"error":"method_not_allowed","reason":"Only GET,HEAD,PUT,DELETE allowed"}`))

@@ -226,16 +226,44 @@ func (r *run) process(ctx context.Context, b batch) error {
 	return nil
 }
 
+// bulkGetProbe is whether a run's source has _bulk_get. mu is held by the first fetch of the
+// run, which tries _bulk_get and so finds out; the batches fetched in parallel wait for the
+// answer instead of trying too. known is set once it is known; unsupported is the answer.
+type bulkGetProbe struct {
+	mu                 sync.Mutex
+	known, unsupported atomic.Bool
+}
+
 // fetch reads the missing revs from the source with _bulk_get, or with open_revs once the
 // source turned out to lack _bulk_get; attachments inline with withAttachments, else as stubs.
+// Whether it has _bulk_get is found out once per run: the first fetch tries it while the
+// others wait (batches are fetched in parallel), so a source without it is asked once.
 func (r *run) fetch(ctx context.Context, missing map[string]revsDiff, withAttachments bool) ([]fetchedDoc, []skippedRev, error) {
-	if !r.noBulkGet.Load() {
+	p := &r.bulkGetOK
+	if !p.known.Load() {
+		p.mu.Lock()
+		if !p.known.Load() {
+			docs, skipped, unsupported, err := bulkGet(ctx, r.src, missing, withAttachments)
+			if err == nil || unsupported {
+				// A failed request leaves the question open for the next fetch.
+				p.unsupported.Store(unsupported)
+				p.known.Store(true)
+			}
+			p.mu.Unlock()
+			if !unsupported {
+				return docs, skipped, err
+			}
+			r.log.Info("source lacks _bulk_get: fetching with open_revs")
+			return openRevs(ctx, r.src, missing, withAttachments, r.opt.Workers)
+		}
+		p.mu.Unlock()
+	}
+	if !p.unsupported.Load() {
 		docs, skipped, unsupported, err := bulkGet(ctx, r.src, missing, withAttachments)
 		if !unsupported {
 			return docs, skipped, err
 		}
-		r.noBulkGet.Store(true)
-		r.log.Info("source lacks _bulk_get: fetching with open_revs")
+		p.unsupported.Store(true)
 	}
 	return openRevs(ctx, r.src, missing, withAttachments, r.opt.Workers)
 }

@@ -214,7 +214,7 @@ type run struct {
 	id        string
 	log       logrus.FieldLogger
 	counters  counters
-	noBulkGet atomic.Bool // the source lacks _bulk_get: fetch with open_revs
+	bulkGetOK bulkGetProbe // whether the source has _bulk_get, found out once per run
 }
 
 func (r *run) run(ctx context.Context) (Result, error) {
