@@ -34,6 +34,9 @@ type Config struct {
 	AckWait time.Duration
 	// QuiesceTimeout bounds the wait, after the last fault, for everything to converge.
 	QuiesceTimeout time.Duration
+	// HealLimit, when set, fails the run if a fault class takes longer to heal (see heal.go);
+	// every run reports its time to heal per class.
+	HealLimit time.Duration
 
 	// SinkFail and SinkStall are the fractions of webhook requests the sink answers 500, or
 	// answers only after the rule's timeout, outside fault periods.
@@ -82,7 +85,7 @@ func shortConfig(root string) Config {
 func longConfig(root string) (Config, error) {
 	c := Config{
 		Name: "long", Duration: 30 * time.Minute, DBs: 200, OpsPerS: 14, Lanes: 6, Recreate: true, QuickRecreatePct: 30,
-		FaultEvery: 12 * time.Second, AckWait: 5 * time.Second, QuiesceTimeout: 5 * time.Minute,
+		FaultEvery: 12 * time.Second, AckWait: 5 * time.Second, QuiesceTimeout: 5 * time.Minute, HealLimit: time.Minute,
 		SinkFail: 0.02, SinkStall: 0.005, Q: 1, Root: root,
 	}
 	c.Seed = uint64(time.Now().UnixNano() % 1_000_000)

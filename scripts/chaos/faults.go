@@ -43,8 +43,13 @@ func (f *faults) run(ctx context.Context, plan []Fault) {
 		}
 		wg.Go(func() {
 			rec := faultRecord{Fault: ft, Started: f.r.since()}
-			rec.What, rec.Skipped, rec.Err = f.execute(ctx, ft, &rec.Began)
+			var pr *probe
+			rec.What, rec.Skipped, rec.Err = f.execute(ctx, ft, func() {
+				rec.Began = f.r.since()
+				pr = f.r.probes.begin(ctx, ft.Kind)
+			})
 			rec.Ended = f.r.since()
+			f.r.probes.ended(pr, rec.Ended)
 			f.mu.Lock()
 			f.records = append(f.records, rec)
 			f.mu.Unlock()
@@ -61,10 +66,9 @@ func (f *faults) run(ctx context.Context, plan []Fault) {
 	wg.Wait()
 }
 
-// execute runs one fault and returns once it is over; began is set when it takes effect.
-func (f *faults) execute(ctx context.Context, ft Fault, began *time.Duration) (what, skipped string, err error) {
+// execute runs one fault and returns once it is over; mark is called when it takes effect.
+func (f *faults) execute(ctx context.Context, ft Fault, mark func()) (what, skipped string, err error) {
 	r := f.r
-	mark := func() { *began = r.since() }
 	if r.cfg.SkipFaults[ft.Kind.String()] {
 		return "", "CHAOS_SKIP_FAULTS", nil
 	}

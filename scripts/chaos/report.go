@@ -27,6 +27,7 @@ type Result struct {
 
 	WriterEnd, LastFault, Converged time.Duration // offsets on the run's clock
 	Verdict                         *verdict
+	Heal                            []classHeal // time to heal per fault class
 	Total                           time.Duration
 
 	Crashes      []string // exits by themselves of processes that were ready: failures
@@ -61,7 +62,7 @@ func (res *Result) Pass() bool {
 	defer res.mu.Unlock()
 	v := res.Verdict
 	return len(res.failures) == 0 && v != nil && v.converged() && len(v.unaccountedOrder()) == 0 &&
-		len(v.unaccounted()) == 0 && len(res.WriterFailed) == 0 && len(res.LogFindings) == 0
+		len(v.unaccounted()) == 0 && len(res.WriterFailed) == 0 && len(res.LogFindings) == 0 && len(res.healFailures()) == 0
 }
 
 // replay is the command that runs the same plan again, with the variables that made this run
@@ -172,6 +173,18 @@ func (res *Result) write(w io.Writer) {
 		p("quiesce:     %s after the last fault ended (+%s), %s after the writer's last op (+%s)",
 			(res.Converged - res.LastFault).Round(100*time.Millisecond), res.LastFault.Round(time.Millisecond),
 			(res.Converged - res.WriterEnd).Round(100*time.Millisecond), res.WriterEnd.Round(time.Millisecond))
+		var heal, slow []string
+		for _, c := range res.Heal {
+			heal = append(heal, c.String())
+			if len(c.Unhealed) > 0 || c.Max > time.Minute {
+				slow = append(slow, c.Kind.String())
+			}
+		}
+		p("heal:        per fault class, from its end until a change made during it reached target, webhook and stream:")
+		p("             %s", strings.Join(heal, "; "))
+		if len(slow) > 0 {
+			p("             longer than a minute, or never: %s", strings.Join(slow, ", "))
+		}
 		p("replication: %d live source dbs, %d docs, %d leaf revisions compared; %d mismatches; %d deleted at the end",
 			v.LiveDBs, v.Docs, v.Leaves, len(v.ReplMismatch), v.DeletedDBs)
 		p("             leftovers of deleted incarnations: %d docs in %d targets; sources back from deletion: %d; foreign docs: %d",
@@ -228,6 +241,7 @@ func (res *Result) write(w io.Writer) {
 		}
 	}
 	failures = append(failures, list("writer op given up", res.WriterFailed)...)
+	failures = append(failures, res.healFailures()...)
 	failures = append(failures, res.LogFindings...)
 	for _, f := range failures {
 		p("FAILURE:     %s", f)
@@ -288,6 +302,21 @@ func list(what string, items []string) []string {
 			break
 		}
 		out = append(out, what+": "+it)
+	}
+	return out
+}
+
+// healFailures are the probes that never reached a destination (a change lost), and, with a
+// HealLimit, the fault classes that took longer than it to heal.
+func (res *Result) healFailures() []string {
+	var out []string
+	for _, c := range res.Heal {
+		for _, u := range c.Unhealed {
+			out = append(out, fmt.Sprintf("probe of fault class %s not healed: %s", c.Kind, u))
+		}
+		if res.Cfg.HealLimit > 0 && c.Max > res.Cfg.HealLimit {
+			out = append(out, fmt.Sprintf("fault class %s took %s to heal (limit %s)", c.Kind, c.Max.Round(100*time.Millisecond), res.Cfg.HealLimit))
+		}
 	}
 	return out
 }

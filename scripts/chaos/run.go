@@ -29,6 +29,7 @@ type run struct {
 	sink    *sink
 	procs   []*proc // the product processes, by procNames index
 	changes *streamReader
+	probes  *prober
 
 	outMu sync.Mutex
 	out   io.Writer // progress: the test's output and run.log
@@ -95,6 +96,9 @@ func execute(ctx context.Context, cfg Config, out io.Writer) *Result {
 	f := &faults{r: r, start: start}
 	var wg sync.WaitGroup
 	progress, stopProgress := context.WithCancel(ctx)
+	watching, stopWatching := context.WithCancel(ctx)
+	defer stopWatching()
+	go r.probes.watch(watching, time.Second)
 	wg.Go(func() { w.run(ctx, r.plan.Ops); res.WriterEnd = r.since() })
 	wg.Go(func() { f.run(ctx, r.plan.Faults) })
 	go r.reportProgress(progress, w)
@@ -119,8 +123,14 @@ func execute(ctx context.Context, cfg Config, out io.Writer) *Result {
 		if checks++; !(v.converged() && ready) && checks%3 == 0 {
 			r.logf("still waiting: %s", v.pending(ready))
 		}
-		return v.converged() && ready
+		if v.converged() && ready {
+			r.probes.check(ctx)
+			return r.probes.healed()
+		}
+		return false
 	})
+	stopWatching()
+	res.Heal = r.probes.summary()
 	res.Converged = r.since()
 	if err != nil {
 		res.fail("not converged within %s after the writer and the faults stopped", cfg.QuiesceTimeout)
@@ -164,6 +174,10 @@ func (r *run) setup(ctx context.Context, res *Result) error {
 	}
 	r.changes = &streamReader{js: r.nats.js, stream: r.subjects.ChangesStream()}
 	if err := r.startPipeline(ctx); err != nil {
+		return err
+	}
+	r.probes = &prober{r: r}
+	if err := r.probes.createProbeDBs(ctx); err != nil {
 		return err
 	}
 	r.logf("pipeline ready: %v", procNames)

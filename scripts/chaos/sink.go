@@ -8,6 +8,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"maps"
 	"net"
 	"net/http"
 	"os"
@@ -50,9 +51,10 @@ type sink struct {
 	passwords []string // by generation; the last is current
 	mode      sinkMode
 	attempts  map[string]int
-	ok        map[delivery]int // 200 answers per change
-	status    map[string]int   // answers by kind
-	okByGen   map[int]int      // 200 answers by password generation
+	ok        map[delivery]int        // 200 answers per change
+	firstOK   map[[3]string]time.Time // first 200 answer per (db, doc id, rev)
+	status    map[string]int          // answers by kind
+	okByGen   map[int]int             // 200 answers by password generation
 	badBodies []string
 }
 
@@ -66,7 +68,7 @@ func startSink(cfg Config, dir string, ruleTimeout time.Duration, j *journal) (*
 	}
 	s := &sink{ln: ln, seed: cfg.Seed, fail: cfg.SinkFail, stall: cfg.SinkStall, stallFor: ruleTimeout + time.Second,
 		pwFile: filepath.Join(dir, "passwords.json"), journal: j, attempts: map[string]int{}, ok: map[delivery]int{},
-		status: map[string]int{}, okByGen: map[int]int{}}
+		status: map[string]int{}, okByGen: map[int]int{}, firstOK: map[[3]string]time.Time{}}
 	if err := s.rotate(); err != nil {
 		_ = ln.Close()
 		return nil, err
@@ -194,6 +196,9 @@ func (s *sink) serve(w http.ResponseWriter, r *http.Request) {
 	}
 	s.status["200"]++
 	s.ok[d]++
+	if k := [3]string{d.DB, d.ID, d.Rev}; s.firstOK[k].IsZero() {
+		s.firstOK[k] = time.Now()
+	}
 	s.okByGen[gen]++
 	s.mu.Unlock()
 	w.WriteHeader(http.StatusOK)
@@ -204,6 +209,13 @@ func (s *sink) serve(w http.ResponseWriter, r *http.Request) {
 func (s *sink) fraction(key string, attempt int) float64 {
 	h := sha256.Sum256(fmt.Appendf(nil, "%d\x00%s\x00%d", s.seed, key, attempt))
 	return float64(binary.BigEndian.Uint64(h[:8])>>11) / (1 << 53)
+}
+
+// firstDelivered returns when each (db, doc id, rev) was first answered 200.
+func (s *sink) firstDelivered() map[[3]string]time.Time {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return maps.Clone(s.firstOK)
 }
 
 // delivered returns the number of 200 answers per (db, doc id, rev), seqs merged.
