@@ -140,7 +140,7 @@ func Open(ctx context.Context, cfg *config.Consumer, group events.Group, log log
 		log: log, nc: nc, topology: topo, registry: reg, spiegelDB: cfg.DBName, cfg: cfg, group: group,
 	}
 	a.follower = &rulefeed.Follower{Couch: cc, DB: cfg.DBName, Set: a.Rules, Log: log.WithField("component", "rules"), Metrics: m}
-	if a.rulesSeq, err = a.follower.Load(ctx); err != nil {
+	if a.rulesSeq, err = a.loadRules(ctx); err != nil {
 		return fail(err)
 	}
 	st := a.Rules.Stats()
@@ -243,4 +243,22 @@ func Timeout(a, b time.Duration) time.Duration {
 		return b
 	}
 	return a
+}
+
+// loadRules loads the rules, waiting out a CouchDB that does not answer (a restart, an outage):
+// a daemon never exits on a transient error (SPEC §4.8). Any other error (refused credentials,
+// a missing spiegel db) or the end of ctx is returned.
+func (a *App) loadRules(ctx context.Context) (string, error) {
+	for attempt := 1; ; attempt++ {
+		seq, err := a.follower.Load(ctx)
+		if err == nil || ctx.Err() != nil || couch.Classify(err) != couch.Transient {
+			return seq, err
+		}
+		delay := backoff.Default.Delay(attempt)
+		a.log.WithError(err).WithFields(logrus.Fields{"attempt": attempt, "delay": delay.String()}).
+			Warn("CouchDB did not answer while the rules were loading: retrying")
+		if err := backoff.Sleep(ctx, delay); err != nil {
+			return "", fmt.Errorf("load rules: %w", err)
+		}
+	}
 }

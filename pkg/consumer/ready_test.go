@@ -125,3 +125,56 @@ func couchPassword(raw string) string {
 	pw, _ := u.User.Password()
 	return pw
 }
+
+// A consumer started while CouchDB does not answer waits for it instead of exiting (SPEC §4.8:
+// never exit on a transient error), and starts once it is back.
+func TestOpenWaitsOutCouchDB(t *testing.T) {
+	t.Parallel()
+	cs := couchtest.Get(t)
+	ns := natstest.Start(t)
+	_, js := ns.Connect(t)
+	topo := natsjs.DefaultTopology("spiegel")
+	require.NoError(t, natsjs.Ensure(t.Context(), js, topo))
+	spiegelDB := couchtest.UniqueName(t, "c") + "_spiegel"
+	cs.CreateDB(t, spiegelDB)
+	proxy := cs.NewProxy(t)
+	cfg := config.Consumer{
+		CouchDB:     config.CouchDB{CouchDBURL: proxy.URL(cs.URL), DBName: spiegelDB, CouchDBTimeout: 2 * time.Second},
+		NATS:        config.NATS{NATSURL: ns.URL(), SubjectPrefix: "spiegel", StreamReplicas: 1, AckWait: 30 * time.Second},
+		Concurrency: 2, ShutdownGrace: 2 * time.Second, RetryInitial: 100 * time.Millisecond, RetryMax: time.Second,
+	}
+	logs := &syncBuffer{}
+	log := logrus.New()
+	log.SetOutput(logs)
+	t.Cleanup(func() {
+		if t.Failed() {
+			t.Logf("consumer logs:\n%s", logs.String())
+		}
+	})
+
+	proxy.Cut()
+	opened := make(chan error, 1)
+	go func() {
+		_, err := consumer.Open(t.Context(), &cfg, events.GroupReplicate, log)
+		opened <- err
+	}()
+	retrying := time.NewTicker(20 * time.Millisecond)
+	defer retrying.Stop()
+	deadline := time.After(20 * time.Second)
+	for !strings.Contains(logs.String(), "while the rules were loading: retrying") {
+		select {
+		case err := <-opened:
+			t.Fatalf("Open returned while CouchDB was down: %v", err)
+		case <-deadline:
+			t.Fatal("Open never retried the rules within 20s")
+		case <-retrying.C:
+		}
+	}
+	proxy.Restore(t)
+	select {
+	case err := <-opened:
+		require.NoError(t, err)
+	case <-time.After(30 * time.Second):
+		t.Fatal("Open did not return within 30s of CouchDB's return")
+	}
+}
