@@ -170,11 +170,17 @@ func (a *App) Run(ctx context.Context, httpAddr string, h worker.Handler) error 
 		}
 	}()
 
-	runner, err := worker.New(a.JS, a.topology.Subjects, worker.Config{
-		Group: a.group, Concurrency: a.cfg.Concurrency, AckWait: a.cfg.AckWait, Grace: a.cfg.ShutdownGrace,
-		Retry:    backoff.Policy{Initial: a.cfg.RetryInitial, Max: a.cfg.RetryMax, Multiplier: 2, Jitter: 0.2},
-		Observer: observers{a.Metrics, a.Status},
-	}, h, a.log.WithField("component", "worker"))
+	// The consumer lookup waits out a JetStream that does not answer (a leader election, a
+	// node restarting) instead of exiting: SPEC §4.8.
+	var runner *worker.Runner
+	err := natsjs.AwaitInstalled(ctx, a.log.WithField("component", "nats"), func(context.Context) (err error) {
+		runner, err = worker.New(a.JS, a.topology.Subjects, worker.Config{
+			Group: a.group, Concurrency: a.cfg.Concurrency, AckWait: a.cfg.AckWait, Grace: a.cfg.ShutdownGrace,
+			Retry:    backoff.Policy{Initial: a.cfg.RetryInitial, Max: a.cfg.RetryMax, Multiplier: 2, Jitter: 0.2},
+			Observer: observers{a.Metrics, a.Status},
+		}, h, a.log.WithField("component", "worker"))
+		return err
+	})
 	if err != nil {
 		return err
 	}

@@ -178,3 +178,61 @@ func TestOpenWaitsOutCouchDB(t *testing.T) {
 		t.Fatal("Open did not return within 30s of CouchDB's return")
 	}
 }
+
+// A consumer whose JetStream does not answer when it starts running (NATS restarting, a leader
+// election) waits for it instead of exiting, and runs once it is back.
+func TestRunWaitsOutJetStream(t *testing.T) {
+	t.Parallel()
+	cs := couchtest.Get(t)
+	ns := natstest.Start(t)
+	_, js := ns.Connect(t)
+	topo := natsjs.DefaultTopology("spiegel")
+	require.NoError(t, natsjs.Ensure(t.Context(), js, topo))
+	spiegelDB := couchtest.UniqueName(t, "c") + "_spiegel"
+	cs.CreateDB(t, spiegelDB)
+	addr := healthtest.FreeAddr(t)
+	cfg := config.Consumer{
+		CouchDB:     config.CouchDB{CouchDBURL: cs.URL, DBName: spiegelDB, CouchDBTimeout: 2 * time.Second},
+		NATS:        config.NATS{NATSURL: ns.URL(), SubjectPrefix: "spiegel", StreamReplicas: 1, AckWait: 30 * time.Second},
+		Concurrency: 2, ShutdownGrace: 2 * time.Second, RetryInitial: 100 * time.Millisecond, RetryMax: time.Second,
+	}
+	logs := &syncBuffer{}
+	log := logrus.New()
+	log.SetOutput(logs)
+	t.Cleanup(func() {
+		if t.Failed() {
+			t.Logf("consumer logs:\n%s", logs.String())
+		}
+	})
+	ctx, cancel := context.WithCancel(context.Background())
+	app, err := consumer.Open(ctx, &cfg, events.GroupReplicate, log)
+	require.NoError(t, err)
+
+	ns.Stop()
+	done := make(chan error, 1)
+	go func() { done <- app.Run(ctx, addr, func(context.Context, *worker.Job) error { return nil }) }()
+	t.Cleanup(func() {
+		cancel()
+		select {
+		case err := <-done:
+			assert.NoError(t, err)
+		case <-time.After(20 * time.Second):
+			t.Error("consumer did not stop within 20s")
+		}
+	})
+	tick := time.NewTicker(20 * time.Millisecond)
+	defer tick.Stop()
+	deadline := time.After(30 * time.Second)
+	for !strings.Contains(logs.String(), "did not answer the installation check, retrying") {
+		select {
+		case err := <-done:
+			t.Fatalf("Run returned while NATS was down: %v", err)
+		case <-deadline:
+			t.Fatal("Run never retried the consumer lookup within 30s")
+		case <-tick.C:
+		}
+	}
+	ns.StartAgain(t)
+	r := healthtest.WaitReady(t, addr, http.StatusOK, 30*time.Second)
+	assert.Equal(t, "ok", r.Checks["consumer"])
+}
