@@ -8,6 +8,7 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"strings"
 	"sync"
 	"syscall"
 	"time"
@@ -121,7 +122,7 @@ func execute(ctx context.Context, cfg Config, out io.Writer) *Result {
 		v = r.check(ctx)
 		ready := r.allReady(ctx)
 		if checks++; !(v.converged() && ready) && checks%3 == 0 {
-			r.logf("still waiting: %s", v.pending(ready))
+			r.logf("still waiting: %s%s", v.pending(ready), r.workConsumers(ctx))
 		}
 		if v.converged() && ready {
 			r.probes.check(ctx)
@@ -319,4 +320,36 @@ func (r *run) dropDBs() {
 			_, _ = r.couch.do(ctx, "DELETE", "/"+db, nil, nil)
 		}
 	}
+}
+
+// workConsumers says, while the work stream holds jobs, where they stand for each consumer:
+// delivered and not yet acknowledged (running, or waiting out a nak delay or AckWait), waiting
+// to be delivered, redelivered, and the oldest unacknowledged job's subject and deliveries.
+func (r *run) workConsumers(ctx context.Context) string {
+	st, err := r.nats.js.Stream(ctx, r.subjects.WorkStream())
+	if err != nil {
+		return ""
+	}
+	var parts []string
+	for _, name := range []string{"replicator", "onchange"} {
+		c, err := st.Consumer(ctx, name)
+		if err != nil {
+			continue
+		}
+		info, err := c.Info(ctx)
+		if err != nil || info.NumAckPending+int(info.NumPending) == 0 {
+			continue
+		}
+		part := fmt.Sprintf("%s: %d unacknowledged, %d undelivered, %d redelivered", name, info.NumAckPending, info.NumPending, info.NumRedelivered)
+		if info.AckFloor.Stream > 0 || info.NumAckPending > 0 {
+			if m, err := st.GetMsg(ctx, info.AckFloor.Stream+1); err == nil {
+				part += fmt.Sprintf(", oldest %s stored %s ago", m.Subject, time.Since(m.Time).Round(time.Second))
+			}
+		}
+		parts = append(parts, part)
+	}
+	if len(parts) == 0 {
+		return ""
+	}
+	return " — " + strings.Join(parts, "; ")
 }
