@@ -164,7 +164,7 @@ func (deadKV) Create(context.Context, string, []byte, ...jetstream.KVCreateOpt) 
 	return 0, errCutOff
 }
 func (deadKV) Update(context.Context, string, []byte, uint64) (uint64, error) { return 0, errCutOff }
-func (deadKV) Put(context.Context, string, []byte) (uint64, error)           { return 0, errCutOff }
+func (deadKV) Put(context.Context, string, []byte) (uint64, error)            { return 0, errCutOff }
 func (deadKV) Delete(context.Context, string, ...jetstream.KVDeleteOpt) error { return errCutOff }
 func (deadKV) Purge(context.Context, string, ...jetstream.KVDeleteOpt) error  { return errCutOff }
 
