@@ -183,30 +183,22 @@ func (d checkpointDoc) withRev(rev string) checkpointDoc {
 	return d
 }
 
-// put writes doc as e's checkpoint over *rev and stores the new rev. A 409 (a rev we did not
-// know, e.g. after a concurrent run) re-reads the current rev and tries once more.
+// put writes doc as e's checkpoint over *rev, the rev this run read or last wrote, and stores
+// the new rev. A 409 (PouchDB Server checks the revs of _local docs; Apache CouchDB does not, see
+// Options.Fence) means another run wrote the checkpoint since: ErrFenced, not retried.
 func (c *checkpointer) put(ctx context.Context, e *endpoint, doc checkpointDoc, rev *string) error {
-	for attempt := 0; ; attempt++ {
-		doc.Rev = *rev
-		var ans struct {
-			Rev string `json:"rev"`
-		}
-		err := e.do(ctx, http.MethodPut, c.path(e), nil, doc, &ans)
-		if err == nil {
-			*rev = ans.Rev
-			return nil
-		}
-		var he *couch.HTTPError
-		if attempt > 0 || !errors.As(err, &he) || he.Status != http.StatusConflict {
-			return fmt.Errorf("write checkpoint of %s: %w", e.shown, err)
-		}
-		cur, rerr := c.read(ctx, e)
-		if rerr != nil {
-			return rerr
-		}
-		*rev = ""
-		if cur != nil {
-			*rev = cur.Rev
-		}
+	doc.Rev = *rev
+	var ans struct {
+		Rev string `json:"rev"`
 	}
+	err := e.do(ctx, http.MethodPut, c.path(e), nil, doc, &ans)
+	var he *couch.HTTPError
+	switch {
+	case errors.As(err, &he) && he.Status == http.StatusConflict:
+		return fmt.Errorf("write checkpoint of %s: %w", e.shown, ErrFenced)
+	case err != nil:
+		return fmt.Errorf("write checkpoint of %s: %w", e.shown, err)
+	}
+	*rev = ans.Rev
+	return nil
 }
