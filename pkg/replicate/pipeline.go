@@ -135,7 +135,7 @@ func (r *run) pipeline(parent context.Context, reader *changesReader, first chan
 		}
 	}
 
-	err := context.Cause(ctx) // nil unless a part failed or parent ended: cancel(nil) is deferred
+	err := context.Cause(ctx)                                // nil unless a part failed or parent ended: cancel(nil) is deferred
 	if recorded == cp.written || errors.Is(err, ErrFenced) { // fenced: another run holds the checkpoint
 		return err
 	}
