@@ -103,6 +103,9 @@ type checkpointer struct {
 	lastWritten *checkpointDoc
 	// lastSession is the session of the checkpoint both sides hold alike ("" if they differ)
 	lastSession string
+	// fence and token order the checkpoint writes of the replication's runs (nil: none)
+	fence Fence
+	token uint64
 }
 
 // recent reports whether the checkpoint this run started from was written by an earlier run
@@ -137,7 +140,8 @@ func (c *checkpointer) read(ctx context.Context, e *endpoint) (*checkpointDoc, e
 	return &doc, nil
 }
 
-// write records seq with stats as this session's checkpoint on both sides (in parallel).
+// write records seq with stats as this session's checkpoint on both sides (in parallel), after
+// advancing the run's fencing token (Options.Fence): a run fenced there writes nothing.
 // It must only be called once every change up to seq has been written to the target.
 func (c *checkpointer) write(ctx context.Context, seq couch.Seq, st stats) error {
 	entry := historyEntry{
@@ -163,6 +167,16 @@ func (c *checkpointer) write(ctx context.Context, seq couch.Seq, st stats) error
 		ReplicationIDVersion: replicationIDVersion,
 		Engine:               EngineVersion,
 		History:              hist,
+	}
+	if c.fence != nil {
+		next, ok, err := c.fence.Advance(ctx, c.id, c.token)
+		switch {
+		case err != nil:
+			return fmt.Errorf("advance the fencing token: %w", err)
+		case !ok:
+			return fmt.Errorf("write checkpoint: %w", ErrFenced)
+		}
+		c.token = next
 	}
 	var wg sync.WaitGroup
 	var srcErr, tgtErr error

@@ -59,6 +59,16 @@ var ErrTargetNotFound = errors.New("target db not found")
 // one's lease ran out). The run stops without writing; the write is not retried.
 var ErrFenced = errors.New("fenced: another run wrote the replication's checkpoint since this run read it")
 
+// Fence holds a fencing token per replication id, kept where a compare-and-set is possible
+// (the replicator consumer keeps it in NATS key-value). Safe for concurrent use.
+type Fence interface {
+	// Token returns the current token of replication id (0: none yet).
+	Token(ctx context.Context, id string) (uint64, error)
+	// Advance replaces token by a new one, which it returns, if the replication's token is
+	// still token; otherwise it returns ok false (another run advanced it since).
+	Advance(ctx context.Context, id string, token uint64) (next uint64, ok bool, err error)
+}
+
 // Options describe one replication.
 type Options struct {
 	// Source and Target are full db URLs, e.g. http://user:pw@host:5984/db (the last path
@@ -93,6 +103,13 @@ type Options struct {
 	// checkpoint per CheckpointDefer while its runs stay small. 0 (the default) checkpoints
 	// at the end of every run that replicated something.
 	CheckpointDefer time.Duration
+	// Fence, when set, orders the checkpoint writes of the runs of a replication: a run reads
+	// the replication's token when it starts and advances it before every checkpoint write;
+	// when another run advanced it since, the write is not made and the run ends with
+	// ErrFenced. Apache CouchDB does not check the revs of _local docs, so without a Fence a
+	// stale run (one whose job lease ran out while it still runs) could write its checkpoint
+	// over a newer run's there; PouchDB Server refuses such a write by its rev.
+	Fence Fence
 	// HTTPClient is used for every request when set (share it between runs to reuse
 	// connections; keep compression off for PouchDB Server). Its transport is wrapped, not
 	// modified, to count requests.
@@ -226,6 +243,13 @@ func (r *run) run(ctx context.Context) (Result, error) {
 	cp := &checkpointer{src: r.src, tgt: r.tgt, id: r.id, session: newSessionID(), started: time.Now()}
 	res := Result{SessionID: cp.session, ReplicationID: r.id}
 	var err error
+	if r.opt.Fence != nil {
+		// The run's fencing token is read before anything of the checkpoints.
+		if cp.token, err = r.opt.Fence.Token(ctx, r.id); err != nil {
+			return res, fmt.Errorf("read the fencing token: %w", err)
+		}
+		cp.fence = r.opt.Fence
+	}
 	srcDoc, tgtDoc, progress, cached := r.opt.Checkpoints.get(r.id)
 	if !cached {
 		if srcDoc, tgtDoc, err = r.readCheckpoints(ctx, cp); err != nil {
