@@ -180,13 +180,18 @@ func (h *handler) runRule(ctx context.Context, db string, rule *rules.OnChange) 
 		if err := cps.wait(); err != nil {
 			r = ruleResult{err: errors.Join(r.err, err)}
 		}
-		if errors.Is(r.err, checkpoint.ErrMoved) {
-			log.Info("the checkpoint was deleted or reset meanwhile (db recreated, or replay): starting over")
+		switch {
+		case errors.Is(r.err, checkpoint.ErrFenced):
+			log.Warn("another run or a replay wrote the checkpoint since this run read it: stopped without saving")
+		case errors.Is(r.err, checkpoint.ErrMoved):
+			log.Info("the checkpoint's db was deleted or recreated meanwhile: starting over")
 		}
 		r.seq = cps.stored
 		return r
 	}
-	verified, progressed := false, false
+	// A cached checkpoint is checked against its _local doc while the first page is read, and
+	// before anything of that page is acted on (see checkpoint.OnChangeStore.Verify).
+	verifying := h.verify(ctx, cps.cp)
 	readFrom, pending := since, h.readPage(ctx, db, since)
 	for {
 		cur, ok := h.current(rule.ID(), db)
@@ -206,6 +211,20 @@ func (h *handler) runRule(ctx context.Context, db string, rule *rules.OnChange) 
 		}
 		got := <-pending
 		pending = nil // used up: a page read twice is read again (starting over may come back to the same seq)
+		if verifying != nil {
+			v := <-verifying
+			verifying, cps.cp = nil, v.cp
+			if errors.Is(v.err, checkpoint.ErrMoved) {
+				log.Info("the cached checkpoint's db was deleted or recreated meanwhile: starting over")
+				if cps.cp, since, err = h.start(ctx, db, rule); err != nil {
+					return finish(ruleResult{err: err})
+				}
+				cps.stored, verifying = since, h.verify(ctx, cps.cp)
+				continue
+			} else if v.err != nil {
+				return finish(ruleResult{err: v.err})
+			}
+		}
 		page, err := got.page, got.err
 		if errors.Is(err, couch.ErrNotFound) {
 			h.store.Forget(ctx, rule.ID(), db)
@@ -214,21 +233,6 @@ func (h *handler) runRule(ctx context.Context, db string, rule *rules.OnChange) 
 		}
 		if err != nil {
 			return finish(ruleResult{err: fmt.Errorf("rule %s: %w", rule.ID(), err)})
-		}
-		if len(page.Results) == 0 && !progressed && !verified {
-			// Nothing after a cached checkpoint: make sure it is still the db's (a recreated db,
-			// a replay), or nothing would ever be found after it.
-			verified = true
-			if err := h.store.Verify(ctx, cps.cp); errors.Is(err, checkpoint.ErrMoved) {
-				log.Info("the checkpoint was deleted or reset meanwhile (db recreated, or replay): starting over")
-				if cps.cp, since, err = h.start(ctx, db, rule); err != nil {
-					return finish(ruleResult{err: err})
-				}
-				cps.stored = since
-				continue
-			} else if err != nil {
-				return finish(ruleResult{err: err})
-			}
 		}
 		if len(page.Results) == 0 {
 			return finish(ruleResult{caughtUp: true})
@@ -252,7 +256,7 @@ func (h *handler) runRule(ctx context.Context, db string, rule *rules.OnChange) 
 			if err := cps.save(ctx, next); err != nil {
 				return finish(ruleResult{err: err})
 			}
-			since, progressed = next, true
+			since = next
 		}
 		if b.err != nil || b.retryIn > 0 {
 			return finish(ruleResult{err: b.err, retryIn: b.retryIn, deferErr: b.deferErr})
@@ -263,6 +267,26 @@ func (h *handler) runRule(ctx context.Context, db string, rule *rules.OnChange) 
 			return finish(ruleResult{caughtUp: true})
 		}
 	}
+}
+
+// verified is the outcome of a checkpoint's verification: the checkpoint as Verify left it.
+type verified struct {
+	cp  checkpoint.OnChangePoint
+	err error
+}
+
+// verify checks cp against its _local doc in the background (nil: cp was read from CouchDB and
+// needs no check).
+func (h *handler) verify(ctx context.Context, cp checkpoint.OnChangePoint) <-chan verified {
+	if !cp.Cached() {
+		return nil
+	}
+	out := make(chan verified, 1)
+	go func() {
+		err := h.store.Verify(ctx, &cp)
+		out <- verified{cp, err}
+	}()
+	return out
 }
 
 // pageRead is the outcome of one _changes page read.

@@ -111,8 +111,8 @@ func instance(t *testing.T, cs *couchtest.Server, db string) string {
 }
 
 // TestCheckpointRewrittenAtTheSameSeq: a job whose cached checkpoint finds nothing new checks it
-// against the _local doc; when the doc was written by anyone else since, at the same seq (another
-// consumer's run of the same db after an AckWait redelivery), the job starts over from the doc —
+// against the _local doc; when the doc is another checkpoint's since, at the same seq (a
+// recreated db whose checkpoint another consumer wrote), the job starts over from the doc —
 // which is where it stood — and must read that page again rather than wait for the one it had
 // used up. Found by the chaos suite (SEED 7301): the job hung, ignoring its context, and every
 // later change of the db waited behind it.
@@ -133,7 +133,9 @@ func TestCheckpointRewrittenAtTheSameSeq(t *testing.T) {
 	seq, _ := e.checkpoint(t, "r", db)
 	require.Equal(t, seq, doc["last_seq"], "the doc holds the cached seq")
 
-	// Someone else writes the doc again at the same seq: a new rev, the cache entry untouched.
+	// Another checkpoint of the same name is written at the same seq (a new lineage: the db
+	// was recreated and another consumer wrote it), the cache entry untouched.
+	doc["instance"] = "another-lineage"
 	require.NoError(t, e.Couch.Do(t, http.MethodPut, path, doc, nil))
 	e.enqueue(t, db) // finds nothing after the cached seq, checks the doc, starts over from it
 	require.Eventually(t, func() bool { return strings.Contains(e.Logs.String(), "starting over") }, 20*time.Second, 50*time.Millisecond)

@@ -13,6 +13,7 @@ import (
 	"github.com/spiegel-nats/spiegel/pkg/config"
 	"github.com/spiegel-nats/spiegel/pkg/consumer"
 	"github.com/spiegel-nats/spiegel/pkg/events"
+	"github.com/spiegel-nats/spiegel/pkg/natsjs"
 	"github.com/spiegel-nats/spiegel/pkg/replicate"
 	"github.com/spiegel-nats/spiegel/pkg/rules"
 	"github.com/spiegel-nats/spiegel/pkg/status"
@@ -51,7 +52,8 @@ func newHandler(app consumer.Deps, cfg *config.Replicator) *replicator {
 		engines: map[string]engine{
 			rules.EngineCouchDB: couchEngine{server: app.Couch},
 			rules.EngineNative: nativeEngine{hc: app.Couch.HTTPClient(), log: app.Log.WithField("component", "replicate"),
-				checkpointDefer: nativeCheckpointDefer, checkpoints: replicate.NewCheckpointCache(nativeCheckpointCacheAge, nativeCheckpointCacheSize)},
+				checkpointDefer: nativeCheckpointDefer, checkpoints: replicate.NewCheckpointCache(nativeCheckpointCacheAge, nativeCheckpointCacheSize),
+				fence: &kvFence{js: app.JS, topo: natsjs.DefaultTopology(cfg.SubjectPrefix)}},
 		},
 		defaultEngine: cfg.Engine, timeout: cfg.ReplicationTimeout,
 	}

@@ -26,6 +26,8 @@ type nativeEngine struct {
 	// checkpointDefer batches the checkpoints of a burst of small runs of one replication
 	// (replicate.Options.CheckpointDefer).
 	checkpointDefer time.Duration
+	// fence orders the checkpoint writes of a replication's runs (nil: none; see kvFence)
+	fence replicate.Fence
 }
 
 // nativeCheckpointDefer is the checkpoint batching window of the consumer's native runs: a db
@@ -35,8 +37,9 @@ type nativeEngine struct {
 const nativeCheckpointDefer = 30 * time.Second
 
 // The consumer's native runs cache their replications' checkpoints for up to a minute, for up to
-// 10,000 replications: a db written every few seconds reads no checkpoint, and a side that was
-// deleted and recreated behind the cache's back is noticed within the minute.
+// 10,000 replications: a db written every few seconds reads no checkpoint but the target's (the
+// verification of the cached ones, in parallel with its first _changes page), and a target
+// deleted and recreated behind the cache's back is noticed by the next run.
 const (
 	nativeCheckpointCacheAge  = time.Minute
 	nativeCheckpointCacheSize = 10000
@@ -160,7 +163,7 @@ func (e nativeEngine) Replicate(ctx context.Context, body map[string]any, secret
 	if err != nil {
 		return result{}, err
 	}
-	opt.HTTPClient, opt.CheckpointDefer, opt.Checkpoints = e.hc, e.checkpointDefer, e.checkpoints
+	opt.HTTPClient, opt.CheckpointDefer, opt.Checkpoints, opt.Fence = e.hc, e.checkpointDefer, e.checkpoints, e.fence
 	res, err := replicate.Run(ctx, opt, e.log)
 	if err == nil {
 		return result{DocsWritten: res.DocsWritten, DocWriteFailures: res.DocWriteFailures,

@@ -12,6 +12,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/spiegel-nats/spiegel/pkg/natsjs"
 	"github.com/spiegel-nats/spiegel/pkg/replicate"
 )
 
@@ -158,6 +159,18 @@ func TestNativeEngineRule(t *testing.T) {
 	assert.Contains(t, logs, `"docs_written":5`)
 	assert.Contains(t, logs, `"docs_written":0`, "the third run found nothing new to write")
 	assert.Empty(t, e.deadLetters(t))
+
+	kv, err := natsjs.OnChangeBucket(t.Context(), e.JS, natsjs.DefaultTopology(e.cfg.SubjectPrefix))
+	require.NoError(t, err)
+	keys, err := kv.ListKeys(t.Context())
+	require.NoError(t, err)
+	var fences []string
+	for k := range keys.Keys() {
+		if strings.HasPrefix(k, fencePrefix) {
+			fences = append(fences, k)
+		}
+	}
+	assert.Len(t, fences, 1, "the runs of the replication are fenced by one token")
 }
 
 // SPIEGEL_REPLICATION_ENGINE=native makes native the engine of rules that name none: a pattern

@@ -2,7 +2,9 @@ package checkpoint
 
 import (
 	"context"
+	"crypto/rand"
 	"encoding/base64"
+	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -20,21 +22,42 @@ import (
 const LocalPrefix = "spiegel_onchange_"
 
 // ErrMoved means an on_change checkpoint is not where its reader left it: the watched db was
-// deleted (and maybe recreated), or `producer replay` reset it. The run that found out must not
-// save its progress: it starts again from the stored checkpoint.
-var ErrMoved = errors.New("the checkpoint was moved meanwhile")
+// deleted (and maybe recreated) since, so the checkpoint read belonged to another db. The run
+// that found out must not save its progress: it starts again from the stored checkpoint (Load).
+var ErrMoved = errors.New("the checkpoint's db was deleted or recreated meanwhile")
+
+// ErrFenced means another holder — a newer run of the same (rule, db), or `producer replay` —
+// wrote the checkpoint since this run read it: the run no longer holds the checkpoint. It must
+// stop its side effects and not retry the write; the checkpoint stays as the other holder left
+// it. It is never returned for a cache that did not answer (that is a transient error).
+var ErrFenced = errors.New("fenced: another holder wrote the checkpoint since this run read it")
 
 // OnChangeStore keeps the checkpoint of each (on_change rule, db) where CouchDB's own replicator
 // keeps its checkpoints: a _local doc in the watched db. _local docs appear in no _changes or
-// _db_updates feed, are not replicated, and vanish with a deleted db, so that a recreated db
-// starts from its beginning by itself. A NATS key-value bucket caches them, so that a job
-// reads no checkpoint from CouchDB: a job that makes progress costs its _changes read and a
-// _local write (at most one per LocalEvery, see Save), and one that finds nothing new a _changes
-// read and a _local read (the check that the cached checkpoint still exists: see Verify). Every
-// CouchDB request ends at the client's request timeout. Safe for concurrent use.
+// _db_updates feed, are not replicated, and vanish with a deleted db. A NATS key-value entry per
+// checkpoint caches it and fences it:
+//
+//   - Fencing. The entry's revision is the fencing token: Load reads it, and every Save first
+//     moves the entry by a compare-and-set over the revision its run last read or wrote (claim),
+//     and writes the _local doc only once the server confirmed that. A run that lost the
+//     checkpoint to a newer run or a replay (which moves the revision too) gets ErrFenced and
+//     writes nothing; a cache that does not answer is a transient error, never a write without
+//     the claim. CouchDB 3 does not check the revs of _local docs, so the entry, not the doc's
+//     rev, is what orders holders; PouchDB Server's rev check is a second fence.
+//   - Verification. The cache is never trusted alone: Verify reads the _local doc (one request,
+//     which a run makes in parallel with its first _changes page) and compares the checkpoint's
+//     lineage — a random instance id written in its first doc and kept in the entry. A doc that
+//     is gone, or of another lineage, means the db was deleted (and maybe recreated, whatever its
+//     new seqs): ErrMoved. A doc of the same lineage that is not the one the entry names (a
+//     write that landed after its holder was fenced, or a doc trailing the entry) leaves the
+//     entry in charge; the next Save rewrites the doc.
+//
+// A job that makes progress costs its _changes read, the _local read, and a _local write (at
+// most one per LocalEvery, see Save). Every CouchDB request ends at the client's request
+// timeout. Safe for concurrent use.
 type OnChangeStore struct {
 	couch *couch.Client
-	kv    jetstream.KeyValue // nil: no cache
+	kv    jetstream.KeyValue // nil: no cache and no fencing but PouchDB Server's rev check
 	// LocalEvery, when above 0 and a cache is there, batches the _local writes of a busy
 	// checkpoint: Save writes the cache entry (durable in JetStream) every time but the _local
 	// doc only when it is older than LocalEvery. The doc then trails the entry by at most that
@@ -48,7 +71,8 @@ func NewOnChangeStore(c *couch.Client, kv jetstream.KeyValue) *OnChangeStore {
 	return &OnChangeStore{couch: c, kv: kv}
 }
 
-// OnChangePoint is the checkpoint of one rule in one db as a run read it; Save updates it.
+// OnChangePoint is the checkpoint of one rule in one db as a run read it; Save updates it. It
+// carries the run's fencing token: copy it only to hand it over, never to save from two copies.
 type OnChangePoint struct {
 	Rule, DB string
 	// LastSeq is the opaque seq up to which every change was acted on ("" = the beginning).
@@ -56,20 +80,27 @@ type OnChangePoint struct {
 	// Found is false when the rule has no checkpoint in the db (a new rule or db).
 	Found bool
 
-	rev      string    // of the _local doc
+	rev      string    // of the _local doc, as last written by a holder
 	replayed string    // the doc's replayed_at: a replay changes it
+	instance string    // the checkpoint's lineage, kept in its doc and entry ("": unknown)
 	storedAt time.Time // when the _local doc was last written (zero: unknown)
-	kvRev    uint64    // revision of the cache entry read (0: none)
+	kvRev    uint64    // the fencing token: the entry's revision read or last written (0: none)
 	cached   bool      // read from the cache, not from CouchDB
+	docStale bool      // the _local doc is not the entry's: the next Save writes it
 }
 
 // localDoc is the body of a checkpoint's _local doc.
 type localDoc struct {
-	Rev        string    `json:"_rev,omitempty"`
-	Rule       string    `json:"rule"`
-	LastSeq    string    `json:"last_seq"`
-	ReplayedAt string    `json:"replayed_at,omitempty"`
-	UpdatedAt  time.Time `json:"updated_at"`
+	Rev        string `json:"_rev,omitempty"`
+	Rule       string `json:"rule"`
+	LastSeq    string `json:"last_seq"`
+	ReplayedAt string `json:"replayed_at,omitempty"`
+	// Instance names the checkpoint's lineage: chosen at random by the first write, kept by the
+	// later ones. It dies with the db, so a recreated db cannot show the same one.
+	Instance string `json:"instance,omitempty"`
+	// Fence is the cache entry's revision that the write was made under (for the record).
+	Fence     uint64    `json:"fence,omitempty"`
+	UpdatedAt time.Time `json:"updated_at"`
 }
 
 // cacheEntry is the cached form of a checkpoint. Its LastSeq may be ahead of the _local doc's
@@ -78,127 +109,211 @@ type cacheEntry struct {
 	LastSeq  string    `json:"last_seq"`
 	Rev      string    `json:"rev"`
 	Replayed string    `json:"replayed,omitempty"`
+	Instance string    `json:"instance,omitempty"`
 	StoredAt time.Time `json:"stored_at,omitzero"`
 }
 
-// Load returns the checkpoint of rule in db: from the cache, else from the _local doc. A
-// missing checkpoint is Found false; a missing db is an error matching couch.ErrNotFound.
+func (p *OnChangePoint) entry(seq string) []byte {
+	v, _ := json.Marshal(cacheEntry{LastSeq: seq, Rev: p.rev, Replayed: p.replayed, Instance: p.instance, StoredAt: p.storedAt})
+	return v
+}
+
+// Load returns the checkpoint of rule in db and the run's fencing token: from the cache, else
+// from the _local doc. A cache that does not answer is an error (transient): the doc may trail
+// the entry, so falling back to it would go back. A missing checkpoint is Found false; a
+// missing db is Found false too (the caller's _changes read tells).
 func (s *OnChangeStore) Load(ctx context.Context, rule, db string) (OnChangePoint, error) {
 	p := OnChangePoint{Rule: rule, DB: db}
 	if s.kv != nil {
 		e, err := s.kv.Get(ctx, cacheKey(rule, db))
-		var c cacheEntry
-		if err == nil && json.Unmarshal(e.Value(), &c) == nil {
-			p.LastSeq, p.rev, p.replayed, p.kvRev, p.Found, p.cached = c.LastSeq, c.Rev, c.Replayed, e.Revision(), true, true
-			p.storedAt = c.StoredAt
-			return p, nil
+		switch {
+		case errors.Is(err, jetstream.ErrKeyNotFound):
+			// No entry (never cached, or dropped): CouchDB has the checkpoint; the first Save
+			// creates the entry, which fails if another holder created it first.
+		case err != nil:
+			return p, fmt.Errorf("read checkpoint of rule %s in %s from the cache: %w", rule, db, err)
+		default:
+			var c cacheEntry
+			if json.Unmarshal(e.Value(), &c) == nil {
+				p.LastSeq, p.rev, p.replayed, p.instance, p.storedAt = c.LastSeq, c.Rev, c.Replayed, c.Instance, c.StoredAt
+				p.kvRev, p.Found, p.cached = e.Revision(), true, true
+				return p, nil
+			}
+			p.kvRev = e.Revision() // unreadable: the doc decides, the first Save replaces the entry
 		}
-		// No entry, or NATS did not answer: CouchDB has the checkpoint.
 	}
-	return s.read(ctx, p)
-}
-
-// read fills p from the _local doc.
-func (s *OnChangeStore) read(ctx context.Context, p OnChangePoint) (OnChangePoint, error) {
-	var d localDoc
-	err := s.couch.DoIdempotent(ctx, http.MethodGet, localPath(s.couch, p.Rule, p.DB), nil, nil, &d)
-	switch {
-	case errors.Is(err, couch.ErrNotFound):
-		// A missing doc and a missing db both answer 404: the caller's _changes read tells.
-		p.LastSeq, p.rev, p.replayed, p.Found, p.cached = "", "", "", false, false
-		return p, nil
-	case err != nil:
-		return p, fmt.Errorf("read checkpoint of rule %s in %s: %w", p.Rule, p.DB, err)
+	d, found, err := s.readDoc(ctx, rule, db)
+	if err != nil {
+		return p, err
 	}
-	p.LastSeq, p.rev, p.replayed, p.Found, p.cached = d.LastSeq, d.Rev, d.ReplayedAt, true, false
+	if found {
+		p.LastSeq, p.rev, p.replayed, p.instance, p.Found = d.LastSeq, d.Rev, d.ReplayedAt, d.Instance, true
+	}
 	return p, nil
 }
 
-// Verify checks a checkpoint read from the cache against its _local doc, for a run that found
-// nothing new after it (a cached seq of an earlier db of the same name, or one a replay reset,
-// would otherwise find nothing new forever). It returns ErrMoved, and forgets the cache entry,
-// when the doc is gone or was written by anyone else since. A checkpoint read from CouchDB
-// needs no check.
-func (s *OnChangeStore) Verify(ctx context.Context, p OnChangePoint) error {
+// Cached reports whether p was read from the cache, so that Verify has something to check.
+func (p OnChangePoint) Cached() bool { return p.cached }
+
+// readDoc reads the _local doc of rule in db; a missing doc and a missing db are found false.
+func (s *OnChangeStore) readDoc(ctx context.Context, rule, db string) (localDoc, bool, error) {
+	var d localDoc
+	err := s.couch.DoIdempotent(ctx, http.MethodGet, localPath(s.couch, rule, db), nil, nil, &d)
+	switch {
+	case errors.Is(err, couch.ErrNotFound):
+		return localDoc{}, false, nil
+	case err != nil:
+		return localDoc{}, false, fmt.Errorf("read checkpoint of rule %s in %s: %w", rule, db, err)
+	}
+	return d, true, nil
+}
+
+// Verify checks a checkpoint read from the cache against its _local doc (a checkpoint read from
+// CouchDB needs no check). A doc that is gone while the entry names one, or that is of another
+// lineage, means the db was deleted and maybe recreated since: Verify drops the entry (over the
+// run's token) and returns ErrMoved; the run starts again from Load. A doc of the same lineage
+// that differs from the entry's is rewritten by the next Save (the entry is the checkpoint: a
+// holder writes the doc only after moving the entry). A CouchDB or cache that does not answer
+// is a transient error; an entry moved by another holder meanwhile is ErrFenced. It makes one
+// CouchDB request and, on ErrMoved, one cache write. p is updated.
+func (s *OnChangeStore) Verify(ctx context.Context, p *OnChangePoint) error {
 	if !p.cached {
 		return nil
 	}
-	cur, err := s.read(ctx, p)
+	d, found, err := s.readDoc(ctx, p.Rule, p.DB)
 	if err != nil {
-		return err
+		return fmt.Errorf("verify: %w", err)
 	}
-	if !cur.Found || cur.rev != p.rev {
-		s.Forget(ctx, p.Rule, p.DB)
-		return fmt.Errorf("checkpoint of rule %s in %s: %w", p.Rule, p.DB, ErrMoved)
+	switch {
+	case !found && (p.rev != "" || p.instance != ""),
+		found && p.instance != "" && d.Instance != p.instance,
+		found && p.instance == "" && d.Rev != p.rev: // an entry of an earlier release: no lineage to compare
+		return s.moved(ctx, p, "verify")
+	case !found || d.Rev != p.rev:
+		p.docStale = true
 	}
 	return nil
 }
 
-// Save stores seq as p's checkpoint: first the cache entry, on condition that it is still the
-// one p was read from (a replay, or anything that forgot the entry, since then makes it
-// ErrMoved: CouchDB does not check the revs of _local docs, so the cache is what tells), then the
-// _local doc — unless the entry is stored and the doc was written less than LocalEvery ago. When
-// PouchDB Server refuses the doc's rev, the doc is read again: gone (the db was deleted and maybe
-// recreated) or reset by a replay is ErrMoved; advanced by another process (whose run ended
-// before this one started: one job per db at a time) is overwritten. On ErrMoved nothing of this
-// run's progress stays behind: the next Load reads the doc. p is updated.
+// moved drops p's cache entry over p's token and returns ErrMoved (or why it could not).
+func (s *OnChangeStore) moved(ctx context.Context, p *OnChangePoint, op string) error {
+	if s.kv != nil && p.kvRev != 0 {
+		err := s.kv.Delete(ctx, cacheKey(p.Rule, p.DB), jetstream.LastRevision(p.kvRev))
+		switch {
+		case isCASFailure(err):
+			return fmt.Errorf("%s checkpoint of rule %s in %s: %w", op, p.Rule, p.DB, ErrFenced)
+		case err != nil:
+			return fmt.Errorf("%s checkpoint of rule %s in %s: drop the cache entry: %w", op, p.Rule, p.DB, err)
+		}
+	}
+	p.kvRev, p.cached = 0, false
+	return fmt.Errorf("%s checkpoint of rule %s in %s: %w", op, p.Rule, p.DB, ErrMoved)
+}
+
+// Save stores seq as p's checkpoint, fenced by p's token:
+//  1. claim: the cache entry is moved to seq by a compare-and-set over the revision p holds
+//     (none: the entry must not exist). Refused: ErrFenced, nothing written. No answer: a
+//     transient error, nothing written.
+//  2. the _local doc — unless it was written less than LocalEvery ago and is the entry's. When
+//     PouchDB Server refuses the doc's rev, the doc is read again: gone (the db was deleted) is
+//     ErrMoved; an entry no longer at p's token (a replay, a newer holder) is ErrFenced;
+//     otherwise (a late write of a fenced holder) the doc is overwritten.
+//  3. the entry records the doc's new rev, over the claim's revision (refused: ErrFenced).
+//
+// An error after the claim leaves the entry ahead of the doc, as LocalEvery does. p is updated.
 func (s *OnChangeStore) Save(ctx context.Context, p *OnChangePoint, seq string) error {
-	moved := func() error {
-		s.Forget(ctx, p.Rule, p.DB)
-		return fmt.Errorf("save checkpoint of rule %s in %s: %w", p.Rule, p.DB, ErrMoved)
+	if p.instance == "" { // a new checkpoint, or a doc of an earlier release
+		p.instance, p.docStale = newInstance(), true
 	}
-	if !s.claim(ctx, p, seq) {
-		return moved()
+	if err := s.claim(ctx, p, seq); err != nil {
+		return err
 	}
-	if p.kvRev != 0 && p.Found && p.rev != "" && s.LocalEvery > 0 && !p.storedAt.IsZero() && time.Since(p.storedAt) < s.LocalEvery {
+	if !p.docStale && p.kvRev != 0 && p.Found && p.rev != "" && s.LocalEvery > 0 && !p.storedAt.IsZero() && time.Since(p.storedAt) < s.LocalEvery {
 		// The entry holds seq; the doc, written lately, trails it for now.
 		p.LastSeq, p.cached = seq, true
 		return nil
 	}
-	d := localDoc{Rev: p.rev, Rule: p.Rule, LastSeq: seq, ReplayedAt: p.replayed, UpdatedAt: time.Now().UTC()}
+	d := localDoc{Rev: p.rev, Rule: p.Rule, LastSeq: seq, ReplayedAt: p.replayed, Instance: p.instance, Fence: p.kvRev, UpdatedAt: time.Now().UTC()}
 	rev, err := s.put(ctx, p.Rule, p.DB, d)
 	if isConflict(err) || errors.Is(err, couch.ErrNotFound) { // 404: a rev of a doc that is gone
-		cur, rerr := s.read(ctx, *p)
+		cur, found, rerr := s.readDoc(ctx, p.Rule, p.DB)
 		switch {
 		case rerr != nil:
-			s.Forget(ctx, p.Rule, p.DB)
-			return rerr
-		case !cur.Found && p.Found, cur.Found && cur.replayed != p.replayed:
-			return moved()
+			return fmt.Errorf("save: %w", rerr)
+		case !found && p.Found && p.rev != "",
+			found && cur.Instance != "" && cur.Instance != p.instance && !p.docStale:
+			return s.moved(ctx, p, "save")
 		}
-		d.Rev = cur.rev
+		// Written since by a replay (which moved the entry first) or by a holder fenced since
+		// (a late write): the entry tells which.
+		if err := s.stillHeld(ctx, p); err != nil {
+			return err
+		}
+		d.Rev = cur.Rev
 		rev, err = s.put(ctx, p.Rule, p.DB, d)
 	}
 	if err != nil {
-		s.Forget(ctx, p.Rule, p.DB) // the cache is ahead of the doc: let the next Load read the doc
 		return fmt.Errorf("save checkpoint of rule %s in %s: %w", p.Rule, p.DB, err)
 	}
-	p.LastSeq, p.rev, p.Found, p.storedAt = seq, rev, true, time.Now()
-	s.cache(ctx, p)
-	return nil
+	p.LastSeq, p.rev, p.Found, p.storedAt, p.docStale = seq, rev, true, time.Now(), false
+	return s.cache(ctx, p)
 }
 
-// claim writes seq into the cache entry over the revision p was read from (none: the entry must
-// not exist). It reports false when that is not the entry any more; a cache that does not
-// answer is left alone (true): the _local doc is written anyway.
-func (s *OnChangeStore) claim(ctx context.Context, p *OnChangePoint, seq string) bool {
+// claim writes seq into the cache entry over the revision p holds (none: the entry must not
+// exist) and makes the new revision p's token.
+func (s *OnChangeStore) claim(ctx context.Context, p *OnChangePoint, seq string) error {
 	if s.kv == nil {
-		return true
+		return nil
 	}
-	v, _ := json.Marshal(cacheEntry{LastSeq: seq, Rev: p.rev, Replayed: p.replayed, StoredAt: p.storedAt})
 	var rev uint64
 	var err error
 	if p.kvRev == 0 {
-		rev, err = s.kv.Create(ctx, cacheKey(p.Rule, p.DB), v)
+		rev, err = s.kv.Create(ctx, cacheKey(p.Rule, p.DB), p.entry(seq))
 	} else {
-		rev, err = s.kv.Update(ctx, cacheKey(p.Rule, p.DB), v, p.kvRev)
+		rev, err = s.kv.Update(ctx, cacheKey(p.Rule, p.DB), p.entry(seq), p.kvRev)
 	}
-	if err != nil {
-		p.kvRev = 0
-		return !isCASFailure(err)
+	switch {
+	case isCASFailure(err):
+		return fmt.Errorf("save checkpoint of rule %s in %s: %w", p.Rule, p.DB, ErrFenced)
+	case err != nil:
+		return fmt.Errorf("save checkpoint of rule %s in %s: claim the cache entry: %w", p.Rule, p.DB, err)
 	}
 	p.kvRev = rev
-	return true
+	return nil
+}
+
+// stillHeld checks that the cache entry is still at p's token.
+func (s *OnChangeStore) stillHeld(ctx context.Context, p *OnChangePoint) error {
+	if s.kv == nil {
+		return nil
+	}
+	e, err := s.kv.Get(ctx, cacheKey(p.Rule, p.DB))
+	switch {
+	case errors.Is(err, jetstream.ErrKeyNotFound) || err == nil && e.Revision() != p.kvRev:
+		return fmt.Errorf("save checkpoint of rule %s in %s: %w", p.Rule, p.DB, ErrFenced)
+	case err != nil:
+		return fmt.Errorf("save checkpoint of rule %s in %s: check the cache entry: %w", p.Rule, p.DB, err)
+	}
+	return nil
+}
+
+// cache records the rev of p's _local doc in its entry, over the revision claim wrote.
+func (s *OnChangeStore) cache(ctx context.Context, p *OnChangePoint) error {
+	if s.kv == nil {
+		p.cached = false
+		return nil
+	}
+	rev, err := s.kv.Update(ctx, cacheKey(p.Rule, p.DB), p.entry(p.LastSeq), p.kvRev)
+	switch {
+	case isCASFailure(err):
+		// Another holder claimed after this run did: its entry stands, and names its doc (a
+		// doc this run wrote over it is rewritten by its next save, see Verify).
+		return fmt.Errorf("save checkpoint of rule %s in %s: %w", p.Rule, p.DB, ErrFenced)
+	case err != nil:
+		return fmt.Errorf("save checkpoint of rule %s in %s: record it in the cache: %w", p.Rule, p.DB, err)
+	}
+	p.kvRev, p.cached = rev, true
+	return nil
 }
 
 // isCASFailure reports whether err is a key-value write refused because the key is not at the
@@ -209,34 +324,61 @@ func isCASFailure(err error) bool {
 		errors.As(err, &apiErr) && apiErr.ErrorCode == jetstream.JSErrCodeStreamWrongLastSequence
 }
 
-// Reset sets the checkpoint of rule in db to seq ("" = the beginning) for `producer replay`,
-// marking it as replayed: the cache entry first (a run in flight can then no longer claim it, see
-// Save), then the _local doc, then the entry again with the doc's new rev.
-func (s *OnChangeStore) Reset(ctx context.Context, rule, db, seq string) error {
-	replayed := time.Now().UTC().Format(time.RFC3339Nano)
-	p := OnChangePoint{Rule: rule, DB: db, LastSeq: seq, replayed: replayed}
-	s.put2cache(ctx, p)
-	cur, err := s.read(ctx, OnChangePoint{Rule: rule, DB: db})
-	if err != nil {
-		return err
-	}
-	d := localDoc{Rev: cur.rev, Rule: rule, LastSeq: seq, ReplayedAt: replayed, UpdatedAt: time.Now().UTC()}
-	if p.rev, err = s.put(ctx, rule, db, d); err != nil {
-		return fmt.Errorf("reset checkpoint of rule %s in %s: %w", rule, db, err)
-	}
-	s.put2cache(ctx, p)
-	return nil
+// newInstance returns a random lineage id.
+func newInstance() string {
+	var b [12]byte
+	_, _ = rand.Read(b[:]) // crypto/rand.Read never fails
+	return hex.EncodeToString(b[:])
 }
 
-// put2cache writes p's cache entry whatever is there.
-func (s *OnChangeStore) put2cache(ctx context.Context, p OnChangePoint) {
-	if s.kv == nil {
-		return
+// Reset sets the checkpoint of rule in db to seq ("" = the beginning) for `producer replay`,
+// marking it as replayed. The cache entry is written first, whatever its revision: that moves
+// the fencing token, so a run that read the checkpoint before — even one whose claim came
+// before the reset and whose _local write lands after it — can no longer save (ErrFenced), and
+// its late doc is rewritten from the entry by the next run (Verify). Then the _local doc, then
+// the entry again with the doc's rev. Without a cache that answers, nothing is reset.
+func (s *OnChangeStore) Reset(ctx context.Context, rule, db, seq string) error {
+	cur, found, err := s.readDoc(ctx, rule, db)
+	if err != nil {
+		return fmt.Errorf("reset: %w", err)
 	}
-	v, _ := json.Marshal(cacheEntry{LastSeq: p.LastSeq, Rev: p.rev, Replayed: p.replayed})
-	if _, err := s.kv.Put(ctx, cacheKey(p.Rule, p.DB), v); err != nil {
-		s.Forget(ctx, p.Rule, p.DB)
+	p := OnChangePoint{Rule: rule, DB: db, LastSeq: seq, replayed: time.Now().UTC().Format(time.RFC3339Nano), instance: cur.Instance}
+	if p.instance == "" {
+		p.instance = newInstance()
 	}
+	if found {
+		p.rev = cur.Rev
+	}
+	if s.kv != nil {
+		if p.kvRev, err = s.kv.Put(ctx, cacheKey(rule, db), p.entry(seq)); err != nil {
+			return fmt.Errorf("reset checkpoint of rule %s in %s: write the cache entry: %w", rule, db, err)
+		}
+	}
+	d := localDoc{Rev: p.rev, Rule: rule, LastSeq: seq, ReplayedAt: p.replayed, Instance: p.instance, Fence: p.kvRev, UpdatedAt: time.Now().UTC()}
+	for attempt := 0; ; attempt++ {
+		p.rev, err = s.put(ctx, rule, db, d)
+		if err == nil || attempt == 4 || !isConflict(err) && !errors.Is(err, couch.ErrNotFound) {
+			break
+		}
+		// PouchDB Server: a holder fenced by the entry wrote the doc meanwhile; the reset wins.
+		if cur, found, err = s.readDoc(ctx, rule, db); err != nil {
+			return fmt.Errorf("reset: %w", err)
+		}
+		d.Rev = ""
+		if found {
+			d.Rev = cur.Rev
+		}
+	}
+	if err != nil {
+		return fmt.Errorf("reset checkpoint of rule %s in %s: %w", rule, db, err)
+	}
+	if s.kv != nil {
+		_, err := s.kv.Update(ctx, cacheKey(rule, db), p.entry(seq), p.kvRev)
+		if err != nil && !isCASFailure(err) { // refused: a run from the reset claimed it already
+			return fmt.Errorf("reset checkpoint of rule %s in %s: record it in the cache: %w", rule, db, err)
+		}
+	}
+	return nil
 }
 
 // Delete removes the checkpoint of rule in db, if any.
@@ -248,43 +390,23 @@ func (s *OnChangeStore) Delete(ctx context.Context, rule, db string) error {
 // DeleteIfAny removes the checkpoint of rule in db and reports whether there was one.
 func (s *OnChangeStore) DeleteIfAny(ctx context.Context, rule, db string) (bool, error) {
 	s.Forget(ctx, rule, db)
-	cur, err := s.read(ctx, OnChangePoint{Rule: rule, DB: db})
-	if err != nil || !cur.Found {
+	cur, found, err := s.readDoc(ctx, rule, db)
+	if err != nil || !found {
 		return false, err
 	}
-	err = s.couch.DoIdempotent(ctx, http.MethodDelete, localPath(s.couch, rule, db), map[string][]string{"rev": {cur.rev}}, nil, nil)
+	err = s.couch.DoIdempotent(ctx, http.MethodDelete, localPath(s.couch, rule, db), map[string][]string{"rev": {cur.Rev}}, nil, nil)
 	if err != nil && !errors.Is(err, couch.ErrNotFound) {
 		return false, fmt.Errorf("delete checkpoint of rule %s in %s: %w", rule, db, err)
 	}
 	return true, nil
 }
 
-// Forget drops the cache entry of rule in db (best effort): the next Load reads CouchDB.
+// Forget drops the cache entry of rule in db (best effort), whatever its revision: the next
+// Load reads CouchDB, and a run that read the entry before is fenced. For a db that was deleted.
 func (s *OnChangeStore) Forget(ctx context.Context, rule, db string) {
 	if s.kv != nil {
 		_ = s.kv.Purge(ctx, cacheKey(rule, db))
 	}
-}
-
-// cache records the rev of p's _local doc in its entry, over the revision claim wrote; an entry
-// that cannot be written is forgotten (CouchDB has the checkpoint).
-func (s *OnChangeStore) cache(ctx context.Context, p *OnChangePoint) {
-	if s.kv == nil {
-		return
-	}
-	if p.kvRev == 0 {
-		s.Forget(ctx, p.Rule, p.DB)
-		p.cached = false
-		return
-	}
-	v, _ := json.Marshal(cacheEntry{LastSeq: p.LastSeq, Rev: p.rev, Replayed: p.replayed, StoredAt: p.storedAt})
-	rev, err := s.kv.Update(ctx, cacheKey(p.Rule, p.DB), v, p.kvRev)
-	if err != nil {
-		s.Forget(ctx, p.Rule, p.DB)
-		p.kvRev, p.cached = 0, false
-		return
-	}
-	p.kvRev, p.cached = rev, true
 }
 
 func (s *OnChangeStore) put(ctx context.Context, rule, db string, d localDoc) (string, error) {
@@ -389,8 +511,8 @@ func (s *OnChangeStore) migrate(ctx context.Context, d legacyDoc) (bool, error) 
 			return false, nil
 		}
 	}
-	cur, err := s.read(ctx, OnChangePoint{Rule: d.Rule, DB: d.DB})
-	if err != nil || cur.Found {
+	_, found, err := s.readDoc(ctx, d.Rule, d.DB)
+	if err != nil || found {
 		return false, err
 	}
 	_, err = s.put(ctx, d.Rule, d.DB, localDoc{Rule: d.Rule, LastSeq: d.LastSeq, UpdatedAt: time.Now().UTC()})

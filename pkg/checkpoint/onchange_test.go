@@ -45,7 +45,7 @@ func TestOnChangeStoreRoundTrip(t *testing.T) {
 	assert.True(t, q.Found)
 	assert.Equal(t, "9-x", q.LastSeq)
 	assert.True(t, q.cached, "read from the cache")
-	require.NoError(t, b.Verify(ctx, q), "the cached checkpoint is the doc's")
+	require.NoError(t, b.Verify(ctx, &q), "the cached checkpoint is the doc's")
 
 	a.Forget(ctx, "rule/1", db)
 	r, err := b.Load(ctx, "rule/1", db)
@@ -63,7 +63,7 @@ func TestOnChangeStoreRoundTrip(t *testing.T) {
 	assert.Equal(t, "15-x", p.LastSeq)
 }
 
-// TestOnChangeStoreReplayWins: a replay during a run makes the run's save ErrMoved: its
+// TestOnChangeStoreReplayWins: a replay during a run makes the run's save ErrFenced: its
 // progress does not overwrite the reset, and the next load reads the reset.
 func TestOnChangeStoreReplayWins(t *testing.T) {
 	a, b, db := newOnChangeStores(t)
@@ -76,7 +76,7 @@ func TestOnChangeStoreReplayWins(t *testing.T) {
 	require.NoError(t, err)
 	require.NoError(t, b.Reset(ctx, "r", db, "")) // `producer replay` meanwhile
 	err = a.Save(ctx, &run, "8-x")
-	require.ErrorIs(t, err, ErrMoved)
+	require.ErrorIs(t, err, ErrFenced)
 
 	next, err := a.Load(ctx, "r", db)
 	require.NoError(t, err)
@@ -86,7 +86,7 @@ func TestOnChangeStoreReplayWins(t *testing.T) {
 }
 
 // TestOnChangeStoreVerify: a cached checkpoint whose _local doc is gone (the db was deleted and
-// recreated) or was reset is ErrMoved; the cache entry is forgotten.
+// recreated) is ErrMoved; the cache entry is dropped.
 func TestOnChangeStoreVerify(t *testing.T) {
 	a, _, db := newOnChangeStores(t)
 	ctx := t.Context()
@@ -97,8 +97,8 @@ func TestOnChangeStoreVerify(t *testing.T) {
 	require.NoError(t, err)
 	require.True(t, cached.cached)
 
-	require.NoError(t, a.Delete(ctx, "r", db)) // as if the db had been recreated: no doc
-	require.ErrorIs(t, a.Verify(ctx, cached), ErrMoved)
+	deleteDoc(t, a, "r", db) // as if the db had been recreated: no doc
+	require.ErrorIs(t, a.Verify(ctx, &cached), ErrMoved)
 	fresh, err := a.Load(ctx, "r", db)
 	require.NoError(t, err)
 	assert.False(t, fresh.Found, "forgotten: read from CouchDB, where there is none")
@@ -117,24 +117,24 @@ func TestOnChangeStoreLocalEvery(t *testing.T) {
 	require.NoError(t, a.Save(ctx, &p, "9-x"))
 	require.NoError(t, a.Save(ctx, &p, "11-x"))
 
-	doc, err := a.read(ctx, OnChangePoint{Rule: "r", DB: db})
+	doc, _, err := a.readDoc(ctx, "r", db)
 	require.NoError(t, err)
 	assert.Equal(t, "5-x", doc.LastSeq, "the doc trails the entry")
 	q, err := b.Load(ctx, "r", db)
 	require.NoError(t, err)
 	assert.Equal(t, "11-x", q.LastSeq, "another process reads the entry")
-	require.NoError(t, b.Verify(ctx, q), "the trailing doc is still the entry's")
+	require.NoError(t, b.Verify(ctx, &q), "the trailing doc is still the entry's")
 
 	b.LocalEvery = time.Nanosecond // the interval is over
 	require.NoError(t, b.Save(ctx, &q, "13-x"))
-	doc, err = a.read(ctx, OnChangePoint{Rule: "r", DB: db})
+	doc, _, err = a.readDoc(ctx, "r", db)
 	require.NoError(t, err)
 	assert.Equal(t, "13-x", doc.LastSeq, "written again once the interval is over")
 
 	run, err := a.Load(ctx, "r", db)
 	require.NoError(t, err)
 	require.NoError(t, b.Reset(ctx, "r", db, "2-x"))
-	require.ErrorIs(t, a.Save(ctx, &run, "20-x"), ErrMoved, "a replay wins over a deferred save")
+	require.ErrorIs(t, a.Save(ctx, &run, "20-x"), ErrFenced, "a replay wins over a deferred save")
 
 	a.Forget(ctx, "r", db)
 	lost, err := a.Load(ctx, "r", db)

@@ -14,12 +14,12 @@ const cachedHistory = 10
 
 // CheckpointCache keeps, per replication id, the checkpoint docs that a run of this process
 // last read or wrote on both sides, so that the next run of the same replication within MaxAge
-// does not read them again (two requests of the six a small incremental run needs otherwise).
-// A stale entry (another process ran the replication since) costs nothing but re-checking the
-// changes after the older seq, which the target already holds; a checkpoint write over a rev
-// that changed meanwhile is retried by the run. MaxAge bounds how long a run can trust an entry
-// about a side that changed behind its back (a target deleted and recreated, whose missing docs
-// the next run after MaxAge replicates from the beginning). Safe for concurrent use.
+// does not read them again. An entry is verified, never trusted: a run that uses it reads the
+// target's checkpoint doc in parallel with its first _changes page (one request instead of the
+// two reads), and when that doc is not the cached one — the target was deleted and recreated,
+// restored from a backup, or another process ran the replication since — the entry is dropped
+// and the run reads both checkpoints (see run.run). MaxAge bounds the memory an idle entry holds.
+// Safe for concurrent use.
 type CheckpointCache struct {
 	maxAge  time.Duration
 	max     int

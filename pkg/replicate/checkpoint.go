@@ -103,6 +103,9 @@ type checkpointer struct {
 	lastWritten *checkpointDoc
 	// lastSession is the session of the checkpoint both sides hold alike ("" if they differ)
 	lastSession string
+	// fence and token order the checkpoint writes of the replication's runs (nil: none)
+	fence Fence
+	token uint64
 }
 
 // recent reports whether the checkpoint this run started from was written by an earlier run
@@ -137,7 +140,8 @@ func (c *checkpointer) read(ctx context.Context, e *endpoint) (*checkpointDoc, e
 	return &doc, nil
 }
 
-// write records seq with stats as this session's checkpoint on both sides (in parallel).
+// write records seq with stats as this session's checkpoint on both sides (in parallel), after
+// advancing the run's fencing token (Options.Fence): a run fenced there writes nothing.
 // It must only be called once every change up to seq has been written to the target.
 func (c *checkpointer) write(ctx context.Context, seq couch.Seq, st stats) error {
 	entry := historyEntry{
@@ -164,6 +168,16 @@ func (c *checkpointer) write(ctx context.Context, seq couch.Seq, st stats) error
 		Engine:               EngineVersion,
 		History:              hist,
 	}
+	if c.fence != nil {
+		next, ok, err := c.fence.Advance(ctx, c.id, c.token)
+		switch {
+		case err != nil:
+			return fmt.Errorf("advance the fencing token: %w", err)
+		case !ok:
+			return fmt.Errorf("write checkpoint: %w", ErrFenced)
+		}
+		c.token = next
+	}
 	var wg sync.WaitGroup
 	var srcErr, tgtErr error
 	wg.Add(2)
@@ -183,30 +197,22 @@ func (d checkpointDoc) withRev(rev string) checkpointDoc {
 	return d
 }
 
-// put writes doc as e's checkpoint over *rev and stores the new rev. A 409 (a rev we did not
-// know, e.g. after a concurrent run) re-reads the current rev and tries once more.
+// put writes doc as e's checkpoint over *rev, the rev this run read or last wrote, and stores
+// the new rev. A 409 (PouchDB Server checks the revs of _local docs; Apache CouchDB does not, see
+// Options.Fence) means another run wrote the checkpoint since: ErrFenced, not retried.
 func (c *checkpointer) put(ctx context.Context, e *endpoint, doc checkpointDoc, rev *string) error {
-	for attempt := 0; ; attempt++ {
-		doc.Rev = *rev
-		var ans struct {
-			Rev string `json:"rev"`
-		}
-		err := e.do(ctx, http.MethodPut, c.path(e), nil, doc, &ans)
-		if err == nil {
-			*rev = ans.Rev
-			return nil
-		}
-		var he *couch.HTTPError
-		if attempt > 0 || !errors.As(err, &he) || he.Status != http.StatusConflict {
-			return fmt.Errorf("write checkpoint of %s: %w", e.shown, err)
-		}
-		cur, rerr := c.read(ctx, e)
-		if rerr != nil {
-			return rerr
-		}
-		*rev = ""
-		if cur != nil {
-			*rev = cur.Rev
-		}
+	doc.Rev = *rev
+	var ans struct {
+		Rev string `json:"rev"`
 	}
+	err := e.do(ctx, http.MethodPut, c.path(e), nil, doc, &ans)
+	var he *couch.HTTPError
+	switch {
+	case errors.As(err, &he) && he.Status == http.StatusConflict:
+		return fmt.Errorf("write checkpoint of %s: %w", e.shown, ErrFenced)
+	case err != nil:
+		return fmt.Errorf("write checkpoint of %s: %w", e.shown, err)
+	}
+	*rev = ans.Rev
+	return nil
 }

@@ -135,8 +135,10 @@ func (r *run) pipeline(parent context.Context, reader *changesReader, first chan
 		}
 	}
 
-	err := context.Cause(ctx) // nil unless a part failed or parent ended: cancel(nil) is deferred
-	if recorded == cp.written {
+	// nil unless a part failed or parent ended (cancel(nil) is deferred); a fenced run writes
+	// nothing more: another run holds the checkpoint.
+	err := context.Cause(ctx)
+	if recorded == cp.written || errors.Is(err, ErrFenced) {
 		return err
 	}
 	if err == nil && next == 1 && cp.recent(r.opt.CheckpointDefer) {

@@ -54,6 +54,21 @@ var ErrSourceNotFound = errors.New("source db not found")
 // Options.CreateTarget is false; the message names the target with its password redacted.
 var ErrTargetNotFound = errors.New("target db not found")
 
+// ErrFenced matches the error of a run whose checkpoint write found that another run of the same
+// replication wrote the checkpoint since this run read it (a newer holder of the job, after this
+// one's lease ran out). The run stops without writing; the write is not retried.
+var ErrFenced = errors.New("fenced: another run wrote the replication's checkpoint since this run read it")
+
+// Fence holds a fencing token per replication id, kept where a compare-and-set is possible
+// (the replicator consumer keeps it in NATS key-value). Safe for concurrent use.
+type Fence interface {
+	// Token returns the current token of replication id (0: none yet).
+	Token(ctx context.Context, id string) (uint64, error)
+	// Advance replaces token by a new one, which it returns, if the replication's token is
+	// still token; otherwise it returns ok false (another run advanced it since).
+	Advance(ctx context.Context, id string, token uint64) (next uint64, ok bool, err error)
+}
+
 // Options describe one replication.
 type Options struct {
 	// Source and Target are full db URLs, e.g. http://user:pw@host:5984/db (the last path
@@ -88,6 +103,13 @@ type Options struct {
 	// checkpoint per CheckpointDefer while its runs stay small. 0 (the default) checkpoints
 	// at the end of every run that replicated something.
 	CheckpointDefer time.Duration
+	// Fence, when set, orders the checkpoint writes of the runs of a replication: a run reads
+	// the replication's token when it starts and advances it before every checkpoint write;
+	// when another run advanced it since, the write is not made and the run ends with
+	// ErrFenced. Apache CouchDB does not check the revs of _local docs, so without a Fence a
+	// stale run (one whose job lease ran out while it still runs) could write its checkpoint
+	// over a newer run's there; PouchDB Server refuses such a write by its rev.
+	Fence Fence
 	// HTTPClient is used for every request when set (share it between runs to reuse
 	// connections; keep compression off for PouchDB Server). Its transport is wrapped, not
 	// modified, to count requests.
@@ -221,29 +243,20 @@ func (r *run) run(ctx context.Context) (Result, error) {
 	cp := &checkpointer{src: r.src, tgt: r.tgt, id: r.id, session: newSessionID(), started: time.Now()}
 	res := Result{SessionID: cp.session, ReplicationID: r.id}
 	var err error
+	if r.opt.Fence != nil {
+		// The run's fencing token is read before anything of the checkpoints.
+		if cp.token, err = r.opt.Fence.Token(ctx, r.id); err != nil {
+			return res, fmt.Errorf("read the fencing token: %w", err)
+		}
+		cp.fence = r.opt.Fence
+	}
 	srcDoc, tgtDoc, progress, cached := r.opt.Checkpoints.get(r.id)
 	if !cached {
 		if srcDoc, tgtDoc, err = r.readCheckpoints(ctx, cp); err != nil {
 			return res, err
 		}
 	}
-	cp.startSeq, cp.history = findStartSeq(srcDoc, tgtDoc)
-	cp.written = cp.startSeq
-	if progress != "" {
-		// An earlier run of this process left its checkpoint to a later run: everything up to
-		// its progress is on the target already.
-		cp.startSeq, cp.written = progress, progress
-	}
-	if srcDoc != nil && tgtDoc != nil && srcDoc.SessionID == tgtDoc.SessionID {
-		cp.lastSession = srcDoc.SessionID
-	}
-	if srcDoc != nil {
-		cp.srcRev = srcDoc.Rev
-	}
-	if tgtDoc != nil {
-		cp.tgtRev = tgtDoc.Rev
-	}
-	res.StartSeq, res.EndSeq = string(cp.startSeq), string(cp.startSeq)
+	r.startFrom(cp, &res, srcDoc, tgtDoc, progress)
 
 	pouchDB := false
 	if r.opt.Selector != nil {
@@ -255,7 +268,38 @@ func (r *run) run(ctx context.Context) (Result, error) {
 	if err != nil {
 		return res, err
 	}
+	// A cached checkpoint is verified, never trusted: the target's doc is read while the first
+	// page is (see verifyTarget).
+	var verified chan verifyResult
+	if cached {
+		verified = make(chan verifyResult, 1)
+		go func() {
+			doc, err := cp.read(ctx, r.tgt)
+			verified <- verifyResult{doc, err}
+		}()
+	}
 	first, raw, err := reader.page(ctx, cp.startSeq)
+	if verified != nil {
+		v := <-verified
+		switch {
+		case v.err != nil:
+			r.opt.Checkpoints.drop(r.id)
+			return res, v.err
+		case !sameCheckpoint(v.doc, tgtDoc):
+			// The target is not as this process left it: deleted and recreated, restored from a
+			// backup, or replicated by another process since. Both checkpoints are read again,
+			// as a run without the cache does (CouchDB's replicator starts over when the
+			// target's checkpoint is gone).
+			r.log.Info("the target's checkpoint is not the cached one (target recreated or restored, or another process ran): reading both checkpoints")
+			r.opt.Checkpoints.drop(r.id)
+			cached = false
+			if srcDoc, tgtDoc, err = r.readCheckpoints(ctx, cp); err != nil {
+				return res, err
+			}
+			r.startFrom(cp, &res, srcDoc, tgtDoc, "")
+			first, raw, err = reader.page(ctx, cp.startSeq)
+		}
+	}
 	if err != nil {
 		r.opt.Checkpoints.drop(r.id)
 	}
@@ -303,6 +347,44 @@ func (r *run) run(ctx context.Context) (Result, error) {
 		log.Debug("replicated: target was up to date")
 	}
 	return res, nil
+}
+
+// startFrom sets where cp's run starts from the checkpoint docs read (nil: none) and the
+// progress of an earlier deferred run ("" if none).
+func (r *run) startFrom(cp *checkpointer, res *Result, srcDoc, tgtDoc *checkpointDoc, progress couch.Seq) {
+	cp.startSeq, cp.history = findStartSeq(srcDoc, tgtDoc)
+	cp.written = cp.startSeq
+	if progress != "" {
+		// An earlier run of this process left its checkpoint to a later run: everything up to
+		// its progress is on the target already.
+		cp.startSeq, cp.written = progress, progress
+	}
+	cp.lastSession, cp.srcRev, cp.tgtRev = "", "", ""
+	if srcDoc != nil && tgtDoc != nil && srcDoc.SessionID == tgtDoc.SessionID {
+		cp.lastSession = srcDoc.SessionID
+	}
+	if srcDoc != nil {
+		cp.srcRev = srcDoc.Rev
+	}
+	if tgtDoc != nil {
+		cp.tgtRev = tgtDoc.Rev
+	}
+	res.StartSeq, res.EndSeq = string(cp.startSeq), string(cp.startSeq)
+}
+
+// verifyResult is the target's checkpoint doc as read to verify a cached one.
+type verifyResult struct {
+	doc *checkpointDoc
+	err error
+}
+
+// sameCheckpoint reports whether the doc read (nil: none) is the cached one: same rev, session
+// and seq. A recreated target has none, or one a later run wrote; a restored one an older one.
+func sameCheckpoint(read, cached *checkpointDoc) bool {
+	if read == nil || cached == nil {
+		return read == cached
+	}
+	return read.Rev == cached.Rev && read.SessionID == cached.SessionID && read.SourceLastSeq == cached.SourceLastSeq
 }
 
 // readCheckpoints reads both checkpoint docs in parallel. A side without one is checked for

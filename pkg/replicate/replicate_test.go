@@ -129,36 +129,50 @@ func TestIncrementalRequests(t *testing.T) {
 }
 
 // TestCheckpointCache: with the checkpoint cache and deferred checkpoints, an incremental run of
-// a few new docs costs four requests (_changes, _revs_diff, _bulk_get, _bulk_docs) and a run
-// without changes one; a cache that another process made stale costs no doc twice; a target
-// recreated behind the cache's back is replicated from the beginning once the entry is too old.
+// a few new docs costs four requests (_changes, _revs_diff, _bulk_get, _bulk_docs) plus one
+// verification of the cached checkpoint (the target's _local doc, read in parallel with
+// _changes), and a run without changes _changes and the verification; a cache that another
+// process made stale costs no doc twice; a target deleted and recreated behind the hot cache's
+// back is replicated from the beginning by the next run.
 func TestCheckpointCache(t *testing.T) {
 	s := couchtest.Get(t)
 	source, target := s.NewDB(t, "csrc_"), s.NewDB(t, "ctgt_")
 	createDocs(t, s, source, "base", 20)
 	cache := NewCheckpointCache(time.Hour, 100)
-	opt := Options{Source: dbURL(s, source), Target: dbURL(s, target), CheckpointDefer: time.Hour, Checkpoints: cache}
+	log := &requestLog{base: &http.Transport{DisableCompression: true}}
+	opt := Options{Source: dbURL(s, source), Target: dbURL(s, target), CheckpointDefer: time.Hour, Checkpoints: cache,
+		HTTPClient: &http.Client{Transport: log}}
 	_, err := Run(t.Context(), opt, testLog(t))
 	require.NoError(t, err)
+	verification := func(r string) bool {
+		return strings.HasPrefix(r, "GET /"+couchtest.PathDB(target)+"/_local/")
+	}
+	log.take()
 	for i := 1; i <= 3; i++ {
 		s.Put(t, source, fmt.Sprintf("new-%d", i), map[string]any{"i": i})
 		res, err := Run(t.Context(), opt, testLog(t))
 		require.NoError(t, err)
 		assert.EqualValues(t, 1, res.DocsWritten)
-		assert.LessOrEqual(t, res.Requests, int64(4), "run %d", i)
-		t.Logf("incremental run %d: %d requests", i, res.Requests)
+		reqs := log.take()
+		verifications := count(reqs, verification)
+		assert.Equal(t, 1, verifications, "run %d verifies the cached checkpoint once: %v", i, reqs)
+		assert.LessOrEqual(t, len(reqs)-verifications, 4, "run %d: %v", i, reqs)
+		assert.EqualValues(t, len(reqs), res.Requests)
+		t.Logf("incremental run %d: %d requests + %d verification", i, len(reqs)-verifications, verifications)
 	}
 	none, err := Run(t.Context(), opt, testLog(t))
 	require.NoError(t, err)
 	assert.True(t, none.NoChanges)
-	assert.EqualValues(t, 1, none.Requests, "a run without changes reads _changes only")
+	reqs := log.take()
+	assert.Equal(t, 1, count(reqs, verification), "%v", reqs)
+	assert.EqualValues(t, 2, none.Requests, "a run without changes reads _changes and verifies: %v", reqs)
 	requireSameLeaves(t, s, source, target)
 
 	// Another process (no shared cache) runs the replication meanwhile: this one's cache is
-	// stale; its next run re-checks and writes nothing twice.
+	// stale; its next run finds out by the verification and writes nothing twice.
 	s.Put(t, source, "elsewhere", map[string]any{})
 	other := opt
-	other.Checkpoints, other.CheckpointDefer = nil, 0
+	other.Checkpoints, other.CheckpointDefer, other.HTTPClient = nil, 0, nil
 	_, err = Run(t.Context(), other, testLog(t))
 	require.NoError(t, err)
 	s.Put(t, source, "here", map[string]any{})
@@ -167,14 +181,17 @@ func TestCheckpointCache(t *testing.T) {
 	assert.EqualValues(t, 1, res.DocsWritten, "only the new doc")
 	requireSameLeaves(t, s, source, target)
 
-	// The target is deleted and recreated empty; once the cache entry is too old the next run
-	// reads the checkpoints, finds none on the target and replicates everything.
+	// The target is deleted and recreated empty; the cache is hot, yet the next run finds the
+	// target's checkpoint gone and replicates everything, as CouchDB's replicator does.
+	res, err = Run(t.Context(), opt, testLog(t))
+	require.NoError(t, err)
+	require.True(t, res.NoChanges, "precondition: the cache entry is fresh and current")
 	require.NoError(t, s.Do(t, "DELETE", "/"+couchtest.PathDB(target), nil, nil))
 	require.NoError(t, s.Do(t, "PUT", "/"+couchtest.PathDB(target), nil, nil))
-	opt.Checkpoints = NewCheckpointCache(time.Nanosecond, 100)
 	s.Put(t, source, "after-recreate", map[string]any{})
-	_, err = Run(t.Context(), opt, testLog(t))
+	res, err = Run(t.Context(), opt, testLog(t))
 	require.NoError(t, err)
+	assert.Empty(t, res.StartSeq, "started over from the beginning")
 	requireSameLeaves(t, s, source, target)
 }
 

@@ -1,0 +1,83 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/spiegel-nats/spiegel/pkg/natsjs"
+)
+
+// fencePrefix starts the key of a native replication's fencing token in the checkpoint bucket.
+// The on_change keys there are two base64url tokens joined by a dot, never holding a '/'.
+const fencePrefix = "replication/"
+
+// kvFence keeps the fencing token of each native replication (replicate.Fence) as the revision
+// of a NATS key-value entry, "replication/<replication id>", in the bucket of the on_change
+// checkpoints: a run reads it when it starts and moves it by compare-and-set before each
+// checkpoint write, so a run that lost its job to a newer one cannot write its checkpoint over
+// the newer run's, on Apache CouchDB too (which does not check the revs of _local docs). The
+// bucket is opened on first use; a missing one fails the run (run `producer install`).
+type kvFence struct {
+	js   jetstream.JetStream
+	topo natsjs.Topology
+	mu   sync.Mutex
+	kv   jetstream.KeyValue
+}
+
+func (f *kvFence) bucket(ctx context.Context) (jetstream.KeyValue, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.kv != nil {
+		return f.kv, nil
+	}
+	kv, err := natsjs.OnChangeBucket(ctx, f.js, f.topo)
+	if err != nil {
+		return nil, err
+	}
+	f.kv = kv
+	return kv, nil
+}
+
+// Token returns the replication's token (0: none yet).
+func (f *kvFence) Token(ctx context.Context, id string) (uint64, error) {
+	kv, err := f.bucket(ctx)
+	if err != nil {
+		return 0, err
+	}
+	e, err := kv.Get(ctx, fencePrefix+id)
+	switch {
+	case errors.Is(err, jetstream.ErrKeyNotFound):
+		return 0, nil
+	case err != nil:
+		return 0, fmt.Errorf("read the fencing token of replication %s: %w", id, err)
+	}
+	return e.Revision(), nil
+}
+
+// Advance moves the token from token (0: none, the entry must not exist) to a new revision.
+func (f *kvFence) Advance(ctx context.Context, id string, token uint64) (uint64, bool, error) {
+	kv, err := f.bucket(ctx)
+	if err != nil {
+		return 0, false, err
+	}
+	v := []byte(time.Now().UTC().Format(time.RFC3339Nano))
+	var next uint64
+	if token == 0 {
+		next, err = kv.Create(ctx, fencePrefix+id, v)
+	} else {
+		next, err = kv.Update(ctx, fencePrefix+id, v, token)
+	}
+	var apiErr *jetstream.APIError
+	switch {
+	case errors.Is(err, jetstream.ErrKeyExists) || errors.As(err, &apiErr) && apiErr.ErrorCode == jetstream.JSErrCodeStreamWrongLastSequence:
+		return 0, false, nil
+	case err != nil:
+		return 0, false, fmt.Errorf("advance the fencing token of replication %s: %w", id, err)
+	}
+	return next, true, nil
+}
