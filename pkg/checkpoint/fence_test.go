@@ -112,7 +112,10 @@ func newLocalProxy(t *testing.T, backend string) *localProxy {
 		rp.ServeHTTP(w, r)
 	}))
 	t.Cleanup(srv.Close)
-	p.URL = srv.URL
+	pu, err := url.Parse(srv.URL)
+	require.NoError(t, err)
+	pu.User = u.User // the server's credentials: Apache CouchDB refuses anonymous requests
+	p.URL = pu.String()
 	return p
 }
 
