@@ -15,6 +15,7 @@ import (
 	"github.com/spiegel-nats/spiegel/pkg/config"
 	"github.com/spiegel-nats/spiegel/pkg/consumer"
 	"github.com/spiegel-nats/spiegel/pkg/events"
+	"github.com/spiegel-nats/spiegel/pkg/rules"
 )
 
 const usage = `onchange runs the on_change rules of the spiegel db: for every changed database it calls
@@ -32,7 +33,8 @@ func main() {
 
 // run connects, then runs the onchange jobs until ctx ends.
 func run(ctx context.Context, cfg *config.OnChange, log logrus.FieldLogger) error {
-	app, err := consumer.Open(ctx, &cfg.Consumer, events.GroupOnChange, log.WithField("component", "onchange"))
+	app, err := consumer.OpenWith(ctx, &cfg.Consumer, events.GroupOnChange, log.WithField("component", "onchange"),
+		consumer.Options{Rules: rules.Policy{AllowedSubjects: cfg.AllowedSubjects}})
 	if err != nil {
 		return err
 	}
