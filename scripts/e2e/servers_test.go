@@ -150,6 +150,7 @@ type hookCall struct {
 	Path, User, Password string
 	Method, Target       string      // as received: what the signature covers
 	Header               http.Header // as received
+	At                   time.Time   // when it was received
 	Body                 []byte
 }
 
@@ -171,7 +172,7 @@ func newHookSink(t testing.TB, user string, passwords ...string) *hookSink {
 		s.accepted[p] = true
 	}
 	s.Server = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		c := hookCall{Path: r.URL.Path, Method: r.Method, Target: r.RequestURI, Header: r.Header.Clone()}
+		c := hookCall{Path: r.URL.Path, Method: r.Method, Target: r.RequestURI, Header: r.Header.Clone(), At: time.Now()}
 		c.User, c.Password, _ = r.BasicAuth()
 		c.Body, _ = io.ReadAll(r.Body)
 		s.mu.Lock()
@@ -203,9 +204,11 @@ func (s *hookSink) all() []hookCall {
 }
 
 // signedWith reports whether c carries a valid X-Spiegel-Signature under key, as a receiver
-// checks it (package signature: timestamp within 5 minutes, method, target, delivery id, body).
+// checks it when the call arrives (package signature: timestamp within 5 minutes, method,
+// target, delivery id, body).
 func (c hookCall) signedWith(key string) bool {
-	return signature.Verifier{Secrets: [][]byte{[]byte(key)}}.VerifyParts(c.Method, c.Target, c.Header, c.Body) == nil
+	v := signature.Verifier{Secrets: [][]byte{[]byte(key)}, Now: func() time.Time { return c.At }}
+	return v.VerifyParts(c.Method, c.Target, c.Header, c.Body) == nil
 }
 
 // bodyHas reports whether the call's body contains s.
