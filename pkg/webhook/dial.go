@@ -190,6 +190,7 @@ func (d *dialer) DialContext(ctx context.Context, network, addr string) (net.Con
 	}
 	var refused, failed error
 	for _, ip := range ips {
+		ip = ip.Unmap() // resolvers may answer IPv4 in its mapped form, which an IPv4-only host cannot dial
 		nd := net.Dialer{Timeout: dialTimeout, KeepAlive: 30 * time.Second, Control: policy.control}
 		conn, err := nd.DialContext(ctx, network, netip.AddrPortFrom(ip, parsePort(port)).String())
 		if err == nil {

@@ -358,3 +358,18 @@ func TestNoProxy(t *testing.T) {
 	t.Parallel()
 	assert.Nil(t, New(Config{}).tr.Proxy)
 }
+
+// TestSystemResolver: with the system resolver, a named localhost is reached (whichever of its
+// addresses answers: the receiver listens on 127.0.0.1 only, so a ::1 answered first fails over
+// to the next address), and the same URL is refused without the name in the list.
+func TestSystemResolver(t *testing.T) {
+	t.Parallel()
+	hook := newHookServer(t)
+	u := "http://localhost:" + hook.port() + "/"
+	_, err := New(Config{AllowedHosts: []string{"localhost"}}).Send(t.Context(), Request{Method: "GET", URL: u})
+	require.NoError(t, err)
+	assert.EqualValues(t, 1, hook.n.Load())
+	_, err = New(Config{}).Send(t.Context(), Request{Method: "GET", URL: u})
+	require.ErrorIs(t, err, ErrAddressNotAllowed)
+	assert.EqualValues(t, 1, hook.n.Load())
+}
