@@ -66,7 +66,7 @@ func (e *env) start(t testing.TB) *consumer.App {
 	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	cfg := e.cfg
-	app, err := consumer.Open(ctx, &cfg.Consumer, events.GroupOnChange, e.Logger())
+	app, err := open(ctx, &cfg, e.Logger())
 	require.NoError(t, err)
 	done := make(chan error, 1)
 	go func() { done <- app.Run(ctx, cfg.HTTPAddr, newHandler(app.Deps, &cfg).handle) }()

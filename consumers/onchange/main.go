@@ -33,10 +33,15 @@ func main() {
 
 // run connects, then runs the onchange jobs until ctx ends.
 func run(ctx context.Context, cfg *config.OnChange, log logrus.FieldLogger) error {
-	app, err := consumer.OpenWith(ctx, &cfg.Consumer, events.GroupOnChange, log.WithField("component", "onchange"),
-		consumer.Options{Rules: rules.Policy{AllowedSubjects: cfg.AllowedSubjects}})
+	app, err := open(ctx, cfg, log.WithField("component", "onchange"))
 	if err != nil {
 		return err
 	}
 	return app.Run(ctx, cfg.HTTPAddr, newHandler(app.Deps, cfg).handle)
+}
+
+// open opens the consumer app with the onchange rule policy (SPIEGEL_PUBLISH_ALLOWED_SUBJECTS).
+func open(ctx context.Context, cfg *config.OnChange, log logrus.FieldLogger) (*consumer.App, error) {
+	return consumer.OpenWith(ctx, &cfg.Consumer, events.GroupOnChange, log,
+		consumer.Options{Rules: rules.Policy{AllowedSubjects: cfg.AllowedSubjects}})
 }

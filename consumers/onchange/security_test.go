@@ -53,3 +53,14 @@ func TestSubjectRuleOutsideAllowedSpaceRejected(t *testing.T) {
 	_, ok := app.Rules.Rule("into_work")
 	assert.False(t, ok)
 }
+
+// TestAllowedSubjects: SPIEGEL_PUBLISH_ALLOWED_SUBJECTS narrows what subject rules may name.
+func TestAllowedSubjects(t *testing.T) {
+	e := newEnv(t, 60*time.Second)
+	e.cfg.AllowedSubjects = []string{"spiegel.changes.>"}
+	app := e.start(t)
+	waitRule(t, "inside", e.putRule(t, "inside", map[string]any{"subject": "spiegel.changes.${db_name}"}), app)
+	e.putRule(t, "outside", map[string]any{"subject": "orders.${db_name}"})
+	require.Eventually(t, func() bool { return app.Rules.Stats().Rejected == 1 }, 10*time.Second, 20*time.Millisecond)
+	assert.Contains(t, app.Rules.Stats().RejectedIDs["outside"], "SPIEGEL_PUBLISH_ALLOWED_SUBJECTS")
+}
