@@ -283,8 +283,8 @@ func (c *Client) redirectPolicy(req Request, s *signer) func(*http.Request, []*h
 		if next.Body != nil && next.Body != http.NoBody {
 			body = s.body // 307 and 308 send the body again; 301, 302 and 303 turn into a GET without one
 		}
-		left := false
-		for _, r := range append(via[1:], next) {
+		left := !sameOrigin(via[0].URL, next.URL)
+		for _, r := range via[1:] {
 			left = left || !sameOrigin(via[0].URL, r.URL)
 		}
 		if !left {
