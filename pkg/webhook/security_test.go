@@ -275,7 +275,8 @@ func TestSignatureBindsRequest(t *testing.T) {
 
 // TestRedirects: a rule that follows redirects keeps its headers and credentials within the
 // first request's origin (signed again for the new target), and drops them, with the signature,
-// once the chain goes to another host; it never goes to a host outside the allow-list.
+// once the chain goes to another host, for the rest of the chain; it never goes to a host outside
+// the allow-list.
 func TestRedirects(t *testing.T) {
 	t.Parallel()
 	type seen struct {
@@ -301,6 +302,8 @@ func TestRedirects(t *testing.T) {
 			http.Redirect(w, r, "/same?x=1", http.StatusTemporaryRedirect)
 		case "/same":
 			http.Redirect(w, r, "http://b.test:"+strings.Split(other.URL, ":")[2]+"/away", http.StatusTemporaryRedirect)
+		case "/away":
+			http.Redirect(w, r, "http://a.test:"+strings.Split(other.URL, ":")[2]+"/back", http.StatusTemporaryRedirect)
 		}
 	}))
 	defer srv.Close()
@@ -318,8 +321,8 @@ func TestRedirects(t *testing.T) {
 	_, err = c.Send(t.Context(), req)
 	require.NoError(t, err)
 	mu.Lock()
-	require.Len(t, got, 3)
-	start, same, away := got[0], got[1], got[2]
+	require.Len(t, got, 4)
+	start, same, away, back := got[0], got[1], got[2], got[3]
 	mu.Unlock()
 	for _, s := range []seen{start, same} {
 		assert.Equal(t, "rule-secret", s.token, s.path)
@@ -333,6 +336,10 @@ func TestRedirects(t *testing.T) {
 	assert.Empty(t, away.referer)
 	assert.False(t, away.signed, "no signature another host could replay")
 	assert.Equal(t, start.delivery, away.delivery)
+	assert.Equal(t, "/back", back.path)
+	assert.Empty(t, back.token, "coming back to the first host does not bring the headers back")
+	assert.Empty(t, back.auth)
+	assert.False(t, back.signed)
 
 	// Another host outside the allow-list: refused, never called.
 	mu.Lock()
