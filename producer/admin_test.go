@@ -56,6 +56,7 @@ func TestValidateDocUpdateRejectsInvalidRules(t *testing.T) {
 		{map[string]any{"type": "on_change", "url": "http://h/", "method": "FETCH"}, "method"},
 		{map[string]any{"type": "on_change"}, "exactly one of url and subject"},
 		{map[string]any{"type": "on_change", "url": "http://h/", "db_name": "("}, "db_name"},
+		{map[string]any{"type": "on_change", "url": "http://h/", "follow_redirects": "yes"}, "follow_redirects"},
 	}
 	for i, c := range bad {
 		err := e.Couch.Do(t, "PUT", "/"+e.cfg.DBName+"/bad"+string(rune('a'+i)), c.doc, nil)

@@ -48,4 +48,5 @@ function (newDoc, oldDoc, userCtx, secObj) {
   if (newDoc.since !== undefined && newDoc.since !== 'beginning' && newDoc.since !== 'now') fail('since', 'must be "beginning" or "now"');
   bool('block');
   bool('debounce');
+  bool('follow_redirects');
 }

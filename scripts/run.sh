@@ -48,7 +48,9 @@ start_bg() {
 }
 start_bg producer "${SPIEGEL_RUN_PRODUCER_ADDR:-127.0.0.1:8080}" bin/producer
 start_bg replicator "${SPIEGEL_RUN_REPLICATOR_ADDR:-127.0.0.1:8081}" bin/replicator
-start_bg onchange "${SPIEGEL_RUN_ONCHANGE_ADDR:-127.0.0.1:8082}" bin/onchange
+# The demo's webhook listens on 127.0.0.1, which onchange refuses unless the allow-list names it.
+SPIEGEL_WEBHOOK_ALLOWED_HOSTS="127.0.0.1${SPIEGEL_WEBHOOK_ALLOWED_HOSTS:+,$SPIEGEL_WEBHOOK_ALLOWED_HOSTS}" \
+  start_bg onchange "${SPIEGEL_RUN_ONCHANGE_ADDR:-127.0.0.1:8082}" bin/onchange
 
 demo_args=()
 [ -n "${SPIEGEL_DEMO_DURATION:-}" ] && demo_args+=(-duration "$SPIEGEL_DEMO_DURATION")

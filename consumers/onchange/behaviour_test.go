@@ -122,7 +122,9 @@ func TestSpiegelBehaviours(t *testing.T) {
 		statuses := []int{200, 201, 204, 302, 404, 400, 500, 503}
 		for _, method := range []string{"POST", "GET"} {
 			id := strings.ToLower(method) + "_" + db
-			e.ruleIn(t, app, id, db, map[string]any{"url": s.URL + "/s/${change.id}", "method": method, "block": true, "retry": fast})
+			// The GET rule follows redirects (follow_redirects), the POST rule does not (the default).
+			e.ruleIn(t, app, id, db, map[string]any{"url": s.URL + "/s/${change.id}", "method": method, "block": true, "retry": fast,
+				"follow_redirects": method == "GET"})
 		}
 		for _, st := range statuses {
 			e.Couch.Put(t, db, fmt.Sprint(st), map[string]any{})
@@ -146,7 +148,7 @@ func TestSpiegelBehaviours(t *testing.T) {
 				wantPost = 2 // failure: first attempt and one retry, then dead letter
 			}
 			if st >= 400 {
-				wantGet = 2 // GET follows the redirect: 302 is a success
+				wantGet = 2 // the GET rule follows the redirect: 302 is a success
 			}
 			assert.Equal(t, wantPost, count(hs, "POST", st), "POST %d", st)
 			assert.Equal(t, wantGet, count(hs, "GET", st), "GET %d", st)

@@ -76,7 +76,7 @@ func (e *env) startChild(t *testing.T, grace time.Duration) *child {
 	t.Helper()
 	c := &child{logs: &syncBuffer{}, exited: make(chan struct{})}
 	c.cmd = exec.Command(os.Args[0])
-	c.cmd.Env = append(os.Environ(), "SPIEGEL_TEST_AS_ONCHANGE=1",
+	c.cmd.Env = append(os.Environ(), "SPIEGEL_TEST_AS_ONCHANGE=1", "SPIEGEL_WEBHOOK_ALLOWED_HOSTS=127.0.0.1",
 		"SPIEGEL_COUCHDB_URL="+e.cfg.CouchDBURL, "SPIEGEL_DB_NAME="+e.cfg.DBName, "SPIEGEL_NATS_URL="+e.NATS.URL(),
 		"SPIEGEL_ACK_WAIT="+e.cfg.AckWait.String(), "SPIEGEL_SHUTDOWN_GRACE="+grace.String(),
 		"SPIEGEL_HTTP_ADDR=127.0.0.1:0", "SPIEGEL_LOG_LEVEL=debug")

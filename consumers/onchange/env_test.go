@@ -55,6 +55,7 @@ func newEnv(t testing.TB, ackWait time.Duration) *env {
 			Concurrency: 8, ShutdownGrace: 5 * time.Second, RetryInitial: 100 * time.Millisecond, RetryMax: time.Second,
 		},
 		BatchSize: 100, RequestConcurrency: 10, WebhookTimeout: 5 * time.Second,
+		AllowedHosts: []string{"127.0.0.1"}, // the tests' receivers: loopback is refused by default
 	}
 	return e
 }
@@ -65,7 +66,7 @@ func (e *env) start(t testing.TB) *consumer.App {
 	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	cfg := e.cfg
-	app, err := consumer.Open(ctx, &cfg.Consumer, events.GroupOnChange, e.Logger())
+	app, err := open(ctx, &cfg, e.Logger())
 	require.NoError(t, err)
 	done := make(chan error, 1)
 	go func() { done <- app.Run(ctx, cfg.HTTPAddr, newHandler(app.Deps, &cfg).handle) }()

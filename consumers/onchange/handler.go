@@ -71,7 +71,7 @@ func newHandler(app consumer.Deps, cfg *config.OnChange) *handler {
 		log: app.Log.WithField("component", "onchange"),
 		hooks: webhook.New(webhook.Config{
 			Timeout: cfg.WebhookTimeout, AllowedHosts: cfg.AllowedHosts, Passwords: app.Passwords,
-			SignatureSecret: cfg.SignatureSecret, Metrics: app.Metrics,
+			SignatureSecrets: cfg.SignatureSecrets, Metrics: app.Metrics,
 			MaxParallel: max(cfg.Concurrency, 1) * max(cfg.RequestConcurrency, 1),
 		}),
 		publisher:          newChangePublisher(app.JS, app.Metrics),

@@ -15,6 +15,7 @@ import (
 	"github.com/spiegel-nats/spiegel/pkg/config"
 	"github.com/spiegel-nats/spiegel/pkg/consumer"
 	"github.com/spiegel-nats/spiegel/pkg/events"
+	"github.com/spiegel-nats/spiegel/pkg/rules"
 )
 
 const usage = `onchange runs the on_change rules of the spiegel db: for every changed database it calls
@@ -32,9 +33,15 @@ func main() {
 
 // run connects, then runs the onchange jobs until ctx ends.
 func run(ctx context.Context, cfg *config.OnChange, log logrus.FieldLogger) error {
-	app, err := consumer.Open(ctx, &cfg.Consumer, events.GroupOnChange, log.WithField("component", "onchange"))
+	app, err := open(ctx, cfg, log.WithField("component", "onchange"))
 	if err != nil {
 		return err
 	}
 	return app.Run(ctx, cfg.HTTPAddr, newHandler(app.Deps, cfg).handle)
+}
+
+// open opens the consumer app with the onchange rule policy (SPIEGEL_PUBLISH_ALLOWED_SUBJECTS).
+func open(ctx context.Context, cfg *config.OnChange, log logrus.FieldLogger) (*consumer.App, error) {
+	return consumer.OpenWith(ctx, &cfg.Consumer, events.GroupOnChange, log,
+		consumer.Options{Rules: rules.Policy{AllowedSubjects: cfg.AllowedSubjects}})
 }

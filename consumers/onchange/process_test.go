@@ -112,7 +112,7 @@ func TestSIGKILLMidBatch(t *testing.T) {
 	}
 
 	child := exec.Command(os.Args[0])
-	child.Env = append(os.Environ(), "SPIEGEL_TEST_AS_ONCHANGE=1",
+	child.Env = append(os.Environ(), "SPIEGEL_TEST_AS_ONCHANGE=1", "SPIEGEL_WEBHOOK_ALLOWED_HOSTS=127.0.0.1",
 		"SPIEGEL_COUCHDB_URL="+e.cfg.CouchDBURL, "SPIEGEL_DB_NAME="+e.cfg.DBName, "SPIEGEL_NATS_URL="+e.NATS.URL(),
 		"SPIEGEL_ACK_WAIT="+ackWait.String(), "SPIEGEL_HTTP_ADDR=127.0.0.1:0", "SPIEGEL_CHANGES_BATCH=5", "SPIEGEL_LOG_LEVEL=debug")
 	var childLog syncBuffer

@@ -119,3 +119,30 @@ func TestLoadParsesValues(t *testing.T) {
 		})
 	}
 }
+
+// The webhook and subject security settings: lists parse, bad entries stop the start with the
+// variable named.
+func TestOnChangeSecuritySettings(t *testing.T) {
+	t.Setenv("SPIEGEL_COUCHDB_URL", "http://127.0.0.1:5984")
+	t.Setenv("SPIEGEL_WEBHOOK_ALLOWED_HOSTS", "127.0.0.1,10.0.0.0/8,fd00::/8,*.example")
+	t.Setenv("SPIEGEL_WEBHOOK_SIGNATURE_SECRET", "hmac_new, hmac_old")
+	t.Setenv("SPIEGEL_PUBLISH_ALLOWED_SUBJECTS", "orders.>,audit.*.changes")
+	var o OnChange
+	require.NoError(t, Load(&o))
+	assert.Equal(t, []string{"127.0.0.1", "10.0.0.0/8", "fd00::/8", "*.example"}, o.AllowedHosts)
+	assert.Equal(t, []string{"hmac_new", "hmac_old"}, o.SignatureSecrets)
+	assert.Equal(t, []string{"orders.>", "audit.*.changes"}, o.AllowedSubjects)
+
+	for k, tc := range map[string]struct{ value, want string }{
+		"SPIEGEL_WEBHOOK_ALLOWED_HOSTS":    {"10.0.0.0/33", `SPIEGEL_WEBHOOK_ALLOWED_HOSTS: "10.0.0.0/33" is not a CIDR range`},
+		"SPIEGEL_PUBLISH_ALLOWED_SUBJECTS": {"orders.>.x", `SPIEGEL_PUBLISH_ALLOWED_SUBJECTS: "orders.>.x": '>' must be the last token`},
+	} {
+		t.Run(k, func(t *testing.T) {
+			t.Setenv(k, tc.value)
+			var o OnChange
+			err := Load(&o)
+			require.Error(t, err)
+			assert.Contains(t, err.Error(), tc.want)
+		})
+	}
+}

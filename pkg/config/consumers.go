@@ -3,7 +3,9 @@ package config
 import (
 	"errors"
 	"fmt"
+	"net/netip"
 	"os"
+	"strings"
 	"time"
 )
 
@@ -62,8 +64,9 @@ type OnChange struct {
 	BatchSize          int           `envconfig:"SPIEGEL_CHANGES_BATCH" default:"100" desc:"changes read per _changes request"`
 	RequestConcurrency int           `envconfig:"SPIEGEL_REQUEST_CONCURRENCY" default:"10" desc:"requests in flight at once for one rule and db when block is false"`
 	WebhookTimeout     time.Duration `envconfig:"SPIEGEL_WEBHOOK_TIMEOUT" default:"30s" desc:"timeout of one webhook request (a rule's timeout wins)"`
-	AllowedHosts       []string      `envconfig:"SPIEGEL_WEBHOOK_ALLOWED_HOSTS" desc:"comma-separated hosts webhooks may call (empty: any); whoever writes rule docs can otherwise make the service call any URL"`
-	SignatureSecret    string        `envconfig:"SPIEGEL_WEBHOOK_SIGNATURE_SECRET" desc:"name of a secret in the passwords file; when set, requests carry X-Spiegel-Signature: sha256=<HMAC of the body>"`
+	AllowedHosts       []string      `envconfig:"SPIEGEL_WEBHOOK_ALLOWED_HOSTS" desc:"comma-separated hosts (api.example, api.example:8443, *.example, 127.0.0.1) and CIDR ranges (10.0.0.0/8) webhooks may call; a named host at any address, any host whose address dialled is in a range. Empty: any host, but never at a loopback, private, link-local, CGNAT or other non-public address"`
+	SignatureSecrets   []string      `envconfig:"SPIEGEL_WEBHOOK_SIGNATURE_SECRET" desc:"comma-separated names of secrets in the passwords file (new first, then the old one while rotating); when set, every request carries X-Spiegel-Signature: v1=<HMAC-SHA256 of timestamp, method, path?query, delivery id and body> per secret"`
+	AllowedSubjects    []string      `envconfig:"SPIEGEL_PUBLISH_ALLOWED_SUBJECTS" desc:"comma-separated subject filters (wildcards * and >) subject rules may publish to; empty: any subject but NATS' $ subjects, _INBOX.> and the service's own <prefix>.> other than <prefix>.changes.> (those are refused in any case)"`
 }
 
 // Validate checks what envconfig cannot.
@@ -75,7 +78,46 @@ func (c *OnChange) Validate() error {
 	if c.RequestConcurrency < 1 || c.RequestConcurrency > 1000 {
 		errs = append(errs, fmt.Errorf("SPIEGEL_REQUEST_CONCURRENCY=%d: want 1 to 1000", c.RequestConcurrency))
 	}
+	for _, h := range c.AllowedHosts {
+		h = strings.TrimSpace(h)
+		if strings.Contains(h, "/") {
+			if _, err := netip.ParsePrefix(h); err != nil {
+				errs = append(errs, fmt.Errorf("SPIEGEL_WEBHOOK_ALLOWED_HOSTS: %q is not a CIDR range (want e.g. 10.0.0.0/8 or fd00::/8)", h))
+			}
+		} else if strings.ContainsAny(h, " \t?#@") {
+			errs = append(errs, fmt.Errorf("SPIEGEL_WEBHOOK_ALLOWED_HOSTS: %q is not a host, host:port, *.domain or CIDR range", h))
+		}
+	}
+	for _, name := range c.SignatureSecrets {
+		if strings.TrimSpace(name) == "" {
+			errs = append(errs, errors.New("SPIEGEL_WEBHOOK_SIGNATURE_SECRET: empty secret name in the list"))
+		}
+	}
+	for _, f := range c.AllowedSubjects {
+		if err := checkSubjectFilter(strings.TrimSpace(f)); err != nil {
+			errs = append(errs, fmt.Errorf("SPIEGEL_PUBLISH_ALLOWED_SUBJECTS: %q: %w", f, err))
+		}
+	}
 	return errors.Join(errs...)
+}
+
+// checkSubjectFilter checks the syntax of a NATS subject filter: non-empty tokens without
+// whitespace, '*' and '>' only as whole tokens, '>' only last.
+func checkSubjectFilter(f string) error {
+	toks := strings.Split(f, ".")
+	for i, t := range toks {
+		switch {
+		case t == "":
+			return errors.New("empty token")
+		case strings.ContainsAny(t, " \t\r\n\x00"):
+			return errors.New("holds whitespace")
+		case t == ">" && i != len(toks)-1:
+			return errors.New("'>' must be the last token")
+		case t != "*" && t != ">" && strings.ContainsAny(t, "*>"):
+			return errors.New("wildcards must be whole tokens")
+		}
+	}
+	return nil
 }
 
 // LogSettings returns the logging part (consumer.Spec).

@@ -74,9 +74,21 @@ type Deps struct {
 	Status *status.Recorder
 }
 
+// Options are what a binary adds to Open.
+type Options struct {
+	// Rules is the policy rules are parsed under; its SubjectPrefix is set from the config.
+	Rules rules.Policy
+}
+
 // Open connects to CouchDB and NATS, checks that install has run, loads the passwords file and
 // the rules. A missing installation is an error wrapping natsjs.ErrNotInstalled.
 func Open(ctx context.Context, cfg *config.Consumer, group events.Group, log logrus.FieldLogger) (*App, error) {
+	return OpenWith(ctx, cfg, group, log, Options{})
+}
+
+// OpenWith is Open with the binary's options.
+func OpenWith(ctx context.Context, cfg *config.Consumer, group events.Group, log logrus.FieldLogger, o Options) (*App, error) {
+	o.Rules.SubjectPrefix = cfg.SubjectPrefix
 	cc, err := couch.New(couch.Config{
 		URL: cfg.CouchDBURL, CAFile: cfg.CouchDBCAFile, InsecureSkipVerify: cfg.CouchDBInsecureTLS, RequestTimeout: cfg.CouchDBTimeout,
 	}, log.WithField("component", "couch"))
@@ -134,7 +146,7 @@ func Open(ctx context.Context, cfg *config.Consumer, group events.Group, log log
 	}
 	a := &App{
 		Deps: Deps{
-			Log: log, Couch: cc, Passwords: pw, Rules: rules.NewSet(), Checkpoints: checkpoints,
+			Log: log, Couch: cc, Passwords: pw, Rules: rules.NewSetWith(o.Rules), Checkpoints: checkpoints,
 			DeadLetters: worker.NewDeadLetters(js, topo.Subjects), Metrics: m, JS: js, Status: status.NewRecorder(),
 		},
 		log: log, nc: nc, topology: topo, registry: reg, spiegelDB: cfg.DBName, cfg: cfg, group: group,

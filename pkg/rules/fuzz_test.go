@@ -61,7 +61,7 @@ func FuzzParse(f *testing.F) {
 		case *OnChange:
 			x.MatchDoc(map[string]any{"a": 1.0})
 			doc := map[string]any{"type": KindOnChange, "method": x.Method, "params": x.Params, "block": x.Block,
-				"debounce": x.Debounce, "since": x.Since, "disabled": x.Disabled, "timeout_ms": x.Timeout.Milliseconds()}
+				"debounce": x.Debounce, "follow_redirects": x.FollowRedirects, "since": x.Since, "disabled": x.Disabled, "timeout_ms": x.Timeout.Milliseconds()}
 			if x.Timeout.Milliseconds() == 0 {
 				doc["timeout_ms"] = float64(x.Timeout) / float64(time.Millisecond)
 			}
@@ -75,7 +75,7 @@ func FuzzParse(f *testing.F) {
 			}
 			again = mustReparse(t, x.ID(), doc)
 			y := again.(*OnChange)
-			if y.URL != x.URL || y.Subject != x.Subject || y.Method != x.Method || y.Since != x.Since {
+			if y.URL != x.URL || y.Subject != x.Subject || y.Method != x.Method || y.Since != x.Since || y.FollowRedirects != x.FollowRedirects {
 				t.Fatalf("on_change changed on re-parse: %+v vs %+v", x, y)
 			}
 		}

@@ -40,6 +40,9 @@ type OnChange struct {
 	Block bool
 	// Debounce sends identical requests (method, final URL, body) once per batch.
 	Debounce bool
+	// FollowRedirects, field "follow_redirects" (default false), follows 3xx answers, to allowed
+	// hosts only; without it a 3xx answer is a failed request.
+	FollowRedirects bool
 	// Subject, instead of URL, publishes the change to NATS; it may hold ${db_name}.
 	Subject  string
 	Since    string // SinceBeginning (default) or SinceNow
@@ -105,7 +108,7 @@ func fieldText(v any) string {
 	return string(b)
 }
 
-func parseOnChange(f fields) (*OnChange, error) {
+func parseOnChange(f fields, p Policy) (*OnChange, error) {
 	r := &OnChange{id: f.id, Timeout: DefaultTimeout}
 	r.rev, _ = f.doc["_rev"].(string)
 	var err error
@@ -149,6 +152,9 @@ func parseOnChange(f fields) (*OnChange, error) {
 		if err := checkSubject(r.Subject); err != nil {
 			return nil, f.errorf("subject", "%v", err)
 		}
+		if err := p.checkSubjectSpace(r.Subject); err != nil {
+			return nil, f.errorf("subject", "%v", err)
+		}
 	}
 	if r.Method, err = f.str("method"); err != nil {
 		return nil, err
@@ -169,6 +175,9 @@ func parseOnChange(f fields) (*OnChange, error) {
 		return nil, err
 	}
 	if r.Debounce, err = f.boolean("debounce"); err != nil {
+		return nil, err
+	}
+	if r.FollowRedirects, err = f.boolean("follow_redirects"); err != nil {
 		return nil, err
 	}
 	if r.Disabled, err = f.boolean("disabled"); err != nil {

@@ -125,6 +125,7 @@ func TestParseOnChange(t *testing.T) {
 	assert.Equal(t, DefaultTimeout, oc.Timeout)
 	assert.Equal(t, DefaultRetryPolicy(), oc.Retry)
 	assert.Equal(t, map[string]string{"X-Token": "..."}, oc.Headers)
+	assert.False(t, oc.FollowRedirects, "redirects are not followed unless the rule says so")
 	require.Contains(t, oc.If, "archived")
 	assert.Nil(t, oc.If["archived"])
 	assert.True(t, oc.MatchesDB("user_1"))
@@ -139,6 +140,10 @@ func TestParseOnChange(t *testing.T) {
 	assert.Equal(t, "GET", oc.Method)
 	assert.Equal(t, 250*time.Millisecond, oc.Timeout)
 	assert.Equal(t, RetryPolicy{Backoff: BackoffLinear, BaseDelay: 500 * time.Millisecond, Multiplier: 3, Limit: 0, MaxDelay: 2 * time.Second}, oc.Retry)
+
+	r, err = Parse("oc3", []byte(`{"type":"on_change","url":"http://h/x","follow_redirects":true}`))
+	require.NoError(t, err)
+	assert.True(t, r.(*OnChange).FollowRedirects)
 }
 
 func TestMatchDoc(t *testing.T) {
@@ -247,6 +252,9 @@ func TestParseInvalid(t *testing.T) {
 		{"retry bad multiplier", `{"type":"on_change","url":"http://h/x","retry":{"multiplier":0.5}}`, "retry.multiplier", "≥ 1"},
 		{"retry unknown key", `{"type":"on_change","url":"http://h/x","retry":{"tries":5}}`, "retry.tries", "unknown key"},
 		{"block not bool", `{"type":"on_change","url":"http://h/x","block":"true"}`, "block", "true or false"},
+		{"follow_redirects not bool", `{"type":"on_change","url":"http://h/x","follow_redirects":1}`, "follow_redirects", "true or false"},
+		{"subject into the work queue", `{"type":"on_change","subject":"spiegel.work.onchange.x"}`, "subject", "service's own subjects"},
+		{"subject into JetStream's API", `{"type":"on_change","subject":"$JS.API.STREAM.PURGE.SPIEGEL_WORK"}`, "subject", "NATS system subject"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

@@ -73,8 +73,12 @@ type Rule interface {
 // Parse compiles one document of the spiegel db. id is the doc id (when "" the doc's "_id" is
 // used); raw is the doc's JSON. It returns ErrNotRule for documents that are not rules, a
 // *ValidationError (match with errors.As) for invalid rule documents, else a *Replicator or an
-// *OnChange.
-func Parse(id string, raw []byte) (Rule, error) {
+// *OnChange. It checks subjects with the zero Policy (the default subject prefix, no operator
+// list); ParseWith takes the installation's.
+func Parse(id string, raw []byte) (Rule, error) { return ParseWith(id, raw, Policy{}) }
+
+// ParseWith is Parse under the installation's policy p.
+func ParseWith(id string, raw []byte, p Policy) (Rule, error) {
 	if IsServiceDocID(id) {
 		return nil, ErrNotRule
 	}
@@ -103,7 +107,7 @@ func Parse(id string, raw []byte) (Rule, error) {
 	case KindReplicator:
 		return parseReplicator(f)
 	case KindOnChange:
-		return parseOnChange(f)
+		return parseOnChange(f, p)
 	default:
 		return nil, ErrNotRule
 	}

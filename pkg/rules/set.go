@@ -46,11 +46,15 @@ type Set struct {
 	idx           *index
 	cacheSize     int
 	cache         atomic.Pointer[groupCache]
+	policy        Policy
 }
 
-// NewSet returns an empty set.
-func NewSet() *Set {
-	s := &Set{rules: map[string]Rule{}, rejected: map[string]string{}, idx: newIndex(), cacheSize: DefaultCacheSize}
+// NewSet returns an empty set that parses rules with the zero Policy.
+func NewSet() *Set { return NewSetWith(Policy{}) }
+
+// NewSetWith returns an empty set that parses rules under p (see ParseWith).
+func NewSetWith(p Policy) *Set {
+	s := &Set{rules: map[string]Rule{}, rejected: map[string]string{}, idx: newIndex(), cacheSize: DefaultCacheSize, policy: p}
 	s.cache.Store(newGroupCache(0))
 	return s
 }
@@ -69,7 +73,7 @@ func (s *Set) Apply(id string, raw []byte, deleted bool) (Change, error) {
 	var r Rule
 	var perr error
 	if !deleted {
-		r, perr = Parse(id, raw)
+		r, perr = ParseWith(id, raw, s.policy)
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()

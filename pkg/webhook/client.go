@@ -3,28 +3,32 @@ package webhook
 import (
 	"bytes"
 	"context"
-	"crypto/hmac"
-	"crypto/sha256"
-	"encoding/hex"
 	"errors"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"net/url"
+	"strconv"
 	"strings"
 	"time"
 
 	"github.com/spiegel-nats/spiegel/pkg/logging"
+	"github.com/spiegel-nats/spiegel/pkg/webhook/signature"
 )
 
-// SignatureHeader carries "sha256=<hex HMAC-SHA256 of the body>" when a signature secret is set.
-const SignatureHeader = "X-Spiegel-Signature"
+// The headers every request carries (see package signature for their meaning).
+const (
+	TimestampHeader = signature.TimestampHeader
+	DeliveryHeader  = signature.DeliveryHeader
+	SignatureHeader = signature.SignatureHeader
+)
 
 // DefaultTimeout bounds one attempt when neither the request nor the Config names a timeout.
 const DefaultTimeout = 30 * time.Second
 
-// maxRedirects bounds the redirects a GET follows.
-const maxRedirects = 10
+// maxRedirects bounds the redirects a request that follows them follows.
+const maxRedirects = 5
 
 // ErrHostNotAllowed means the URL's host is not in the allow-list (SPIEGEL_WEBHOOK_ALLOWED_HOSTS);
 // the request is never sent.
@@ -42,90 +46,66 @@ type Recorder interface {
 	Webhook(status int, d time.Duration)
 }
 
-// Config configures a Client. The zero value works: no passwords, any host, 30s timeout.
+// Config configures a Client. The zero value works: no passwords, no signature, 30s timeout,
+// public addresses only.
 type Config struct {
 	// Timeout bounds one attempt of a request whose own Timeout is 0 (default 30s).
 	Timeout time.Duration
-	// AllowedHosts, when not empty, lists the hosts requests and redirects may go to: a hostname
-	// ("api.example"), a host with port ("api.example:8443") or a subdomain wildcard
-	// ("*.example"). Case-insensitive.
+	// AllowedHosts is SPIEGEL_WEBHOOK_ALLOWED_HOSTS. Empty: any host may be called, but never at
+	// a loopback, private, link-local, CGNAT or other non-public address (checked on the address
+	// dialled). Not empty: only the hosts it names are called — a hostname ("api.example"), a
+	// host with port ("api.example:8443"), a subdomain wildcard ("*.example") or an IP literal
+	// ("127.0.0.1"), matched against the URL's host as written, which may then be dialled at
+	// whatever address it resolves to — and any host whose address dialled falls in one of its
+	// CIDR ranges ("10.0.0.0/8"). Case-insensitive.
 	AllowedHosts []string
 	// Passwords injects the password of the URL's user (may be nil).
 	Passwords Passwords
-	// SignatureSecret names a secret of Passwords; when set every request is signed with it and
-	// a missing secret fails the attempt (a request is never sent unsigned).
-	SignatureSecret string
+	// SignatureSecrets names secrets of Passwords; when set every request is signed with each
+	// (several while a secret is rotated) and a missing secret fails the attempt (a request is
+	// never sent unsigned).
+	SignatureSecrets []string
 	// Metrics records each attempt (may be nil).
 	Metrics Recorder
-	// Transport sends the requests (default: a clone of http.DefaultTransport with more idle
-	// connections per host).
-	Transport http.RoundTripper
-	// MaxParallel is how many requests the caller may have in flight at once; the default
-	// transport keeps that many idle connections per host (at least 64).
+	// Resolver resolves host names (default net.DefaultResolver). Whatever it answers, the
+	// address actually dialled is checked.
+	Resolver Resolver
+	// MaxParallel is how many requests the caller may have in flight at once; the transport
+	// keeps that many idle connections per host (at least 64).
 	MaxParallel int
 }
 
 // Client sends webhook requests. It is safe for concurrent use.
 type Client struct {
-	cfg Config
-	hc  *http.Client
+	cfg   Config
+	allow allowList
+	tr    *http.Transport
+	now   func() time.Time
 }
 
-// New returns a client for cfg.
+// New returns a client for cfg. Its transport ignores HTTP(S)_PROXY (a proxy would hide the
+// address actually called from the address check) and dials through the address check.
 func New(cfg Config) *Client {
 	if cfg.Timeout <= 0 {
 		cfg.Timeout = DefaultTimeout
 	}
-	tr := cfg.Transport
-	if tr == nil {
-		t := http.DefaultTransport.(*http.Transport).Clone()
-		t.MaxIdleConnsPerHost = 64
-		if cfg.MaxParallel > t.MaxIdleConnsPerHost {
-			// Keep a connection for every request that may run at once: with fewer, each
-			// request beyond them dials a new connection and closes it after (churn that
-			// costs more than the request itself on a fast receiver).
-			t.MaxIdleConnsPerHost = cfg.MaxParallel
-		}
-		t.MaxIdleConns = max(t.MaxIdleConns, t.MaxIdleConnsPerHost)
-		tr = t
+	if cfg.Resolver == nil {
+		cfg.Resolver = net.DefaultResolver
 	}
-	c := &Client{cfg: cfg}
-	c.hc = &http.Client{Transport: tr, CheckRedirect: c.checkRedirect}
+	c := &Client{cfg: cfg, allow: parseAllowList(cfg.AllowedHosts), now: time.Now}
+	t := http.DefaultTransport.(*http.Transport).Clone()
+	t.Proxy = nil
+	t.DialContext = (&dialer{allow: c.allow, resolver: cfg.Resolver}).DialContext
+	t.MaxIdleConnsPerHost = 64
+	if cfg.MaxParallel > t.MaxIdleConnsPerHost {
+		// Keep a connection for every request that may run at once: with fewer, each request
+		// beyond them dials a new connection and closes it after (churn that costs more than
+		// the request itself on a fast receiver).
+		t.MaxIdleConnsPerHost = cfg.MaxParallel
+	}
+	t.MaxIdleConns = max(t.MaxIdleConns, t.MaxIdleConnsPerHost)
+	c.tr = t
 	return c
-}
-
-// checkRedirect follows redirects for GET only (SPEC §2.2), never to a host outside the
-// allow-list; for other methods the 3xx answer itself is the result (a failure).
-func (c *Client) checkRedirect(req *http.Request, via []*http.Request) error {
-	if via[0].Method != http.MethodGet {
-		return http.ErrUseLastResponse
-	}
-	if len(via) >= maxRedirects {
-		return fmt.Errorf("stopped after %d redirects", maxRedirects)
-	}
-	if !c.allowed(req.URL) {
-		return ErrHostNotAllowed
-	}
-	return nil
-}
-
-// allowed reports whether u's host is in the allow-list (always, when the list is empty).
-func (c *Client) allowed(u *url.URL) bool {
-	if len(c.cfg.AllowedHosts) == 0 {
-		return true
-	}
-	host, hostPort := strings.ToLower(u.Hostname()), strings.ToLower(u.Host)
-	for _, a := range c.cfg.AllowedHosts {
-		a = strings.ToLower(strings.TrimSpace(a))
-		switch {
-		case a == "":
-		case a == host || a == hostPort:
-			return true
-		case strings.HasPrefix(a, "*.") && strings.HasSuffix(host, a[1:]):
-			return true
-		}
-	}
-	return false
 }
 
 // Error is a failed attempt. Its text names the method, the URL without password and the
@@ -135,7 +115,7 @@ type Error struct {
 	URL    string // without password
 	// Status is the HTTP status of the answer, 0 when there was none.
 	Status int
-	// Permanent is true when retrying cannot help (bad URL, host not allowed).
+	// Permanent is true when retrying cannot help (bad URL, host or address not allowed).
 	Permanent bool
 	msg       string
 	cause     error // a sentinel or context error, never an error that could quote the URL
@@ -150,7 +130,7 @@ func IsPermanent(err error) bool {
 	return errors.As(err, &e) && e.Permanent || errors.Is(err, ErrBadRequest)
 }
 
-// StatusOf returns the HTTP status of a failed attempt, 0 when there was no answer.
+// StatusOf returns the HTTP status of a failed attempt, 0 when there was none.
 func StatusOf(err error) int {
 	var e *Error
 	if errors.As(err, &e) {
@@ -160,10 +140,12 @@ func StatusOf(err error) int {
 }
 
 // Send makes one attempt of req and returns the answer's status (0 when there was none) and nil
-// for any 2xx. Everything else is an *Error: a 3xx (for GET only after redirects could not be
-// followed), 4xx or 5xx answer, a transport failure, a timeout, ctx ending, or, Permanent, a
-// URL that does not parse or whose host is not allowed. The password of the URL's user is
-// injected here and never leaves this function.
+// for any 2xx. Everything else is an *Error: a 3xx (unless req follows redirects), 4xx or 5xx
+// answer, a transport failure, a timeout, ctx ending, or, Permanent, a URL that does not parse,
+// a host the allow-list refuses or an address the address check refuses (ErrHostNotAllowed,
+// ErrAddressNotAllowed). The password of the URL's user is injected here and never leaves this
+// function. Every attempt carries X-Spiegel-Timestamp (now), X-Spiegel-Delivery (req.Delivery,
+// the same for every attempt) and, with signature secrets, X-Spiegel-Signature.
 func (c *Client) Send(ctx context.Context, req Request) (int, error) {
 	safeURL := logging.RedactURL(req.URL)
 	fail := func(status int, permanent bool, cause error, format string, args ...any) (int, error) {
@@ -171,10 +153,10 @@ func (c *Client) Send(ctx context.Context, req Request) (int, error) {
 		return status, &Error{Method: req.Method, URL: safeURL, Status: status, Permanent: permanent, msg: logging.RedactText(msg), cause: cause}
 	}
 	u, err := url.Parse(req.URL)
-	if err != nil || u.Host == "" {
-		return fail(0, true, ErrBadRequest, "the URL does not parse")
+	if err != nil || u.Host == "" || (u.Scheme != "http" && u.Scheme != "https") {
+		return fail(0, true, ErrBadRequest, "the URL is not an absolute http(s) URL")
 	}
-	if !c.allowed(u) {
+	if !c.allow.mayCall(u) {
 		return fail(0, true, ErrHostNotAllowed, "host %q is not in SPIEGEL_WEBHOOK_ALLOWED_HOSTS", u.Host)
 	}
 	full, password := req.URL, ""
@@ -185,6 +167,10 @@ func (c *Client) Send(ctx context.Context, req Request) (int, error) {
 		if fu, err := url.Parse(full); err == nil && fu.User != nil {
 			password, _ = fu.User.Password()
 		}
+	}
+	secrets, err := c.secrets()
+	if err != nil {
+		return fail(0, false, nil, "%v", err)
 	}
 	timeout := req.Timeout
 	if timeout <= 0 {
@@ -202,24 +188,20 @@ func (c *Client) Send(ctx context.Context, req Request) (int, error) {
 	if hreq.Header.Get("User-Agent") == "" {
 		hreq.Header.Set("User-Agent", "spiegel-nats")
 	}
-	if c.cfg.SignatureSecret != "" {
-		secret, ok := "", false
-		if c.cfg.Passwords != nil {
-			secret, ok = c.cfg.Passwords.Secret(c.cfg.SignatureSecret)
-		}
-		if !ok {
-			return fail(0, false, nil, "signature secret %q is not in the passwords file", c.cfg.SignatureSecret)
-		}
-		hreq.Header.Set(SignatureHeader, Sign([]byte(secret), req.Body))
-	}
+	s := &signer{secrets: secrets, ts: c.now().Unix(), delivery: req.delivery(), body: req.Body}
+	s.sign(hreq, req.Body)
 
+	hc := &http.Client{Transport: c.tr, CheckRedirect: c.redirectPolicy(req, s)}
 	start := time.Now()
-	resp, err := c.hc.Do(hreq)
+	resp, err := hc.Do(hreq)
 	took := time.Since(start)
 	if err != nil {
 		c.record(0, took)
 		var cause error
+		var refused *addressError
 		switch {
+		case errors.As(err, &refused):
+			return fail(0, true, ErrAddressNotAllowed, "%s", refused.Error())
 		case errors.Is(err, ErrHostNotAllowed):
 			return fail(0, true, ErrHostNotAllowed, "redirected to a host not in SPIEGEL_WEBHOOK_ALLOWED_HOSTS")
 		case ctx.Err() != nil:
@@ -239,10 +221,92 @@ func (c *Client) Send(ctx context.Context, req Request) (int, error) {
 	if resp.StatusCode >= 200 && resp.StatusCode < 300 {
 		return resp.StatusCode, nil
 	}
-	if resp.StatusCode >= 300 && resp.StatusCode < 400 && req.Method != http.MethodGet {
-		return fail(resp.StatusCode, false, nil, "%s (redirects are followed for GET only)", resp.Status)
+	if resp.StatusCode >= 300 && resp.StatusCode < 400 && !req.FollowRedirects {
+		return fail(resp.StatusCode, false, nil, "%s (redirects are followed only for rules with \"follow_redirects\": true)", resp.Status)
 	}
 	return fail(resp.StatusCode, false, nil, "%s", resp.Status)
+}
+
+// secrets returns the signature secrets' values, in the configured order.
+func (c *Client) secrets() ([][]byte, error) {
+	var out [][]byte
+	for _, name := range c.cfg.SignatureSecrets {
+		secret, ok := "", false
+		if c.cfg.Passwords != nil {
+			secret, ok = c.cfg.Passwords.Secret(name)
+		}
+		if !ok || secret == "" {
+			return nil, fmt.Errorf("signature secret %q is not in the passwords file", name)
+		}
+		out = append(out, []byte(secret))
+	}
+	return out, nil
+}
+
+// signer sets the timestamp, delivery and signature headers of one attempt and its redirects.
+type signer struct {
+	secrets  [][]byte
+	ts       int64
+	delivery string
+	body     []byte
+}
+
+// sign sets the headers of r, whose body is body, signing r's method and request target.
+func (s *signer) sign(r *http.Request, body []byte) {
+	r.Header.Set(TimestampHeader, strconv.FormatInt(s.ts, 10))
+	r.Header.Set(DeliveryHeader, s.delivery)
+	r.Header.Del(SignatureHeader)
+	if len(s.secrets) > 0 {
+		r.Header.Set(SignatureHeader, signature.Sign(s.secrets, s.ts, r.Method, r.URL.RequestURI(), s.delivery, body))
+	}
+}
+
+// redirectPolicy is the CheckRedirect of one attempt of req. Redirects are followed only when
+// the rule asks (req.FollowRedirects), at most maxRedirects, only to hosts the allow-list allows
+// (the address check applies to every connection anyway). Once the chain leaves the first
+// request's origin (scheme, host and port), the rule's headers, the URL's credentials, cookies
+// and the signature are dropped: only User-Agent, Content-Type, the timestamp and the delivery id
+// go on (a signature does not bind the host, so another host must not get one it could replay).
+// Within the origin the request is signed again for its new method and target.
+func (c *Client) redirectPolicy(req Request, s *signer) func(*http.Request, []*http.Request) error {
+	return func(next *http.Request, via []*http.Request) error {
+		if !req.FollowRedirects {
+			return http.ErrUseLastResponse
+		}
+		if len(via) > maxRedirects {
+			return fmt.Errorf("stopped after %d redirects", maxRedirects)
+		}
+		if !c.allow.mayCall(next.URL) {
+			return ErrHostNotAllowed
+		}
+		var body []byte
+		if next.Body != nil && next.Body != http.NoBody {
+			body = s.body // 307 and 308 send the body again; 301, 302 and 303 turn into a GET without one
+		}
+		left := !sameOrigin(via[0].URL, next.URL)
+		for _, r := range via[1:] {
+			left = left || !sameOrigin(via[0].URL, r.URL)
+		}
+		if !left {
+			next.Header.Del("Referer")
+			s.sign(next, body)
+			return nil
+		}
+		h := http.Header{}
+		h.Set("User-Agent", via[0].Header.Get("User-Agent"))
+		if ct := via[0].Header.Get("Content-Type"); ct != "" && body != nil {
+			h.Set("Content-Type", ct)
+		}
+		next.Header = h
+		next.URL.User = nil
+		(&signer{ts: s.ts, delivery: s.delivery}).sign(next, body)
+		return nil
+	}
+}
+
+// sameOrigin reports whether a and b have the same scheme, host and port.
+func sameOrigin(a, b *url.URL) bool {
+	return a.Scheme == b.Scheme && strings.EqualFold(a.Hostname(), b.Hostname()) && urlPort(a) == urlPort(b)
 }
 
 func (c *Client) record(status int, d time.Duration) {
@@ -258,12 +322,4 @@ func hide(s, password string) string {
 		s = strings.ReplaceAll(s, url.QueryEscape(password), "xxxxx")
 	}
 	return s
-}
-
-// Sign returns the X-Spiegel-Signature value of body: "sha256=" and the hex HMAC-SHA256 of body
-// keyed with secret. Receivers recompute it over the raw body they received.
-func Sign(secret, body []byte) string {
-	m := hmac.New(sha256.New, secret)
-	m.Write(body)
-	return "sha256=" + hex.EncodeToString(m.Sum(nil))
 }

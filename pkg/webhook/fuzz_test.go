@@ -3,7 +3,10 @@ package webhook
 import (
 	"bytes"
 	"encoding/json"
+	"errors"
+	"net/netip"
 	"net/url"
+	"strings"
 	"testing"
 
 	"github.com/spiegel-nats/spiegel/pkg/rules"
@@ -51,5 +54,40 @@ func FuzzBuild(f *testing.F) {
 			t.Fatalf("body is not JSON: %q", req.Body)
 		}
 		_ = req.Key()
+	})
+}
+
+// FuzzAddressCheck parses arbitrary allow-lists and checks arbitrary addresses: never a panic;
+// an IPv4 address and its IPv4-mapped IPv6 form are judged alike; without a list the check is
+// exactly "public or not"; a host the list names is allowed at any address.
+func FuzzAddressCheck(f *testing.F) {
+	f.Add("127.0.0.1,10.0.0.0/8,*.example", "hook.example", []byte{127, 0, 0, 1})
+	f.Add("", "x", []byte{169, 254, 169, 254})
+	f.Add("::1,[::1]:80,fd00::/8", "::1", []byte{0xfd, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1})
+	f.Add("h:80,/,::/0", "h", []byte{0x20, 0x02, 127, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1})
+	f.Fuzz(func(t *testing.T, list, host string, raw []byte) {
+		var ip netip.Addr
+		switch len(raw) {
+		case 4:
+			ip = netip.AddrFrom4([4]byte(raw))
+		case 16:
+			ip = netip.AddrFrom16([16]byte(raw))
+		default:
+			return
+		}
+		if ip.Is4() && nonPublic(ip) != nonPublic(netip.AddrFrom16(ip.As16())) {
+			t.Fatalf("%s and its mapped form judged differently", ip)
+		}
+		a := parseAllowList(strings.Split(list, ","))
+		err := a.policyFor(host, "80").check(ip)
+		if !a.set() && (err != nil) != (nonPublic(ip) != "") {
+			t.Fatalf("no list: %s refused=%v, non-public=%q", ip, err != nil, nonPublic(ip))
+		}
+		if a.named(host, "80") && err != nil {
+			t.Fatalf("named host %q refused at %s: %v", host, ip, err)
+		}
+		if err != nil && !errors.Is(err, ErrAddressNotAllowed) {
+			t.Fatalf("refusal does not match ErrAddressNotAllowed: %v", err)
+		}
 	})
 }

@@ -1,7 +1,9 @@
 // Package webhook sends the HTTP requests of on_change rules (SPEC §2.2, §2.3, §5.3). Build turns
 // a rule and the values of one change into a Request; a Client sends it with the password of the
-// URL's user injected at send time, an optional HMAC signature, the host allow-list, a timeout
-// and the redirect policy, and classifies the answer; Deliver retries it with the rule's backoff.
+// URL's user injected at send time, a timestamp, a delivery id and an optional HMAC signature
+// over the whole request (package signature), the host allow-list and the address check on
+// every connection (closed by default to non-public addresses), a timeout and the rule's redirect
+// policy, and classifies the answer; Deliver retries it with the rule's backoff.
 //
 // The package knows nothing about batches, checkpoints or NATS: the on_change consumer decides
 // what a failed or given-up request means for its checkpoint.
@@ -12,6 +14,9 @@
 package webhook
 
 import (
+	"crypto/sha256"
+	"encoding/binary"
+	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -37,6 +42,13 @@ type Request struct {
 	Header http.Header
 	// Timeout bounds each attempt; 0 means the Client's default.
 	Timeout time.Duration
+	// Delivery is the X-Spiegel-Delivery id, the same for every attempt. Build derives it from
+	// the rule, the db, the change (doc id and rev) and the request itself, so that a retry after
+	// a restart or a redelivered job has it too; "" means one derived from Key.
+	Delivery string
+	// FollowRedirects is the rule's "follow_redirects": a 3xx answer is followed (to allowed
+	// hosts only) instead of being a failure.
+	FollowRedirects bool
 }
 
 // ErrBadRequest marks a request that cannot be built or sent as written (its URL does not parse,
@@ -50,7 +62,7 @@ var ErrBadRequest = errors.New("webhook: bad request")
 // applies, so SPIEGEL_WEBHOOK_TIMEOUT is honoured for rules that name none). Errors wrap
 // ErrBadRequest.
 func Build(rule *rules.OnChange, vars rules.Vars) (Request, error) {
-	req := Request{Method: rule.Method, Header: http.Header{}}
+	req := Request{Method: rule.Method, Header: http.Header{}, FollowRedirects: rule.FollowRedirects}
 	if req.Method == "" {
 		req.Method = http.MethodGet
 	}
@@ -84,7 +96,31 @@ func Build(rule *rules.OnChange, vars rules.Vars) (Request, error) {
 		}
 	}
 	req.URL = u.String()
+	req.Delivery = deliveryID(rule.ID(), vars.DBName, vars.ChangeID, vars.ChangeRev, req.Key())
 	return req, nil
+}
+
+// deliveryID hashes its parts (length-prefixed, so that no two lists give the same input) into
+// 32 hex digits. The change's seq is left out on purpose: CouchDB 3 may list the same change
+// under another seq when a feed is read again from an earlier point.
+func deliveryID(parts ...string) string {
+	h := sha256.New()
+	h.Write([]byte("spiegel-delivery-v1"))
+	var n [8]byte
+	for _, p := range parts {
+		binary.BigEndian.PutUint64(n[:], uint64(len(p)))
+		h.Write(n[:])
+		h.Write([]byte(p))
+	}
+	return hex.EncodeToString(h.Sum(nil)[:16])
+}
+
+// delivery is r's delivery id: Delivery, or one derived from Key.
+func (r Request) delivery() string {
+	if r.Delivery != "" {
+		return r.Delivery
+	}
+	return deliveryID(r.Key())
 }
 
 // Key identifies the request for debouncing: identical method, final URL and body give the same

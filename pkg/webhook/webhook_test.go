@@ -3,6 +3,7 @@ package webhook
 import (
 	"context"
 	"encoding/json"
+	"fmt"
 	"io"
 	"net/http"
 	"net/http/httptest"
@@ -20,7 +21,12 @@ import (
 
 	"github.com/spiegel-nats/spiegel/pkg/passwords"
 	"github.com/spiegel-nats/spiegel/pkg/rules"
+	"github.com/spiegel-nats/spiegel/pkg/webhook/signature"
 )
+
+// loopback allows the tests' receivers (httptest servers on 127.0.0.1): the address check
+// refuses loopback addresses unless the allow-list names them.
+var loopback = []string{"127.0.0.1"}
 
 // mustRule parses an on_change rule doc.
 func mustRule(t testing.TB, doc map[string]any) *rules.OnChange {
@@ -151,22 +157,26 @@ func TestSendClassifiesAnswers(t *testing.T) {
 	cases := []struct {
 		method    string
 		status    int
+		follow    bool
 		ok        bool
 		wantPaths []string
 	}{
-		{"GET", 200, true, []string{"GET /x"}},
-		{"POST", 201, true, []string{"POST /x"}},
-		{"DELETE", 204, true, []string{"DELETE /x"}},
-		{"GET", 302, true, []string{"GET /x", "GET /final"}}, // followed: /final answers 200
-		{"POST", 302, false, []string{"POST /x"}},            // never followed
-		{"PUT", 307, false, []string{"PUT /x"}},
-		{"GET", 404, false, []string{"GET /x"}},
-		{"PATCH", 400, false, []string{"PATCH /x"}},
-		{"GET", 500, false, []string{"GET /x"}},
-		{"POST", 503, false, []string{"POST /x"}},
+		{"GET", 200, false, true, []string{"GET /x"}},
+		{"POST", 201, false, true, []string{"POST /x"}},
+		{"DELETE", 204, false, true, []string{"DELETE /x"}},
+		{"GET", 302, false, false, []string{"GET /x"}},               // not followed unless the rule says so
+		{"GET", 302, true, true, []string{"GET /x", "GET /final"}},   // followed: /final answers 200
+		{"POST", 302, false, false, []string{"POST /x"}},             // not followed
+		{"POST", 303, true, true, []string{"POST /x", "GET /final"}}, // followed as a GET
+		{"PUT", 307, false, false, []string{"PUT /x"}},               // not followed
+		{"PUT", 307, true, true, []string{"PUT /x", "PUT /final"}},   // followed with its body
+		{"GET", 404, false, false, []string{"GET /x"}},
+		{"PATCH", 400, false, false, []string{"PATCH /x"}},
+		{"GET", 500, false, false, []string{"GET /x"}},
+		{"POST", 503, false, false, []string{"POST /x"}},
 	}
 	for _, tc := range cases {
-		t.Run(tc.method+" "+http.StatusText(tc.status), func(t *testing.T) {
+		t.Run(fmt.Sprintf("%s %s follow=%v", tc.method, http.StatusText(tc.status), tc.follow), func(t *testing.T) {
 			t.Parallel()
 			s := newSink(t, func(_ int, r *http.Request) int {
 				if r.URL.Path == "/final" {
@@ -174,7 +184,7 @@ func TestSendClassifiesAnswers(t *testing.T) {
 				}
 				return tc.status
 			})
-			status, err := New(Config{}).Send(t.Context(), Request{Method: tc.method, URL: s.URL + "/x"})
+			status, err := New(Config{AllowedHosts: loopback}).Send(t.Context(), Request{Method: tc.method, URL: s.URL + "/x", Body: []byte("{}"), FollowRedirects: tc.follow})
 			assert.Equal(t, tc.wantPaths, s.paths())
 			if tc.ok {
 				assert.NoError(t, err)
@@ -191,31 +201,37 @@ func TestSendClassifiesAnswers(t *testing.T) {
 func TestSendPasswordsSignatureAllowList(t *testing.T) {
 	t.Parallel()
 	const secret = "s3cr3t-Pa55"
-	var gotUser, gotPass, gotSig string
+	var gotUser, gotPass string
+	var gotReq *http.Request
 	var gotBody []byte
 	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		gotUser, gotPass, _ = r.BasicAuth()
-		gotSig = r.Header.Get(SignatureHeader)
+		gotReq = r
 		gotBody, _ = io.ReadAll(r.Body)
 		w.WriteHeader(500)
 	}))
 	defer srv.Close()
 	u, _ := url.Parse(srv.URL)
 	file := filepath.Join(t.TempDir(), "pw.json")
-	require.NoError(t, os.WriteFile(file, []byte(`{"127.0.0.1": {"hook": "`+secret+`"}, "_secrets": {"hmac": "k"}}`), 0o600))
+	require.NoError(t, os.WriteFile(file, []byte(`{"127.0.0.1": {"hook": "`+secret+`"}, "_secrets": {"hmac": "k", "hmac_old": "k0"}}`), 0o600))
 	pw, err := passwords.Load(file)
 	require.NoError(t, err)
 
-	c := New(Config{Passwords: pw, SignatureSecret: "hmac", AllowedHosts: []string{"127.0.0.1"}})
+	c := New(Config{Passwords: pw, SignatureSecrets: []string{"hmac", "hmac_old"}, AllowedHosts: loopback})
 	body := []byte(`{"a":1}`)
-	hookURL := "http://hook@" + u.Host + "/x"
+	hookURL := "http://hook@" + u.Host + "/x?q=1"
 	_, err = c.Send(t.Context(), Request{Method: "POST", URL: hookURL, Body: body})
 	require.Error(t, err)
 	assert.Equal(t, "hook", gotUser)
 	assert.Equal(t, secret, gotPass)
-	assert.Equal(t, Sign([]byte("k"), body), gotSig)
 	assert.Equal(t, body, gotBody)
 	assert.NotContains(t, err.Error(), secret)
+	// Signed with both secrets while they rotate: a receiver knowing either one accepts.
+	assert.Len(t, strings.Split(gotReq.Header.Get(SignatureHeader), ","), 2)
+	for _, key := range []string{"k", "k0"} {
+		assert.NoError(t, signature.Verify(gotReq, gotBody, []byte(key)), "secret %s", key)
+	}
+	assert.ErrorIs(t, signature.Verify(gotReq, gotBody, []byte("other")), signature.ErrMismatch)
 
 	// A transport error (closed port) must not quote the injected URL either.
 	closed := httptest.NewServer(http.NotFoundHandler())
@@ -230,7 +246,7 @@ func TestSendPasswordsSignatureAllowList(t *testing.T) {
 	require.ErrorIs(t, err, ErrHostNotAllowed)
 	assert.True(t, IsPermanent(err))
 
-	unsigned := New(Config{SignatureSecret: "missing"})
+	unsigned := New(Config{SignatureSecrets: []string{"missing"}, AllowedHosts: loopback})
 	_, err = unsigned.Send(t.Context(), Request{Method: "GET", URL: srv.URL})
 	require.ErrorContains(t, err, "signature secret")
 }
@@ -242,8 +258,9 @@ func TestSendRedirectOutsideAllowList(t *testing.T) {
 		http.Redirect(w, r, strings.Replace(other.URL, "127.0.0.1", "localhost", 1)+"/y", http.StatusFound)
 	}))
 	defer s.Close()
-	_, err := New(Config{AllowedHosts: []string{"127.0.0.1"}}).Send(t.Context(), Request{Method: "GET", URL: s.URL})
+	_, err := New(Config{AllowedHosts: loopback}).Send(t.Context(), Request{Method: "GET", URL: s.URL, FollowRedirects: true})
 	require.ErrorIs(t, err, ErrHostNotAllowed)
+	assert.True(t, IsPermanent(err))
 	assert.Empty(t, other.paths(), "the redirect target was never called")
 }
 
@@ -259,7 +276,7 @@ func TestSendTimeout(t *testing.T) {
 	defer s.Close()
 	defer close(release)
 	start := time.Now()
-	_, err := New(Config{Timeout: time.Hour}).Send(t.Context(), Request{Method: "GET", URL: s.URL, Timeout: 100 * time.Millisecond})
+	_, err := New(Config{Timeout: time.Hour, AllowedHosts: loopback}).Send(t.Context(), Request{Method: "GET", URL: s.URL, Timeout: 100 * time.Millisecond})
 	require.ErrorIs(t, err, context.DeadlineExceeded)
 	assert.Less(t, time.Since(start), 10*time.Second)
 }
@@ -278,7 +295,7 @@ func TestDeliverRetries(t *testing.T) {
 		t.Parallel()
 		s := newSink(t, func(n int, _ *http.Request) int { return map[bool]int{true: 500, false: 200}[n <= 2] })
 		rec := &countingRecorder{}
-		out := New(Config{Metrics: rec}).Deliver(t.Context(), Request{Method: "GET", URL: s.URL}, Retry{Policy: fast})
+		out := New(Config{Metrics: rec, AllowedHosts: loopback}).Deliver(t.Context(), Request{Method: "GET", URL: s.URL}, Retry{Policy: fast})
 		require.NoError(t, out.Err)
 		assert.Equal(t, 3, out.Attempts)
 		assert.Equal(t, []int{500, 500, 200}, rec.statuses)
@@ -286,7 +303,7 @@ func TestDeliverRetries(t *testing.T) {
 	t.Run("limit reached after limit+1 attempts", func(t *testing.T) {
 		t.Parallel()
 		s := newSink(t, func(int, *http.Request) int { return 502 })
-		out := New(Config{}).Deliver(t.Context(), Request{Method: "GET", URL: s.URL}, Retry{Policy: fast})
+		out := New(Config{AllowedHosts: loopback}).Deliver(t.Context(), Request{Method: "GET", URL: s.URL}, Retry{Policy: fast})
 		assert.True(t, out.GaveUp)
 		assert.Equal(t, 4, out.Attempts)
 		assert.Equal(t, 502, out.Status)
@@ -295,7 +312,7 @@ func TestDeliverRetries(t *testing.T) {
 	t.Run("attempts of earlier runs count", func(t *testing.T) {
 		t.Parallel()
 		s := newSink(t, func(int, *http.Request) int { return 500 })
-		out := New(Config{}).Deliver(t.Context(), Request{Method: "GET", URL: s.URL}, Retry{Policy: fast, Done: 3})
+		out := New(Config{AllowedHosts: loopback}).Deliver(t.Context(), Request{Method: "GET", URL: s.URL}, Retry{Policy: fast, Done: 3})
 		assert.True(t, out.GaveUp)
 		assert.EqualValues(t, 1, s.n.Load())
 	})
@@ -303,7 +320,7 @@ func TestDeliverRetries(t *testing.T) {
 		t.Parallel()
 		s := newSink(t, func(int, *http.Request) int { return 500 })
 		slow := rules.RetryPolicy{Backoff: rules.BackoffExponential, BaseDelay: time.Hour, Multiplier: 2}
-		out := New(Config{}).Deliver(t.Context(), Request{Method: "GET", URL: s.URL}, Retry{Policy: slow, InlineMax: time.Second})
+		out := New(Config{AllowedHosts: loopback}).Deliver(t.Context(), Request{Method: "GET", URL: s.URL}, Retry{Policy: slow, InlineMax: time.Second})
 		assert.False(t, out.GaveUp)
 		assert.GreaterOrEqual(t, out.RetryIn, time.Hour)
 		assert.Equal(t, 1, out.Attempts)
@@ -320,7 +337,7 @@ func TestDeliverRetries(t *testing.T) {
 		ctx, cancel := context.WithTimeout(t.Context(), 50*time.Millisecond)
 		defer cancel()
 		forever := rules.RetryPolicy{Backoff: rules.BackoffLinear, BaseDelay: 10 * time.Millisecond}
-		out := New(Config{}).Deliver(ctx, Request{Method: "GET", URL: s.URL}, Retry{Policy: forever})
+		out := New(Config{AllowedHosts: loopback}).Deliver(ctx, Request{Method: "GET", URL: s.URL}, Retry{Policy: forever})
 		assert.False(t, out.GaveUp)
 		assert.Error(t, out.Err)
 		assert.Zero(t, out.RetryIn)
@@ -333,8 +350,7 @@ func TestDeliverRetries(t *testing.T) {
 func TestIdleConnectionsCoverParallelRequests(t *testing.T) {
 	for parallel, want := range map[int]int{0: 64, 10: 64, 200: 200} {
 		c := New(Config{MaxParallel: parallel})
-		tr, ok := c.hc.Transport.(*http.Transport)
-		require.True(t, ok)
+		tr := c.tr
 		assert.Equal(t, want, tr.MaxIdleConnsPerHost, "MaxParallel %d", parallel)
 		assert.GreaterOrEqual(t, tr.MaxIdleConns, want)
 	}

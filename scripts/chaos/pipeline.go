@@ -105,7 +105,8 @@ func (r *run) startPipeline(ctx context.Context) error {
 		return err
 	}
 	common := r.commonEnv()
-	consumer := []string{"SPIEGEL_PASSWORDS_FILE=" + r.sink.pwFile, "SPIEGEL_RETRY_INITIAL=200ms", "SPIEGEL_RETRY_MAX=3s"}
+	consumer := []string{"SPIEGEL_PASSWORDS_FILE=" + r.sink.pwFile, "SPIEGEL_RETRY_INITIAL=200ms", "SPIEGEL_RETRY_MAX=3s",
+		"SPIEGEL_WEBHOOK_ALLOWED_HOSTS=127.0.0.1"} // the sink listens on loopback, refused by default
 	for i, name := range procNames {
 		addr := fmt.Sprintf("127.0.0.1:%d", ports[i])
 		env := append(append([]string(nil), common...), "SPIEGEL_HTTP_ADDR="+addr)

@@ -32,7 +32,8 @@ func repoRoot(t testing.TB, bins ...string) string {
 	return root
 }
 
-// baseEnv is the test's environment without any SPIEGEL_ variable, plus extra.
+// baseEnv is the test's environment without any SPIEGEL_ variable, plus the allow-list of the
+// tests' webhook receivers (httptest servers on 127.0.0.1, refused by default), plus extra.
 func baseEnv(extra ...string) []string {
 	var env []string
 	for _, kv := range os.Environ() {
@@ -40,6 +41,7 @@ func baseEnv(extra ...string) []string {
 			env = append(env, kv)
 		}
 	}
+	env = append(env, "SPIEGEL_WEBHOOK_ALLOWED_HOSTS=127.0.0.1")
 	return append(env, extra...)
 }
 

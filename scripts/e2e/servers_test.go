@@ -2,9 +2,7 @@ package e2e
 
 import (
 	"bytes"
-	"crypto/hmac"
 	"crypto/sha256"
-	"encoding/hex"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -17,6 +15,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/spiegel-nats/spiegel/pkg/webhook/signature"
 )
 
 // authProxy is a reverse proxy in front of the test CouchDB that answers 401 unless the request
@@ -147,8 +147,11 @@ func hostPort(s *httptest.Server) string {
 
 // hookCall is one request the webhook sink received.
 type hookCall struct {
-	Path, User, Password, Signature string
-	Body                            []byte
+	Path, User, Password string
+	Method, Target       string      // as received: what the signature covers
+	Header               http.Header // as received
+	At                   time.Time   // when it was received
+	Body                 []byte
 }
 
 // hookSink is the webhook receiver: it answers 200 to requests with Basic auth user and one of
@@ -169,7 +172,7 @@ func newHookSink(t testing.TB, user string, passwords ...string) *hookSink {
 		s.accepted[p] = true
 	}
 	s.Server = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		c := hookCall{Path: r.URL.Path, Signature: r.Header.Get("X-Spiegel-Signature")}
+		c := hookCall{Path: r.URL.Path, Method: r.Method, Target: r.RequestURI, Header: r.Header.Clone(), At: time.Now()}
 		c.User, c.Password, _ = r.BasicAuth()
 		c.Body, _ = io.ReadAll(r.Body)
 		s.mu.Lock()
@@ -200,12 +203,12 @@ func (s *hookSink) all() []hookCall {
 	return append([]hookCall(nil), s.calls...)
 }
 
-// signedWith reports whether c carries the X-Spiegel-Signature of its body under key.
+// signedWith reports whether c carries a valid X-Spiegel-Signature under key, as a receiver
+// checks it when the call arrives (package signature: timestamp within 5 minutes, method,
+// target, delivery id, body).
 func (c hookCall) signedWith(key string) bool {
-	m := hmac.New(sha256.New, []byte(key))
-	m.Write(c.Body)
-	want := "sha256=" + hex.EncodeToString(m.Sum(nil))
-	return hmac.Equal([]byte(want), []byte(c.Signature))
+	v := signature.Verifier{Secrets: [][]byte{[]byte(key)}, Now: func() time.Time { return c.At }}
+	return v.VerifyParts(c.Method, c.Target, c.Header, c.Body) == nil
 }
 
 // bodyHas reports whether the call's body contains s.
