@@ -17,6 +17,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/spiegel-nats/spiegel/pkg/couchtest"
+	"github.com/spiegel-nats/spiegel/pkg/healthtest"
 	"github.com/spiegel-nats/spiegel/pkg/natstest"
 	"github.com/spiegel-nats/spiegel/scripts/benchreport/benchdata"
 )
@@ -72,6 +73,7 @@ func BenchmarkWorkload(b *testing.B) {
 		b.ReportMetric(hot.perDoc(hot.total()), "req/doc")
 		b.ReportMetric(hot.perDoc(hot.spiegelWrites()), "spiegel-writes/doc")
 		b.ReportMetric(hot.idleRate(), "idle-req/s")
+		b.ReportMetric(hot.perDoc(int(hot.hotFeedsOpened)), "hot-feeds/doc")
 		for _, base := range []string{"nohot", "couchdb", "replicator"} {
 			if r, ok := byKey[base]; ok && len(r.repl) > 0 {
 				b.ReportMetric(ms(benchdata.Percentile(hot.repl, 0.99))/ms(benchdata.Percentile(r.repl, 0.99)), "repl-p99-vs-"+base)
@@ -181,6 +183,7 @@ type workloadResult struct {
 	writes                  []benchdata.Write
 	samples                 []benchdata.Sample
 	baselineConnsUnmeasured bool
+	hotFeedsOpened          float64 // by the producer while the writer ran and until every doc arrived (-1: unknown)
 }
 
 func (r workloadResult) total() int {
@@ -228,9 +231,10 @@ func (r workloadResult) idleRate() float64 {
 
 func (r workloadResult) summary() string {
 	return fmt.Sprintf("written %d, replication p50/p99 %.0f/%.0f ms (lost %d), webhook p50/p99 %.0f/%.0f ms (lost %d), %.1f requests/doc, "+
-		"connections max %v, open when idle %v",
+		"connections max %v, open when idle %v, hot feeds opened per written doc %.3f",
 		r.written, ms(benchdata.Percentile(r.repl, 0.5)), ms(benchdata.Percentile(r.repl, 0.99)), r.lostRepl,
-		ms(benchdata.Percentile(r.hook, 0.5)), ms(benchdata.Percentile(r.hook, 0.99)), r.lostHook, r.perDoc(r.total()), r.maxConns, r.idleConns)
+		ms(benchdata.Percentile(r.hook, 0.5)), ms(benchdata.Percentile(r.hook, 0.99)), r.lostHook, r.perDoc(r.total()), r.maxConns, r.idleConns,
+		r.perDoc(int(r.hotFeedsOpened)))
 }
 
 // runWorkload installs a fresh pipeline (or _replicator jobs), loads the dbs, waits for the
@@ -310,6 +314,7 @@ func runWorkload(b *testing.B, root string, cs *couchtest.Server, up *couchtest.
 	// Let the initial sync's last jobs and checkpoints settle before counting.
 	time.Sleep(2 * time.Second)
 	before := snapshotAll(proxies, true)
+	feedsBefore := hotFeedsOpened(b, procs)
 
 	written := map[string]time.Time{}
 	rng := rand.New(rand.NewPCG(1, 2))
@@ -341,6 +346,10 @@ func runWorkload(b *testing.B, root string, cs *couchtest.Server, up *couchtest.
 		time.Sleep(50 * time.Millisecond)
 	}
 	after := snapshotAll(proxies, false)
+	res.hotFeedsOpened = -1
+	if feedsBefore >= 0 {
+		res.hotFeedsOpened = hotFeedsOpened(b, procs) - feedsBefore
+	}
 	a, h := arrived.snapshot(), sink.snapshot()
 	for id, at := range written {
 		rec := benchdata.Write{AtS: at.Sub(started).Seconds(), ReplMS: -1, HookMS: -1}
@@ -384,6 +393,16 @@ func runWorkload(b *testing.B, root string, cs *couchtest.Server, up *couchtest.
 		stopReplicatorJobs(b, cs, users)
 	}
 	return res
+}
+
+// hotFeedsOpened returns the producer's spiegel_hot_feeds_opened_total (-1 without a producer).
+func hotFeedsOpened(b testing.TB, procs []*proc) float64 {
+	for _, p := range procs {
+		if p.name == "producer" {
+			return healthtest.Scrape(b, p.addr).Get("spiegel_hot_feeds_opened_total")
+		}
+	}
+	return -1
 }
 
 // loadAvg returns the first three fields of /proc/loadavg ("" when unreadable).
