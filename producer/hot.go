@@ -17,9 +17,9 @@ import (
 // (CouchDB batches _db_updates: [global_changes] max_write_delay).
 //
 // A feed must earn its connection. It costs one connection to CouchDB and a listener there that
-// holds the db's shards open, so a db gets one only when its writes show it busy: a db-updates
-// event of the db comes within idle of its previous one (Seen), and fewer than max feeds are
-// open. At the limit no feed is closed to make room — among equally busy dbs that would only
+// holds the db's shards open, so a db gets one only when its writes show it busy: hotEvents
+// db-updates events of the db in a row, each within idle of the one before (Seen), and fewer
+// than max feeds are open. At the limit no feed is closed to make room — among equally busy dbs that would only
 // make feeds churn, each churn a request — the busy db stays on the db-updates path. A feed
 // closes once it has delivered no change for idle, the same span that earned it: it no longer
 // pays. A db written once, or now and then, never opens one.
@@ -52,12 +52,28 @@ type hotFeeds struct {
 
 	now func() time.Time // time.Now; tests move it
 
-	mu     sync.Mutex
-	ctx    context.Context // Run's; feeds end with it
-	feeds  map[string]*hotFeed
-	recent map[string]time.Time // db → its last db-updates event within idle, while it has no feed
+	mu    sync.Mutex
+	ctx   context.Context // Run's; feeds end with it
+	feeds map[string]*hotFeed
+	// events is how many db-updates events in a row, each within idle of the one before, earn a
+	// db its feed (hotEvents)
+	events int
+	recent map[string]streak    // db → its latest events, while it has no feed
 	failed map[string]time.Time // db → when it may be opened again
 	wg     sync.WaitGroup
+}
+
+// hotEvents is how many db-updates events of a db in a row, each within SPIEGEL_HOT_FEED_IDLE of
+// the one before, earn it a feed. On bench-e2e's workload (10 % of N dbs written, 10 docs/s;
+// BenchmarkHotFeedsEarned, 20 s) two open a feed for one write in 8 at N = 10,000, all 32 open,
+// each serving a ninth of a write; three open one for one write in 75, 9 at most open, and still
+// give each busy db of N = 200 its feed (94 % of writes on the fast path).
+const hotEvents = 3
+
+// streak is a db's latest db-updates events, each within idle of the one before.
+type streak struct {
+	last time.Time
+	n    int
 }
 
 // dbChanges is what hot feeds read of CouchDB (*couch.Client).
@@ -106,7 +122,7 @@ const (
 func newHotFeeds(c dbChanges, pub *publisher, groups func(string) []events.Group, max int, idle, heartbeat time.Duration,
 	m producerMetrics, log logrus.FieldLogger) *hotFeeds {
 	return &hotFeeds{couch: c, pub: pub, groups: groups, max: max, idle: idle, heartbeat: heartbeat, retryAfter: time.Minute,
-		metrics: m, log: log, now: time.Now, feeds: map[string]*hotFeed{}, recent: map[string]time.Time{}, failed: map[string]time.Time{}}
+		metrics: m, log: log, now: time.Now, feeds: map[string]*hotFeed{}, events: hotEvents, recent: map[string]streak{}, failed: map[string]time.Time{}}
 }
 
 // Run closes idle feeds until ctx ends, then closes every feed and waits for them.
@@ -142,8 +158,8 @@ func (h *hotFeeds) tidy() {
 			h.closeLocked(f, closeIdle)
 		}
 	}
-	for db, at := range h.recent {
-		if now.Sub(at) > h.idle {
+	for db, st := range h.recent {
+		if now.Sub(st.last) > h.idle {
 			delete(h.recent, db)
 		}
 	}
@@ -183,8 +199,8 @@ func (h *hotFeeds) Cover(db string) *Hold {
 }
 
 // Seen notes a db-updates event of db, which rules match, whose jobs were enqueued; it opens a
-// feed on db when the event came within h.idle of the db's previous one, unless one is open,
-// max are open, the db's feed failed lately, or Run is not running.
+// feed on db when the event is the db's h.events-th in a row each within h.idle of the one
+// before, unless one is open, max are open, the db's feed failed lately, or Run is not running.
 func (h *hotFeeds) Seen(db string) {
 	if h == nil || h.max <= 0 {
 		return
@@ -198,9 +214,14 @@ func (h *hotFeeds) Seen(db string) {
 	if _, ok := h.feeds[db]; ok {
 		return
 	}
-	prev, ok := h.recent[db]
-	h.recent[db] = now
-	if !ok || now.Sub(prev) > h.idle {
+	st, ok := h.recent[db]
+	if !ok || now.Sub(st.last) > h.idle {
+		st.n = 0
+	}
+	st.n++
+	st.last = now
+	h.recent[db] = st
+	if st.n < h.events {
 		return
 	}
 	if until, ok := h.failed[db]; ok && now.Before(until) {

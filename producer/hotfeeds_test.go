@@ -136,11 +136,12 @@ func (r *hotRig) stopAll(t *testing.T) {
 	r.pub.Wait()
 }
 
-// openFeed makes db busy (two db-updates events) and waits for its feed to connect.
+// openFeed makes db busy (hotEvents db-updates events) and waits for its feed to connect.
 func (r *hotRig) openFeed(t *testing.T, db string) {
 	t.Helper()
-	r.hot.Seen(db)
-	r.hot.Seen(db)
+	for range hotEvents {
+		r.hot.Seen(db)
+	}
 	select {
 	case got := <-r.couch.opened:
 		require.Equal(t, db, got)
@@ -190,22 +191,26 @@ func (r *hotRig) closed(why, then string) float64 {
 	return testutil.ToFloat64(r.m.HotFeedsClosed.WithLabelValues(why, then))
 }
 
-// A db earns a feed by a second db-updates event within the idle time; one event, or the events
-// of other dbs, open none; at the limit a busy db is refused rather than an open feed closed.
+// A db earns a feed by hotEvents db-updates events in a row within the idle time; fewer, or the
+// events of other dbs, open none; at the limit a busy db is refused rather than an open feed
+// closed.
 func TestHotFeedOpensOnlyForBusyDBs(t *testing.T) {
 	t.Parallel()
 	r := newHotRig(t, 1, time.Minute)
-	for _, db := range []string{"a", "b", "c"} {
-		r.hot.Seen(db)
+	for range hotEvents - 1 {
+		for _, db := range []string{"a", "b", "c"} {
+			r.hot.Seen(db)
+		}
 	}
-	assert.Zero(t, r.hot.Count(), "one event each opens no feed")
+	assert.Zero(t, r.hot.Count(), "fewer events than hotEvents open no feed")
 	assert.Zero(t, testutil.ToFloat64(r.m.HotFeedsOpened))
 
-	r.openFeed(t, "b")
-	assert.Equal(t, 1, r.hot.Count())
+	r.hot.Seen("b")
+	require.Eventually(t, func() bool { return r.hot.Count() == 1 }, 10*time.Second, time.Millisecond)
+	assert.Equal(t, "b", <-r.couch.opened)
 	assert.Equal(t, 1.0, testutil.ToFloat64(r.m.HotFeedsOpened))
 
-	r.hot.Seen("c") // c's second event: busy, but the one feed allowed is b's
+	r.hot.Seen("c") // busy, but the one feed allowed is b's
 	assert.Equal(t, 1, r.hot.Count())
 	assert.Equal(t, 1.0, testutil.ToFloat64(r.m.HotFeedsRefused))
 	assert.Equal(t, 1.0, testutil.ToFloat64(r.m.HotFeedsOpened))
@@ -215,7 +220,8 @@ func TestHotFeedOpensOnlyForBusyDBs(t *testing.T) {
 	assert.True(t, open, "the open feed is kept")
 }
 
-// A db whose events come further apart than the idle time never earns a feed.
+// A db whose events come further apart than the idle time never earns a feed; the same events
+// close together do.
 func TestHotFeedNotForEventsApart(t *testing.T) {
 	t.Parallel()
 	r := newHotRig(t, 4, time.Minute)
@@ -224,13 +230,21 @@ func TestHotFeedNotForEventsApart(t *testing.T) {
 	r.hot.mu.Lock()
 	r.hot.now = func() time.Time { mu.Lock(); defer mu.Unlock(); return now }
 	r.hot.mu.Unlock()
-	r.hot.Seen("slow")
-	mu.Lock()
-	now = now.Add(time.Minute + time.Second) // the events of a db written now and then
-	mu.Unlock()
-	r.hot.Seen("slow")
+	for i := range 2 * hotEvents {
+		if i > 0 {
+			mu.Lock()
+			now = now.Add(time.Minute + time.Second) // the events of a db written now and then
+			mu.Unlock()
+		}
+		r.hot.Seen("slow")
+	}
+	for range hotEvents - 2 {
+		r.hot.Seen("slow")
+	}
 	assert.Zero(t, r.hot.Count())
-	assert.Zero(t, testutil.ToFloat64(r.m.HotFeedsOpened))
+	r.hot.Seen("slow") // the last of hotEvents within the idle time
+	require.Eventually(t, func() bool { return r.hot.Count() == 1 }, 10*time.Second, time.Millisecond)
+	assert.Equal(t, 1.0, testutil.ToFloat64(r.m.HotFeedsOpened))
 }
 
 // The saved position stays before an event a hot feed passed over until a job published after

@@ -23,7 +23,11 @@ func NewCacheDropper(ctx context.Context, js jetstream.JetStream, kv jetstream.K
 	if err != nil {
 		return nil, fmt.Errorf("open the stream of key-value bucket %s: %w", kv.Bucket(), err)
 	}
-	return &CacheDropper{stream: s, subject: "$KV." + kv.Bucket() + "."}, nil
+	subject := "$KV." + kv.Bucket() + "."
+	if subs := s.CachedInfo().Config.Subjects; len(subs) == 1 && strings.HasSuffix(subs[0], ".>") {
+		subject = strings.TrimSuffix(subs[0], ">") // the stream's own key subjects
+	}
+	return &CacheDropper{stream: s, subject: subject}, nil
 }
 
 // DropDB drops the cached checkpoints of every rule in db with one request. The next Load of
