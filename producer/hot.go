@@ -19,16 +19,20 @@ import (
 // A feed must earn its connection. It costs one connection to CouchDB and a listener there that
 // holds the db's shards open, so a db gets one only when its writes show it busy: hotEvents
 // db-updates events of the db in a row, each within idle of the one before (Seen), and fewer
-// than max feeds are open. At the limit no feed is closed to make room — among equally busy dbs that would only
-// make feeds churn, each churn a request — the busy db stays on the db-updates path. A feed
-// closes once it has delivered no change for idle, the same span that earned it: it no longer
-// pays. A db written once, or now and then, never opens one.
+// than max feeds are open. At the limit no feed is closed to make room — among equally busy dbs
+// that would only make feeds churn, each churn a request — the busy db stays on the db-updates
+// path. A feed closes once it has delivered no change for idle, the same span that earned it: it
+// no longer pays. A db written once, or now and then, never opens one.
+//
+// A producer catching up on a backlog reads old events in a burst, so a db busy in the past may
+// earn a feed then: at most max of them, each closed after idle without costing more than its
+// open (nothing was passed over).
 //
 // Once a feed has delivered a change and that change's jobs are settled, the feed "covers" its
 // db: every later db-updates event of the db is redundant and is passed over (Cover,
 // publisher.Covered), which keeps a hot db at one run per change. The saved position stays
 // before each passed-over event until a job that stands for the event's change is settled —
-// acknowledged by JetStream (publisher.Hold), never by a clock:
+// acknowledged by JetStream (Hold), never by a clock:
 //   - a job of the db published after the event was read stands for it: the change was made
 //     before the event, the job reads the db after; the feed's next publish releases the hold;
 //   - when the feed closes with holds left, one _changes request after the last seq it delivered
@@ -113,7 +117,7 @@ const (
 
 // What closing a feed cost (the then label of spiegel_hot_feeds_closed_total).
 const (
-	closeThenNone      = "none"      // no event was passed over since the last publish
+	closeThenNone      = "none"      // nothing passed over since the last publish, or no job wanted (db deleted, no rule)
 	closeThenChecked   = "checked"   // one _changes request: the feed had delivered everything
 	closeThenPublished = "published" // the db's jobs were published once more
 	closeThenHeld      = "held"      // stopping: the saved position stays before the events
