@@ -46,7 +46,8 @@ import (
 // batches writes for 500 ms like CouchDB 3's default max_write_delay. Tunables: BENCH_DBS (100),
 // BENCH_RATE (10), BENCH_DURATION (20s), BENCH_IDLE (15s), BENCH_SYNC_LIMIT (5m: how long the
 // baseline may take for its initial sync before the writer starts anyway), BENCH_SERVER_PID (the
-// server's process on this machine, sampled from /proc like the pipeline's). BENCH_REPORT_DIR gets
+// server's process on this machine, sampled from /proc like the pipeline's), BENCH_BIN_DIR (the
+// pipeline's binaries from another build, to compare; bin/ by default). BENCH_REPORT_DIR gets
 // workload.md and, per setup, the run's record (scripts/benchreport/benchdata) for the
 // end-to-end report (make bench-e2e).
 func BenchmarkWorkload(b *testing.B) {
@@ -419,7 +420,8 @@ func loadAvg() string {
 // counting proxy in front of up, with rules for the workload.
 func startPipeline(b *testing.B, root string, up *couchtest.UpdatesProxy, prefix, target, hookURL string, vars []string) ([]*proc, map[string]*countingProxy, *natstest.Server) {
 	b.Helper()
-	bin := func(name string) string { return filepath.Join(root, "bin", name) }
+	binDir := cmp.Or(os.Getenv("BENCH_BIN_DIR"), filepath.Join(root, "bin")) // another build's binaries, to compare
+	bin := func(name string) string { return filepath.Join(binDir, name) }
 	ns := natstest.Start(b)
 	spiegelDB := prefix + "spiegel"
 	up.Server().Cleanup(b, spiegelDB)
