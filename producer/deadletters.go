@@ -96,12 +96,15 @@ func runDeadLetters(ctx context.Context, cfg *config.Producer, log *logrus.Logge
 	if err != nil {
 		return fmt.Errorf("open the dead-letter stream %s: %w", d.topo.Subjects.DeadLetterStream(), err)
 	}
-	recs, total, err := readDeadLetters(ctx, stream, d.topo.Subjects, f)
-	if err != nil {
-		return err
-	}
 	if sub == "list" {
-		return printDeadLetters(cio, recs, total, *asJSON)
+		return listDeadLetters(ctx, cio, stream, d.topo.Subjects, f, *asJSON)
+	}
+	var recs []deadLetter
+	if err := eachDeadLetter(ctx, stream, d.topo.Subjects, f, func(r deadLetter) bool {
+		recs = append(recs, r)
+		return f.limit == 0 || len(recs) < f.limit
+	}); err != nil {
+		return err
 	}
 	if len(recs) == 0 {
 		return errors.New("no dead letter matches the filters: nothing to " + sub)
@@ -149,95 +152,187 @@ func parseAge(s string) (time.Duration, error) {
 	return age, nil
 }
 
-// readDeadLetters reads the records that f selects, newest first, through a short-lived
-// consumer (filtered on the group's subjects, starting at --since), and counts how many matched
-// before f.limit cut the list.
-func readDeadLetters(ctx context.Context, stream jetstream.Stream, subjects events.Subjects, f dlFilter) ([]deadLetter, int, error) {
-	cc := jetstream.ConsumerConfig{
-		FilterSubject: subjects.DeadLetterAll(), AckPolicy: jetstream.AckNonePolicy,
-		InactiveThreshold: time.Minute, MemoryStorage: true,
-	}
-	if f.group != "" {
-		cc.FilterSubject = strings.TrimSuffix(subjects.DeadLetterAll(), ">") + string(f.group) + ".>"
-	}
-	if f.since > 0 {
-		start := time.Now().Add(-f.since)
-		cc.DeliverPolicy, cc.OptStartTime = jetstream.DeliverByStartTimePolicy, &start
-	}
-	c, err := stream.CreateConsumer(ctx, cc)
+// dlSpan is how many stream sequences one read of eachDeadLetter covers: what it holds in memory
+// at most, whatever the size of the stream.
+const dlSpan = 1000
+
+// eachDeadLetter calls fn with each record f selects (f.limit aside), newest first, until fn
+// returns false. It reads the stream backwards, one span of dlSpan sequences at a time through a
+// short-lived consumer (filtered on the group's subjects), so that memory holds one span, and a
+// full page or a record older than f.since ends the reading early.
+func eachDeadLetter(ctx context.Context, stream jetstream.Stream, subjects events.Subjects, f dlFilter, fn func(deadLetter) bool) error {
+	info, err := stream.Info(ctx)
 	if err != nil {
-		return nil, 0, fmt.Errorf("read dead letters: %w", err)
+		return fmt.Errorf("read dead letters: %w", err)
+	}
+	st := info.State
+	if st.Msgs == 0 {
+		return nil
+	}
+	end := st.LastSeq + 1
+	if f.before > 0 && f.before < end {
+		end = f.before
+	}
+	var oldest time.Time
+	if f.since > 0 {
+		oldest = time.Now().Add(-f.since)
+	}
+	filter := subjects.DeadLetterAll()
+	if f.group != "" {
+		filter = strings.TrimSuffix(subjects.DeadLetterAll(), ">") + string(f.group) + ".>"
+	}
+	for end > st.FirstSeq {
+		start := st.FirstSeq
+		if end-st.FirstSeq > dlSpan {
+			start = end - dlSpan
+		}
+		recs, older, err := readSpan(ctx, stream, filter, start, end, oldest)
+		if err != nil {
+			return err
+		}
+		for _, r := range slices.Backward(recs) {
+			if f.match(r) && !fn(r) {
+				return nil
+			}
+		}
+		if older {
+			return nil
+		}
+		end = start
+	}
+	return nil
+}
+
+// readSpan reads the records on filter with sequences in [start, end), oldest first, leaving out
+// those older than oldest (older then reports that there were some).
+func readSpan(ctx context.Context, stream jetstream.Stream, filter string, start, end uint64, oldest time.Time) (recs []deadLetter, older bool, err error) {
+	c, err := stream.CreateConsumer(ctx, jetstream.ConsumerConfig{
+		FilterSubject: filter, AckPolicy: jetstream.AckNonePolicy, InactiveThreshold: time.Minute, MemoryStorage: true,
+		DeliverPolicy: jetstream.DeliverByStartSequencePolicy, OptStartSeq: start,
+	})
+	if err != nil {
+		return nil, false, fmt.Errorf("read dead letters: %w", err)
 	}
 	defer func() { _ = stream.DeleteConsumer(context.WithoutCancel(ctx), c.CachedInfo().Name) }()
-	left := c.CachedInfo().NumPending
-	var out []deadLetter
+	left := c.CachedInfo().NumPending // from start to the end of the stream
 	for left > 0 {
-		batch, err := c.Fetch(int(min(left, 1000)), jetstream.FetchMaxWait(5*time.Second))
+		batch, err := c.Fetch(int(min(left, dlSpan)), jetstream.FetchMaxWait(5*time.Second))
 		if err != nil {
-			return nil, 0, fmt.Errorf("read dead letters: %w", err)
+			return nil, false, fmt.Errorf("read dead letters: %w", err)
 		}
 		n := 0
 		for m := range batch.Messages() {
 			n++
 			meta, err := m.Metadata()
 			if err != nil {
-				return nil, 0, fmt.Errorf("read dead letters: %w", err)
+				return nil, false, fmt.Errorf("read dead letters: %w", err)
+			}
+			if meta.Sequence.Stream >= end {
+				left = 0
+				continue
+			}
+			if meta.Timestamp.Before(oldest) {
+				older = true
+				continue
 			}
 			r := deadLetter{ID: meta.Sequence.Stream}
 			if err := json.Unmarshal(m.Data(), &r.DeadLetter); err != nil {
 				r.Error = fmt.Sprintf("unreadable record on %s: %v", m.Subject(), err)
 			}
-			if f.match(r) {
-				out = append(out, r)
-			}
+			recs = append(recs, r)
 		}
 		if err := batch.Error(); err != nil && !errors.Is(err, jetstream.ErrNoMessages) {
-			return nil, 0, fmt.Errorf("read dead letters: %w", err)
+			return nil, false, fmt.Errorf("read dead letters: %w", err)
 		}
 		if n == 0 {
-			return nil, 0, fmt.Errorf("read dead letters: %d records announced but none came", left)
+			return nil, false, fmt.Errorf("read dead letters: %d records announced but none came", left)
 		}
-		left -= uint64(min(n, int(left)))
+		left -= min(uint64(n), left)
 	}
-	slices.Reverse(out)
-	total := len(out)
-	if f.limit > 0 && len(out) > f.limit {
-		out = out[:f.limit]
-	}
-	return out, total, nil
+	return recs, older, nil
 }
 
-// printDeadLetters prints recs as a table (or JSON), saying how to see the next page.
-func printDeadLetters(cio cmdIO, recs []deadLetter, total int, asJSON bool) error {
-	if asJSON {
-		if recs == nil {
-			recs = []deadLetter{}
-		}
-		enc := json.NewEncoder(cio.stdout)
-		enc.SetIndent("", "  ")
-		return enc.Encode(recs)
-	}
-	if len(recs) == 0 {
-		fmt.Fprintln(cio.stderr, "no dead letter matches the filters")
-		return nil
-	}
+// listDeadLetters prints the records f selects, newest first, as a table (or JSON) while it
+// reads them, at most f.limit (0: all), and says how to see the next page. What it holds in
+// memory is bounded by a span and a block of rows, whatever the number of records.
+func listDeadLetters(ctx context.Context, cio cmdIO, stream jetstream.Stream, subjects events.Subjects, f dlFilter, asJSON bool) error {
+	var (
+		n, block int
+		last     uint64
+		more     bool
+		werr     error
+	)
 	tw := tabwriter.NewWriter(cio.stdout, 0, 4, 2, ' ', 0)
-	fmt.Fprintln(tw, "ID\tTIME (UTC)\tGROUP\tRULE\tDB\tSEQ\tDOC\tSTATUS\tATTEMPTS\tERROR")
-	for _, r := range recs {
-		status := "-"
-		if r.Status != 0 {
-			status = strconv.Itoa(r.Status)
+	if asJSON {
+		_, werr = io.WriteString(cio.stdout, "[")
+	}
+	err := eachDeadLetter(ctx, stream, subjects, f, func(r deadLetter) bool {
+		if f.limit > 0 && n == f.limit {
+			more = true
+			return false
 		}
-		fmt.Fprintf(tw, "%d\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%d\t%s\n", r.ID, r.At.UTC().Format("2006-01-02 15:04:05"),
-			r.Group, dash(r.Rule), r.DB, dash(shorten(r.Seq, 16)), dash(shorten(r.DocID, 24)), status, r.Attempts, shorten(r.Error, 72))
+		if asJSON {
+			sep := ",\n  "
+			if n == 0 {
+				sep = "\n  "
+			}
+			b, _ := json.Marshal(r)
+			if _, err := io.WriteString(cio.stdout, sep+string(b)); err != nil {
+				werr = err
+				return false
+			}
+		} else {
+			if n == 0 {
+				fmt.Fprintln(tw, "ID\tTIME (UTC)\tGROUP\tRULE\tDB\tSEQ\tDOC\tSTATUS\tATTEMPTS\tERROR")
+			}
+			printDeadLetter(tw, r)
+			// Rows are aligned within blocks, so that memory holds one block.
+			if block++; block == dlSpan {
+				block = 0
+				if err := tw.Flush(); err != nil {
+					werr = err
+					return false
+				}
+			}
+		}
+		n++
+		last = r.ID
+		return true
+	})
+	if err != nil {
+		return err
+	}
+	if werr != nil {
+		return werr
+	}
+	if asJSON {
+		end := "]\n"
+		if n > 0 {
+			end = "\n]\n"
+		}
+		_, err := io.WriteString(cio.stdout, end)
+		return err
 	}
 	if err := tw.Flush(); err != nil {
 		return err
 	}
-	if len(recs) < total {
-		fmt.Fprintf(cio.stderr, "%d of %d records (newest first); next page: --before %d, all: --limit 0\n", len(recs), total, recs[len(recs)-1].ID)
+	switch {
+	case n == 0:
+		fmt.Fprintln(cio.stderr, "no dead letter matches the filters")
+	case more:
+		fmt.Fprintf(cio.stderr, "%d records (newest first); next page: --before %d, all: --limit 0\n", n, last)
 	}
 	return nil
+}
+
+// printDeadLetter prints one row of the table.
+func printDeadLetter(w io.Writer, r deadLetter) {
+	status := "-"
+	if r.Status != 0 {
+		status = strconv.Itoa(r.Status)
+	}
+	fmt.Fprintf(w, "%d\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%d\t%s\n", r.ID, r.At.UTC().Format("2006-01-02 15:04:05"),
+		r.Group, dash(r.Rule), r.DB, dash(shorten(r.Seq, 16)), dash(shorten(r.DocID, 24)), status, r.Attempts, shorten(r.Error, 72))
 }
 
 func dash(s string) string {

@@ -1,10 +1,13 @@
 package main
 
 import (
+	"encoding/json"
+	"fmt"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/nats-io/nats.go/jetstream"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
@@ -81,4 +84,69 @@ func TestPlanRedrives(t *testing.T) {
 	assert.Empty(t, got["onchange/hook/user4"].skip, "a record without a seq (unusable subject) only enqueues")
 	assert.Empty(t, got["onchange/hook/user4"].since)
 	assert.True(t, strings.HasPrefix(describePlans(plans), "This re-drives 4 dead letters and deletes them:"))
+}
+
+// `deadletters list` reads the stream backwards a span at a time: every filter and page gives
+// the records it gave when the whole stream was read, newest first, across spans.
+func TestDeadLettersListPages(t *testing.T) {
+	e := newEnv(t)
+	subj := events.NewSubjects("")
+	const n = 2*dlSpan + 150
+	var futures []jetstream.PubAckFuture
+	for i := 1; i <= n; i++ {
+		g := events.GroupReplicate
+		if i%3 == 0 {
+			g = events.GroupOnChange
+		}
+		data, err := json.Marshal(worker.DeadLetter{Group: g, DB: fmt.Sprintf("db%04d", i), Rule: "r", Error: "gave up", At: time.Now()})
+		require.NoError(t, err)
+		f, err := e.JS.PublishAsync(subj.DeadLetter(g, fmt.Sprintf("db%04d", i)), data)
+		require.NoError(t, err)
+		futures = append(futures, f)
+	}
+	for _, f := range futures {
+		select {
+		case <-f.Ok():
+		case err := <-f.Err():
+			require.NoError(t, err)
+		case <-time.After(30 * time.Second):
+			t.Fatal("no answer to a publish")
+		}
+	}
+	list := func(args ...string) []deadLetter {
+		t.Helper()
+		var recs []deadLetter
+		out := e.run(t, "deadletters", append([]string{"list", "--json"}, args...)...)
+		require.NoError(t, json.Unmarshal([]byte(out), &recs), out)
+		return recs
+	}
+	ids := func(recs []deadLetter) []uint64 {
+		var out []uint64
+		for _, r := range recs {
+			out = append(out, r.ID)
+		}
+		return out
+	}
+	all := list("--limit", "0")
+	require.Len(t, all, n)
+	for i, r := range all {
+		assert.Equal(t, uint64(n-i), r.ID, "newest first")
+		assert.Equal(t, fmt.Sprintf("db%04d", n-i), r.DB)
+	}
+	assert.Equal(t, ids(all[:50]), ids(list()), "50 a page by default")
+	page2 := list("--before", fmt.Sprint(all[1100].ID), "--limit", "1000")
+	assert.Equal(t, ids(all[1101:2101]), ids(page2), "a page across spans")
+	onchange := list("--group", "onchange", "--limit", "0")
+	assert.Len(t, onchange, n/3)
+	for _, r := range onchange {
+		assert.Equal(t, events.GroupOnChange, r.Group)
+	}
+	assert.Equal(t, ids(all[5:7]), ids(list("--db", fmt.Sprintf("^db(%04d|%04d)$", n-5, n-6))))
+	assert.Len(t, list("--since", "1h", "--limit", "0"), n)
+	assert.Empty(t, list("--before", "1"))
+
+	out := e.run(t, "deadletters", "list", "--limit", "3")
+	assert.Contains(t, out, fmt.Sprintf("3 records (newest first); next page: --before %d, all: --limit 0", n-2))
+	assert.Contains(t, out, fmt.Sprintf("db%04d", n))
+	assert.NotContains(t, out, fmt.Sprintf("db%04d", n-3))
 }

@@ -1,7 +1,6 @@
 package main
 
 import (
-	"container/list"
 	"context"
 	"errors"
 	"sync"
@@ -13,25 +12,37 @@ import (
 	"github.com/spiegel-nats/spiegel/pkg/events"
 )
 
-// hotFeeds keeps continuous _changes feeds open on the dbs that changed last (at most max, the
-// least recently changed closed first, each closed after idle without a change) and publishes a
-// db's jobs the moment a change arrives on its feed, instead of the ~0.3–0.5 s later the
-// db-updates feed reports it (CouchDB batches _db_updates: [global_changes] max_write_delay).
+// hotFeeds keeps continuous _changes feeds open on busy dbs and publishes a db's jobs the moment
+// a change arrives on its feed, instead of the ~0.3–0.5 s later the db-updates feed reports it
+// (CouchDB batches _db_updates: [global_changes] max_write_delay).
+//
+// A feed must earn its connection. It costs one connection to CouchDB and a listener there that
+// holds the db's shards open, so a db gets one only when its writes show it busy: hotEvents
+// db-updates events of the db in a row, each within idle of the one before (Seen), and fewer
+// than max feeds are open. At the limit no feed is closed to make room — among equally busy dbs
+// that would only make feeds churn, each churn a request — the busy db stays on the db-updates
+// path. A feed closes once it has delivered no change for idle, the same span that earned it: it
+// no longer pays. A db written once, or now and then, never opens one.
+//
+// A producer catching up on a backlog reads old events in a burst, so a db busy in the past may
+// earn a feed then: at most max of them, each closed after idle without costing more than its
+// open (nothing was passed over).
 //
 // Once a feed has delivered a change and that change's jobs are settled, the feed "covers" its
-// db: every later db-updates event of the db is redundant and is passed over (publisher.Covered),
-// which keeps a hot db at one run per change. Why that loses nothing:
-//   - a change made before the feed was open is read by the first job the feed published, which
-//     was offered after the feed was open;
-//   - a change made after it is delivered by the feed, which publishes its jobs;
-//   - when a feed ends after passing over an event, it publishes the db's jobs once more — unless
-//     it is closed as idle, having stayed up (not torn down as stalled) for longer after its
-//     last change than a stalled feed lasts, so it delivered every change there was;
-//   - should the process die, the saved position stays before every passed-over event for
-//     holdFor (publisher.SaveCandidate), longer than a feed takes to deliver a change or be torn
-//     down as stalled (twice its heartbeat): the next producer reads those events again.
+// db: every later db-updates event of the db is redundant and is passed over (Cover,
+// publisher.Covered), which keeps a hot db at one run per change. The saved position stays
+// before each passed-over event until a job that stands for the event's change is settled —
+// acknowledged by JetStream (Hold), never by a clock:
+//   - a job of the db published after the event was read stands for it: the change was made
+//     before the event, the job reads the db after; the feed's next publish releases the hold;
+//   - when the feed closes with holds left, one _changes request after the last seq it delivered
+//     says whether it delivered every change made so far; if so, and the publish after its last
+//     change is settled, that publish stands for the events; otherwise the db's jobs are
+//     published once more, and the holds released when they are settled;
+//   - a producer that stops (or dies) first leaves the saved position before the events: the
+//     next one reads them again. A deleted db, or one no rule matches any more, wants no job.
 type hotFeeds struct {
-	couch     *couch.Client
+	couch     dbChanges
 	pub       *publisher
 	groups    func(db string) []events.Group
 	log       logrus.FieldLogger
@@ -43,50 +54,79 @@ type hotFeeds struct {
 	// while (a db without read access, a server refusing): its events take the db-updates path.
 	retryAfter time.Duration
 
-	mu     sync.Mutex
-	ctx    context.Context // Run's; feeds end with it
-	feeds  map[string]*hotFeed
-	order  *list.List           // of *hotFeed, most recently changed first
+	now func() time.Time // time.Now; tests move it
+
+	mu    sync.Mutex
+	ctx   context.Context // Run's; feeds end with it
+	feeds map[string]*hotFeed
+	// events is how many db-updates events in a row, each within idle of the one before, earn a
+	// db its feed (hotEvents)
+	events int
+	recent map[string]streak    // db → its latest events, while it has no feed
 	failed map[string]time.Time // db → when it may be opened again
 	wg     sync.WaitGroup
+}
+
+// hotEvents is how many db-updates events of a db in a row, each within SPIEGEL_HOT_FEED_IDLE of
+// the one before, earn it a feed. On bench-e2e's workload (10 % of N dbs written, 10 docs/s;
+// BenchmarkHotFeedsEarned, 20 s) two open a feed for one write in 8 at N = 10,000, all 32 open,
+// each serving a ninth of a write; three open one for one write in 75, 9 at most open, and still
+// give each busy db of N = 200 its feed (94 % of writes on the fast path).
+const hotEvents = 3
+
+// streak is a db's latest db-updates events, each within idle of the one before.
+type streak struct {
+	last time.Time
+	n    int
+}
+
+// dbChanges is what hot feeds read of CouchDB (*couch.Client).
+type dbChanges interface {
+	WatchChanges(ctx context.Context, db string, opt couch.ChangesOptions, connected func(), emit func(couch.Change) error) error
+	Changes(ctx context.Context, db string, opt couch.ChangesOptions) (couch.ChangesPage, error)
 }
 
 // hotFeed is one db's open feed. Its fields are guarded by hotFeeds.mu.
 type hotFeed struct {
 	db     string
 	cancel context.CancelFunc
-	elem   *list.Element
 	// why the feed is being closed ("" while it runs): decides the jobs published when it ends
 	closing string
 	covers  bool      // a change's jobs are settled: db-updates events of db are redundant
 	changed time.Time // the last change delivered (or the open)
+	// delivered counts the changes the feed delivered, lastSeq is the last one's seq; settled
+	// is the count delivered when the newest settled publish began: every change up to it has
+	// a settled job published after it.
+	delivered, settled uint64
+	lastSeq            string
+	// holds of the db-updates events passed over since the last publish began
+	holds []*Hold
 	// kick asks publishLoop for the db's jobs; a burst of changes while one publish is in
 	// flight is one more publish, not one each
 	kick chan struct{}
-	// passedOver: a db-updates event of the db was passed over (see follow)
-	passedOver bool
 }
 
-// Reasons a hot feed is closed.
+// Reasons a hot feed is closed (the reason label of spiegel_hot_feeds_closed_total).
 const (
 	closeIdle    = "idle"
-	closeEvicted = "evicted"
-	closeDeleted = "db deleted"
-	closeNoRule  = "no rule matches"
+	closeDeleted = "db_deleted"
+	closeNoRule  = "no_rule"
 	closeStopped = "stopping"
-	closeFailed  = "feed failed"
+	closeFailed  = "failed"
 )
 
-func newHotFeeds(c *couch.Client, pub *publisher, groups func(string) []events.Group, max int, idle, heartbeat time.Duration,
+// What closing a feed cost (the then label of spiegel_hot_feeds_closed_total).
+const (
+	closeThenNone      = "none"      // nothing passed over since the last publish, or no job wanted (db deleted, no rule)
+	closeThenChecked   = "checked"   // one _changes request: the feed had delivered everything
+	closeThenPublished = "published" // the db's jobs were published once more
+	closeThenHeld      = "held"      // stopping: the saved position stays before the events
+)
+
+func newHotFeeds(c dbChanges, pub *publisher, groups func(string) []events.Group, max int, idle, heartbeat time.Duration,
 	m producerMetrics, log logrus.FieldLogger) *hotFeeds {
 	return &hotFeeds{couch: c, pub: pub, groups: groups, max: max, idle: idle, heartbeat: heartbeat, retryAfter: time.Minute,
-		metrics: m, log: log, feeds: map[string]*hotFeed{}, order: list.New(), failed: map[string]time.Time{}}
-}
-
-// holdFor is how long the saved position stays before an event a hot feed covered: beyond the
-// time a stalled feed takes to be torn down (twice the heartbeat), with room to spare.
-func holdFor(heartbeat time.Duration) time.Duration {
-	return max(30*time.Second, 3*heartbeat)
+		metrics: m, log: log, now: time.Now, feeds: map[string]*hotFeed{}, events: hotEvents, recent: map[string]streak{}, failed: map[string]time.Time{}}
 }
 
 // Run closes idle feeds until ctx ends, then closes every feed and waits for them.
@@ -107,21 +147,30 @@ func (h *hotFeeds) Run(ctx context.Context) {
 			h.wg.Wait()
 			return
 		case <-t.C:
-			h.closeIdle()
+			h.tidy()
 		}
 	}
 }
 
-func (h *hotFeeds) closeIdle() {
+// tidy closes the feeds idle for h.idle and forgets what is older than that.
+func (h *hotFeeds) tidy() {
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	for e := h.order.Back(); e != nil; {
-		f := e.Value.(*hotFeed)
-		e = e.Prev()
-		if time.Since(f.changed) < h.idle {
-			return
+	now := h.now()
+	for _, f := range h.feeds {
+		if now.Sub(f.changed) >= h.idle {
+			h.closeLocked(f, closeIdle)
 		}
-		h.closeLocked(f, closeIdle)
+	}
+	for db, st := range h.recent {
+		if now.Sub(st.last) > h.idle {
+			delete(h.recent, db)
+		}
+	}
+	for db, until := range h.failed {
+		if now.After(until) {
+			delete(h.failed, db)
+		}
 	}
 }
 
@@ -135,29 +184,32 @@ func (h *hotFeeds) Count() int {
 	return len(h.feeds)
 }
 
-// Covers reports whether a db-updates event of db is redundant because db's feed covers it; the
-// caller then passes over the event (publisher.Covered).
-func (h *hotFeeds) Covers(db string) bool {
+// Cover returns a hold when a db-updates event of db is redundant because db's feed covers it;
+// the caller then passes over the event with the hold (publisher.Covered). It returns nil when
+// the event must take the db-updates path.
+func (h *hotFeeds) Cover(db string) *Hold {
 	if h == nil {
-		return false
+		return nil
 	}
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	f, ok := h.feeds[db]
 	if !ok || !f.covers || f.closing != "" {
-		return false
+		return nil
 	}
-	f.passedOver = true
-	return true
+	hd := &Hold{}
+	f.holds = append(f.holds, hd)
+	return hd
 }
 
-// Open opens a feed on db, which just changed and which rules match, unless one is open, the
-// db's feed failed lately, or Run is not running. At the limit, the least recently changed feed
-// is closed first.
-func (h *hotFeeds) Open(db string) {
+// Seen notes a db-updates event of db, which rules match, whose jobs were enqueued; it opens a
+// feed on db when the event is the db's h.events-th in a row each within h.idle of the one
+// before, unless one is open, max are open, the db's feed failed lately, or Run is not running.
+func (h *hotFeeds) Seen(db string) {
 	if h == nil || h.max <= 0 {
 		return
 	}
+	now := h.now()
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	if h.ctx == nil || h.ctx.Err() != nil {
@@ -166,20 +218,30 @@ func (h *hotFeeds) Open(db string) {
 	if _, ok := h.feeds[db]; ok {
 		return
 	}
-	if until, ok := h.failed[db]; ok {
-		if time.Now().Before(until) {
-			return
-		}
-		delete(h.failed, db)
+	st, ok := h.recent[db]
+	if !ok || now.Sub(st.last) > h.idle {
+		st.n = 0
 	}
-	for h.order.Len() >= h.max {
-		h.closeLocked(h.order.Back().Value.(*hotFeed), closeEvicted)
+	st.n++
+	st.last = now
+	h.recent[db] = st
+	if st.n < h.events {
+		return
 	}
+	if until, ok := h.failed[db]; ok && now.Before(until) {
+		return
+	}
+	if len(h.feeds) >= h.max {
+		h.metrics.hotFeedRefused()
+		return
+	}
+	delete(h.recent, db)
+	delete(h.failed, db)
 	ctx, cancel := context.WithCancel(h.ctx)
-	f := &hotFeed{db: db, cancel: cancel, changed: time.Now(), kick: make(chan struct{}, 1)}
-	f.elem = h.order.PushFront(f)
+	f := &hotFeed{db: db, cancel: cancel, changed: now, kick: make(chan struct{}, 1)}
 	h.feeds[db] = f
 	h.metrics.hotFeeds(len(h.feeds))
+	h.metrics.hotFeedOpened()
 	h.wg.Add(1)
 	go func() {
 		defer h.wg.Done()
@@ -187,70 +249,105 @@ func (h *hotFeeds) Open(db string) {
 	}()
 }
 
-// Close closes db's feed, if any, because of why (closeDeleted, closeNoRule).
+// Close closes db's feed, if any, because of why (closeDeleted, closeNoRule), and forgets db.
 func (h *hotFeeds) Close(db, why string) {
 	if h == nil {
 		return
 	}
 	h.mu.Lock()
 	defer h.mu.Unlock()
+	delete(h.recent, db)
 	if f, ok := h.feeds[db]; ok {
 		h.closeLocked(f, why)
 	}
 }
 
 // closeLocked stops f from covering its db at once and ends its connection; the feed's
-// goroutine finishes the close (ended).
+// goroutine finishes the close (follow).
 func (h *hotFeeds) closeLocked(f *hotFeed, why string) {
 	if f.closing != "" {
 		return
 	}
 	f.closing = why
 	f.covers = false
-	h.order.Remove(f.elem)
 	delete(h.feeds, f.db)
 	h.metrics.hotFeeds(len(h.feeds))
 	f.cancel()
 }
 
-// follow runs f's connection until it ends, then publishes the db's jobs once more if an event
-// was passed over that the feed may not have delivered.
+// follow runs f's connection until it ends, then settles the holds of the events it passed
+// over (see hotFeeds).
 func (h *hotFeeds) follow(ctx context.Context, f *hotFeed) {
 	log := h.log.WithField("db", f.db)
 	pubDone := make(chan struct{})
 	go func() { defer close(pubDone); h.publishLoop(ctx, f) }()
-	err := h.couch.WatchChanges(ctx, f.db, couch.ChangesOptions{Heartbeat: h.heartbeat}, nil, func(couch.Change) error {
-		h.changed(f)
+	err := h.couch.WatchChanges(ctx, f.db, couch.ChangesOptions{Heartbeat: h.heartbeat}, nil, func(c couch.Change) error {
+		h.changed(f, c.Seq)
 		return nil
 	})
 	h.mu.Lock()
-	if f.closing == "" { // the connection ended by itself
+	switch {
+	case f.closing != "":
+	case h.ctx.Err() != nil: // Run is ending (and ended the feed)
+		h.closeLocked(f, closeStopped)
+	default: // the connection ended by itself
 		h.closeLocked(f, closeFailed)
-		h.failed[f.db] = time.Now().Add(h.retryAfter)
-		h.pruneFailedLocked()
+		h.failed[f.db] = h.now().Add(h.retryAfter)
 	}
-	why, passedOver := f.closing, f.passedOver
 	h.mu.Unlock()
-	<-pubDone
+	<-pubDone // publishLoop hands back the holds of a publish it could not make
+	h.mu.Lock()
+	why, holds := f.closing, f.holds
+	f.holds = nil
+	h.mu.Unlock()
 	if why == closeFailed && !errors.Is(err, couch.ErrNotFound) {
 		log.WithError(err).Info("hot feed ended: the db's events take the db-updates path again")
-	} else {
-		log.WithField("reason", why).Debug("hot feed closed")
 	}
-	// A feed closed as idle stayed up (it was not torn down as stalled) for longer than a stalled
-	// one lasts after its last change: it delivered the change of every event it passed over.
-	// A feed that ended otherwise may not have.
-	again := passedOver && (why != closeIdle || h.idle <= 2*h.heartbeat)
-	if why == closeStopped || why == closeDeleted || why == closeNoRule || !again {
-		// Stopping: the saved position holds the passed-over events. Deleted or unmatched: no
-		// job is wanted.
-		return
+	then := h.settleHolds(f, why, holds)
+	h.metrics.hotFeedClosed(why, then)
+	log.WithFields(logrus.Fields{"reason": why, "then": then}).Debug("hot feed closed")
+}
+
+// settleHolds releases, or leaves, the holds of a closed feed and says what it cost.
+func (h *hotFeeds) settleHolds(f *hotFeed, why string, holds []*Hold) string {
+	if len(holds) == 0 {
+		return closeThenNone
 	}
-	if groups := h.groups(f.db); len(groups) > 0 {
-		if err := h.pub.EnqueueThen(h.runCtx(), f.db, events.TypeUpdated, groups, nil); err != nil && h.runCtx().Err() == nil {
-			log.WithError(err).Error("publish the jobs of a closed hot feed")
+	switch why {
+	case closeStopped:
+		return closeThenHeld
+	case closeDeleted, closeNoRule:
+		h.pub.Release(holds)
+		return closeThenNone
+	}
+	ctx := h.runCtx()
+	h.mu.Lock()
+	upToDate, since := f.settled == f.delivered, f.lastSeq
+	h.mu.Unlock()
+	if upToDate && since != "" {
+		// Every change up to since has a settled job published after it. If nothing came after
+		// since, the changes of the passed-over events (made before they were read, so before
+		// this request) are among them.
+		page, err := h.couch.Changes(ctx, f.db, couch.ChangesOptions{Since: since, Limit: 1})
+		if err == nil && len(page.Results) == 0 {
+			h.pub.Release(holds)
+			return closeThenChecked
+		}
+		if errors.Is(err, couch.ErrNotFound) {
+			// The db is gone: its deletion event releases nothing, so release here.
+			h.pub.Release(holds)
+			return closeThenNone
 		}
 	}
+	groups := h.groups(f.db)
+	if len(groups) == 0 {
+		h.pub.Release(holds)
+		return closeThenNone
+	}
+	if err := h.pub.EnqueueThen(ctx, f.db, events.TypeUpdated, groups, func() { h.pub.Release(holds) }); err != nil {
+		return closeThenHeld // stopping: the saved position stays before the events
+	}
+	return closeThenPublished
 }
 
 func (h *hotFeeds) runCtx() context.Context {
@@ -261,11 +358,12 @@ func (h *hotFeeds) runCtx() context.Context {
 
 // changed notes a change f delivered and asks for its db's jobs. A change that comes while they
 // are being published makes them published once more after; more changes meanwhile add nothing.
-func (h *hotFeeds) changed(f *hotFeed) {
+func (h *hotFeeds) changed(f *hotFeed, seq string) {
 	h.mu.Lock()
+	f.delivered++
+	f.lastSeq = seq
 	if f.closing == "" {
-		f.changed = time.Now()
-		h.order.MoveToFront(f.elem)
+		f.changed = h.now()
 	}
 	h.mu.Unlock()
 	select {
@@ -275,7 +373,8 @@ func (h *hotFeeds) changed(f *hotFeed) {
 }
 
 // publishLoop publishes the jobs of f's db for each kick until ctx ends; once a publish is
-// settled, the feed covers its db.
+// settled, the feed covers its db, and the holds of the events passed over before it began are
+// released.
 func (h *hotFeeds) publishLoop(ctx context.Context, f *hotFeed) {
 	for {
 		select {
@@ -288,30 +387,32 @@ func (h *hotFeeds) publishLoop(ctx context.Context, f *hotFeed) {
 			h.Close(f.db, closeNoRule)
 			return
 		}
+		h.mu.Lock()
+		upTo, holds := f.delivered, f.holds
+		f.holds = nil
+		h.mu.Unlock()
 		h.metrics.hotFeedJob()
 		settled := make(chan struct{})
-		if err := h.pub.EnqueueThen(ctx, f.db, events.TypeUpdated, groups, func() { close(settled) }); err != nil {
-			return
-		}
-		select {
-		case <-settled:
+		err := h.pub.EnqueueThen(ctx, f.db, events.TypeUpdated, groups, func() {
 			h.mu.Lock()
+			f.settled = max(f.settled, upTo)
 			if f.closing == "" {
 				f.covers = true
 			}
 			h.mu.Unlock()
-		case <-ctx.Done():
+			h.pub.Release(holds)
+			close(settled)
+		})
+		if err != nil {
+			h.mu.Lock()
+			f.holds = append(holds, f.holds...)
+			h.mu.Unlock()
 			return
 		}
-	}
-}
-
-// pruneFailedLocked forgets failures whose wait is over, so the map stays small.
-func (h *hotFeeds) pruneFailedLocked() {
-	now := time.Now()
-	for db, until := range h.failed {
-		if now.After(until) {
-			delete(h.failed, db)
+		select {
+		case <-settled:
+		case <-ctx.Done():
+			return
 		}
 	}
 }

@@ -2,7 +2,6 @@ package main
 
 import (
 	"fmt"
-	"strings"
 	"syscall"
 	"testing"
 	"time"
@@ -12,38 +11,42 @@ import (
 
 	"github.com/spiegel-nats/spiegel/pkg/couchtest"
 	"github.com/spiegel-nats/spiegel/pkg/events"
+	"github.com/spiegel-nats/spiegel/pkg/healthtest"
 )
 
-// Hot feeds: the proxy serves its own _db_updates feed (couchtest.AlwaysSynthesize) on both
-// servers, so that a test can hold it back and see what the hot feeds do alone.
+// Hot feeds against a real CouchDB: the proxy serves its own _db_updates feed
+// (couchtest.AlwaysSynthesize) on both servers, so that a test can hold it back and see what the
+// hot feeds do alone. The tests read what happened from the producer's metrics, not its logs.
+// hotfeeds_test.go drives the same logic with a fake feed, in an order the test decides.
 
-const passedOver = "db update passed over"
-
+// newHotEnv is an env whose in-process producers keep up to feeds hot feeds (idle: 1 min) and
+// serve their metrics on e.cfg.HTTPAddr.
 func newHotEnv(t *testing.T, feeds int) *env {
 	t.Helper()
 	e := newEnv(t, couchtest.AlwaysSynthesize())
 	e.cfg.HotFeeds, e.cfg.HotFeedIdle = feeds, time.Minute
+	e.cfg.HTTPAddr = healthtest.FreeAddr(t)
 	return e
 }
 
-// passedOverFor reports whether the logs say a db-updates event of db was passed over.
-func (e *env) passedOverFor(db string) bool {
-	for _, line := range strings.Split(e.Logs.String(), "\n") {
-		if strings.Contains(line, passedOver) && strings.Contains(line, `"db":"`+db+`"`) {
-			return true
-		}
-	}
-	return false
+// metric returns the value of a producer metric served on addr (0 for a counter never counted).
+func metric(t *testing.T, addr, name string, labelPairs ...string) float64 {
+	t.Helper()
+	return healthtest.Scrape(t, addr).Get(name, labelPairs...)
 }
 
-// writeUntil writes a new doc to db every 200 ms until cond holds, for up to within: a hot feed
-// opens shortly after the event of a first write, and only changes after it are its own.
+// covered returns how many db-updates events the producer on addr passed over.
+func covered(t *testing.T, addr string) float64 {
+	return metric(t, addr, "spiegel_feed_events_covered_total")
+}
+
+// writeUntil writes a new doc to db every 200 ms until cond holds, for up to within.
 func (e *env) writeUntil(t *testing.T, db string, within time.Duration, cond func() bool, what string) {
 	t.Helper()
 	deadline := time.Now().Add(within)
 	for i := 0; !cond(); i++ {
 		require.True(t, time.Now().Before(deadline), "no %s within %s", what, within)
-		e.Couch.Put(t, db, fmt.Sprintf("w%s%04d", db[len(db)-1:], i), map[string]any{"i": i})
+		e.Couch.Put(t, db, fmt.Sprintf("w%d", time.Now().UnixNano()), map[string]any{"i": i})
 		deadline := time.Now().Add(200 * time.Millisecond)
 		for !cond() && time.Now().Before(deadline) {
 			time.Sleep(10 * time.Millisecond)
@@ -73,6 +76,16 @@ func (e *env) noJobFor(t *testing.T, g events.Group, db string, d time.Duration)
 	}
 }
 
+// openHotFeed writes to db until its hot feed is open: a db earns one when its db-updates
+// events come close together.
+func (e *env) openHotFeed(t *testing.T, db string) {
+	t.Helper()
+	opened := metric(t, e.cfg.HTTPAddr, "spiegel_hot_feeds_opened_total")
+	e.writeUntil(t, db, 20*time.Second, func() bool {
+		return metric(t, e.cfg.HTTPAddr, "spiegel_hot_feeds_opened_total") > opened
+	}, "hot feed of "+db)
+}
+
 // A change of a db with a hot feed gets its job while the db-updates feed says nothing; its
 // late db-updates event, once it comes, is passed over instead of publishing a job again.
 func TestHotFeedPublishesBeforeDBUpdates(t *testing.T) {
@@ -83,48 +96,60 @@ func TestHotFeedPublishesBeforeDBUpdates(t *testing.T) {
 	e.startProducer(t)
 	e.waitJob(t, rep, db, 20*time.Second) // the rule's own enqueue
 	e.waitRulesCaughtUp(t)
-	e.Purge(t)
-	e.Couch.Put(t, db, "first", map[string]any{})
-	e.waitJob(t, rep, db, 20*time.Second) // from its db-updates event, which opens the feed
-	e.Purge(t)
+	e.openHotFeed(t, db)
+	e.quiet(t, rep, db)
 
 	e.updates.Hold()
 	events := e.updates.Events()
+	publishes := metric(t, e.cfg.HTTPAddr, "spiegel_hot_feed_publishes_total")
 	e.writeUntil(t, db, 20*time.Second, func() bool { return e.Pending(t)[work(rep, db)] == 1 }, "job from the hot feed")
 	assert.Equal(t, events, e.updates.Events(), "the db-updates feed said nothing meanwhile")
+	assert.Greater(t, metric(t, e.cfg.HTTPAddr, "spiegel_hot_feed_publishes_total"), publishes, "the job came from the hot feed")
 	e.quiet(t, rep, db)
 
 	// The job is settled, so the feed covers the db: the held events add no job.
+	before := covered(t, e.cfg.HTTPAddr)
 	e.updates.Release()
-	require.Eventually(t, func() bool { return e.passedOverFor(db) }, 10*time.Second, 20*time.Millisecond,
+	require.Eventually(t, func() bool { return covered(t, e.cfg.HTTPAddr) > before }, 10*time.Second, 20*time.Millisecond,
 		"the db-updates event of a covered db was not passed over")
 	e.noJobFor(t, rep, db, 500*time.Millisecond)
 }
 
-// A hot feed that ends after passing over an event publishes its db's jobs once more: here it is
-// evicted by the feed of another db (SPIEGEL_HOT_FEEDS=1).
-func TestHotFeedEvictedPublishesAgain(t *testing.T) {
-	e := newHotEnv(t, 1)
-	a, b := e.Prefix+"a", e.Prefix+"b"
-	for _, db := range []string{a, b} {
+// Dbs written once each, as many as the feed limit and more, open no hot feed: a feed is earned
+// by a db's events coming close together, not by one write.
+func TestHotFeedNotForDBsWrittenOnce(t *testing.T) {
+	e := newHotEnv(t, 4)
+	var dbs []string
+	for i := range 12 {
+		db := fmt.Sprintf("%sonce%02d", e.Prefix, i)
 		e.Couch.CreateDB(t, db)
+		dbs = append(dbs, db)
 	}
-	e.putRule(t, "rep", map[string]any{"type": "replicator", "db_name": "^" + e.Prefix + "[ab]$", "source": "$db_name", "target": e.Prefix + "all"})
+	e.putRule(t, "rep", map[string]any{"type": "replicator", "db_name": "^" + e.Prefix + "once", "source": "$db_name", "target": e.Prefix + "all"})
 	e.startProducer(t)
-	e.waitJob(t, rep, a, 20*time.Second)
-	e.waitJob(t, rep, b, 20*time.Second)
-	e.writeUntil(t, a, 30*time.Second, func() bool { return e.passedOverFor(a) }, "event of a passed over")
+	for _, db := range dbs {
+		e.waitJob(t, rep, db, 20*time.Second)
+	}
+	e.waitRulesCaughtUp(t)
 	e.Purge(t)
+	for _, db := range dbs {
+		e.Couch.Put(t, db, "once", map[string]any{"x": 1})
+	}
+	for _, db := range dbs {
+		e.waitJob(t, rep, db, 20*time.Second)
+	}
+	s := healthtest.Scrape(t, e.cfg.HTTPAddr)
+	assert.Zero(t, s.Get("spiegel_hot_feeds_opened_total"), "a db written once opened a feed")
+	assert.Zero(t, s.Get("spiegel_hot_feeds"))
 
-	e.Couch.Put(t, b, "x", map[string]any{})
-	e.waitJob(t, rep, b, 20*time.Second)
-	e.waitJob(t, rep, a, 20*time.Second)
-	assert.Equal(t, events.TypeUpdated, e.jobReason(t, rep, a))
+	// One of them gets busy: it earns a feed.
+	e.openHotFeed(t, dbs[0])
+	assert.Equal(t, 1.0, metric(t, e.cfg.HTTPAddr, "spiegel_hot_feeds"))
 }
 
-// A producer SIGKILLed after passing over events leaves its saved position before them (for the
-// hold time), so the next producer reads them again and publishes their jobs: nothing a hot feed
-// had not delivered yet is lost.
+// A producer SIGKILLed after passing over events leaves its saved position before them until a
+// job published after them is acknowledged, so the next producer reads them again and publishes
+// their jobs: nothing a hot feed had not delivered yet is lost.
 func TestHotFeedKilledProducerReadsPassedOverEventsAgain(t *testing.T) {
 	e := newHotEnv(t, 0)
 	db, other := e.Prefix+"hot", e.Prefix+"other"
@@ -132,13 +157,14 @@ func TestHotFeedKilledProducerReadsPassedOverEventsAgain(t *testing.T) {
 		e.Couch.CreateDB(t, name)
 	}
 	e.putRule(t, "rep", map[string]any{"type": "replicator", "db_name": "^" + e.Prefix + "(hot|other)$", "source": "$db_name", "target": e.Prefix + "all"})
-	cmd := e.startProcess(t, "SPIEGEL_HOT_FEEDS=10", "SPIEGEL_LOG_LEVEL=debug", "SPIEGEL_LOG_FORMAT=json")
+	addr := healthtest.FreeAddr(t)
+	cmd := e.startProcess(t, "SPIEGEL_HOT_FEEDS=10", "SPIEGEL_HOT_FEED_IDLE=1m", "SPIEGEL_HTTP_ADDR="+addr)
 	e.waitJob(t, rep, db, 20*time.Second)
 	require.Eventually(t, func() bool { return e.position(t).LastSeq != "" }, 20*time.Second, 20*time.Millisecond, "no position saved")
-	e.writeUntil(t, db, 30*time.Second, func() bool { return e.passedOverFor(db) }, "event of hot passed over")
+	e.writeUntil(t, db, 30*time.Second, func() bool { return covered(t, addr) > 0 }, "event of hot passed over")
 
 	// A later event is handled and a save is due, yet the saved position stays before the
-	// passed-over event.
+	// passed-over event: no job of hot was published after it.
 	e.Purge(t)
 	e.Couch.Put(t, other, "x", map[string]any{})
 	e.updates.Flush()
@@ -150,25 +176,30 @@ func TestHotFeedKilledProducerReadsPassedOverEventsAgain(t *testing.T) {
 	_ = cmd.Wait()
 
 	e.Purge(t)
+	e.cfg.HTTPAddr = ""
 	e.startProducer(t)
 	e.waitJob(t, rep, db, 20*time.Second)
 }
 
-// A feed closed as idle publishes nothing: it stayed up longer after its last change than a
-// stalled feed lasts, so it delivered every change whose event it passed over.
+// A feed closed as idle, having delivered every change, publishes nothing: one _changes request
+// after its last seq shows it.
 func TestHotFeedIdleClosesQuietly(t *testing.T) {
 	e := newHotEnv(t, 10)
-	e.cfg.HotFeedIdle = 5 * time.Second // more than twice the heartbeat (2s)
+	e.cfg.HotFeedIdle = 3 * time.Second
 	db := e.Prefix + "quiet"
 	e.Couch.CreateDB(t, db)
 	e.putRule(t, "rep", map[string]any{"type": "replicator", "source": db, "target": db + "_copy"})
 	e.startProducer(t)
 	e.waitJob(t, rep, db, 20*time.Second)
 	e.waitRulesCaughtUp(t)
-	e.writeUntil(t, db, 30*time.Second, func() bool { return e.passedOverFor(db) }, "event of quiet passed over")
+	e.writeUntil(t, db, 30*time.Second, func() bool { return covered(t, e.cfg.HTTPAddr) > 0 }, "event of quiet passed over")
 	e.quiet(t, rep, db)
-	require.Eventually(t, func() bool {
-		return strings.Contains(e.Logs.String(), `"msg":"hot feed closed","reason":"idle"`)
-	}, 20*time.Second, 50*time.Millisecond, "the feed was not closed as idle")
+	closedIdle := func() float64 {
+		s := healthtest.Scrape(t, e.cfg.HTTPAddr)
+		return s.Get("spiegel_hot_feeds_closed_total", "reason", closeIdle, "then", closeThenChecked) +
+			s.Get("spiegel_hot_feeds_closed_total", "reason", closeIdle, "then", closeThenNone)
+	}
+	require.Eventually(t, func() bool { return closedIdle() == 1 }, 20*time.Second, 50*time.Millisecond, "the feed was not closed as idle")
+	assert.Zero(t, metric(t, e.cfg.HTTPAddr, "spiegel_hot_feeds_closed_total", "reason", closeIdle, "then", closeThenPublished))
 	e.noJobFor(t, rep, db, 500*time.Millisecond)
 }

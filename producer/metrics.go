@@ -70,3 +70,28 @@ func (p producerMetrics) eventCovered() {
 		p.m.EventsCovered.Inc()
 	}
 }
+
+func (p producerMetrics) hotFeedOpened() {
+	if p.m != nil {
+		p.m.HotFeedsOpened.Inc()
+	}
+}
+
+// hotFeedClosed counts a closed feed by why it closed and what its close cost (closeThen*).
+func (p producerMetrics) hotFeedClosed(why, then string) {
+	if p.m != nil {
+		p.m.HotFeedsClosed.WithLabelValues(why, then).Inc()
+	}
+}
+
+func (p producerMetrics) hotFeedRefused() {
+	if p.m != nil {
+		p.m.HotFeedsRefused.Inc()
+	}
+}
+
+func (p producerMetrics) checkpointsDropped() {
+	if p.m != nil {
+		p.m.CheckpointsDropped.Inc()
+	}
+}

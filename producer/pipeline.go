@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -44,27 +45,33 @@ type publisher struct {
 	// due counts settled positions that make a save due (see Enqueue); the saver compares it
 	// with the count it last saved.
 	due uint64
-	// holds are the spans of the feed that hot feeds covered recently (see Covered), oldest
-	// first: the position saved stays before them until they are older than the hold time.
-	holds []hold
+	// holds are the claims of covered events on the saved position (see Covered), in feed
+	// order: the position saved stays before the oldest one not released.
+	holds []*Hold
 	// settled counts batches fully settled; enqueued counts batches handed in. Equal → idle.
 	settled  atomic.Int64
 	enqueued atomic.Int64
 	done     chan struct{}
 }
 
-// hold keeps the saved position at or before `before` until `last` is older than the hold time.
-type hold struct {
-	before      string    // the safe position before the first covered event of the span
-	first, last time.Time // when the span's first and last covered events settled
+// Hold is the claim of one covered event (Covered) on the saved position: the position saved
+// stays before the event until the Hold is released (Release), which the caller does once a job
+// of the event's db, published after the event was read, is settled — acknowledged by
+// JetStream, or stood for by a pending job and its wakeup marker. No clock releases it: a
+// producer that stops first leaves the position before the event, and its successor reads the
+// event again. Its fields are guarded by publisher.mu.
+type Hold struct {
+	released bool
+	placed   bool   // the covered event settled while the hold was not released yet
+	before   string // the safe position before the event (set when placed)
 }
 
 // batch is one feed position and the publishes it caused.
 type batch struct {
 	seq     string
 	hasSeq  bool
-	saveDue bool // a position that, once reached, is worth saving
-	covered bool // an event a hot feed stands for: no jobs, and a hold on the saved position
+	saveDue bool  // a position that, once reached, is worth saving
+	hold    *Hold // an event a hot feed stands for: no jobs, and a hold on the saved position
 	jobs    []pendingJob
 	settled chan struct{} // closed when settled, if the caller wants to wait (may be nil)
 	after   func()        // called once settled, in the settling goroutine (may be nil)
@@ -106,11 +113,37 @@ func (p *publisher) EnqueueNoSeq(ctx context.Context, db, reason string, groups 
 }
 
 // Covered records seq as reached without publishing anything: a hot feed of the event's db stands
-// for it (see hotFeeds). Saves of the position stay before it for the hold time (SaveCandidate):
-// should the process die before the hot feed delivered the change, the next producer reads the
-// event again from the feed.
-func (p *publisher) Covered(ctx context.Context, seq string) error {
-	return p.push(ctx, &batch{seq: seq, hasSeq: true, saveDue: true, covered: true})
+// for it (see hotFeeds). Saves of the position stay before it until h is released
+// (SaveCandidate): should the process die before a job published after the event is settled,
+// the next producer reads the event again from the feed.
+func (p *publisher) Covered(ctx context.Context, seq string, h *Hold) error {
+	return p.push(ctx, &batch{seq: seq, hasSeq: true, saveDue: true, hold: h})
+}
+
+// Release releases holds: a job of their db, published after their events were read, is
+// settled. The saved position may then pass their events.
+func (p *publisher) Release(holds []*Hold) {
+	if len(holds) == 0 {
+		return
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for _, h := range holds {
+		h.released = true
+	}
+}
+
+// Holds returns the number of holds on the saved position not released yet.
+func (p *publisher) Holds() int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.compactLocked()
+	return len(p.holds)
+}
+
+// compactLocked drops the released holds.
+func (p *publisher) compactLocked() {
+	p.holds = slices.DeleteFunc(p.holds, func(h *Hold) bool { return h.released })
 }
 
 // EnqueueThen publishes one job per group for db, not tied to a feed position, and calls after
@@ -184,22 +217,13 @@ func (p *publisher) SafeDue() (string, uint64) {
 	return p.safe, p.due
 }
 
-// holdGrain merges covered events settled within it into one hold: a hold's span ends at its
-// last event, so merging only makes the saved position wait a little longer.
-const holdGrain = time.Second
-
-// SaveCandidate returns the position a save may write: Safe, unless hot feeds covered events in
-// the last holdFor, then the safe position before the oldest of those (held true). It also
+// SaveCandidate returns the position a save may write: Safe, unless a covered event's hold is
+// not released yet, then the safe position before the oldest such event (held true). It also
 // returns the due count (see SafeDue).
-func (p *publisher) SaveCandidate(holdFor time.Duration) (seq string, due uint64, held bool) {
+func (p *publisher) SaveCandidate() (seq string, due uint64, held bool) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	now := time.Now()
-	n := 0
-	for n < len(p.holds) && now.Sub(p.holds[n].last) >= holdFor {
-		n++
-	}
-	p.holds = p.holds[n:]
+	p.compactLocked()
 	if len(p.holds) > 0 {
 		return p.holds[0].before, p.due, true
 	}
@@ -267,13 +291,9 @@ func (p *publisher) settle(ctx context.Context, b *batch) bool {
 	}
 	if b.hasSeq {
 		p.mu.Lock()
-		if b.covered {
-			now := time.Now()
-			if n := len(p.holds); n > 0 && now.Sub(p.holds[n-1].first) < holdGrain {
-				p.holds[n-1].last = now
-			} else {
-				p.holds = append(p.holds, hold{before: p.safe, first: now, last: now})
-			}
+		if h := b.hold; h != nil && !h.released && !h.placed {
+			h.placed, h.before = true, p.safe
+			p.holds = append(p.holds, h)
 		}
 		p.safe = b.seq
 		if b.saveDue {

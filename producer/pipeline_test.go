@@ -36,18 +36,29 @@ var (
 type fakeJobs struct {
 	mu          sync.Mutex
 	futures     map[string]*fakeFuture // by db
+	published   map[string]int         // async publishes by db
 	syncCalls   []string
 	syncResults []error
 	marks       []string
 }
 
-func newFakeJobs() *fakeJobs { return &fakeJobs{futures: map[string]*fakeFuture{}} }
+func newFakeJobs() *fakeJobs {
+	return &fakeJobs{futures: map[string]*fakeFuture{}, published: map[string]int{}}
+}
+
+// publishes returns the number of async publishes of db's job so far.
+func (f *fakeJobs) publishes(db string) int {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.published[db]
+}
 
 func (f *fakeJobs) PublishAsync(_ events.Group, job events.Job) (jetstream.PubAckFuture, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	fut := &fakeFuture{ok: make(chan *jetstream.PubAck, 1), err: make(chan error, 1)}
 	f.futures[job.DB] = fut
+	f.published[job.DB]++
 	return fut, nil
 }
 
@@ -219,8 +230,11 @@ func TestPublisherSaveDueAndFlush(t *testing.T) {
 	assert.Equal(t, uint64(1), due)
 }
 
-// Covered events move Safe but hold the position a save may write before them for the hold
-// time; jobs published with EnqueueThen call back once settled, in order.
+// Covered events move Safe but hold the position a save may write before them until their holds
+// are released — by the acknowledgement of a job published after them, never by time: a hot
+// feed stalled, then stuck behind NATS, must not let the saved position pass an event nobody
+// published (before, a hold ended after 30 s whatever had happened). Jobs published with
+// EnqueueThen call back once settled, in order.
 func TestPublisherCoveredHoldsSaveCandidate(t *testing.T) {
 	t.Parallel()
 	jobs := newFakeJobs()
@@ -228,22 +242,47 @@ func TestPublisherCoveredHoldsSaveCandidate(t *testing.T) {
 	enqueue(t, p, "1")
 	jobs.answer("1", nil)
 	requireSafe(t, p, "1")
-	require.NoError(t, p.Covered(t.Context(), "2"))
+	h2, h3 := &Hold{}, &Hold{}
+	require.NoError(t, p.Covered(t.Context(), "2", h2))
 	requireSafe(t, p, "2")
-	seq, due, held := p.SaveCandidate(time.Hour)
+	seq, due, held := p.SaveCandidate()
 	assert.Equal(t, "1", seq, "the candidate stays before the covered event")
 	assert.True(t, held)
 	assert.Equal(t, uint64(2), due, "a covered event makes a save due")
 
-	require.NoError(t, p.Covered(t.Context(), "3"))
+	require.NoError(t, p.Covered(t.Context(), "3", h3))
 	enqueue(t, p, "4")
 	jobs.answer("4", nil)
 	requireSafe(t, p, "4")
-	seq, _, held = p.SaveCandidate(time.Hour)
-	assert.Equal(t, "1", seq, "the oldest covered event within the hold time decides")
+	seq, _, held = p.SaveCandidate()
+	assert.Equal(t, "1", seq, "the oldest unreleased covered event decides")
 	assert.True(t, held)
-	seq, _, held = p.SaveCandidate(0)
-	assert.Equal(t, "4", seq, "once the hold time is over, the candidate is Safe")
+
+	// The job standing for the events is published but JetStream does not answer: still held.
+	released := make(chan struct{})
+	require.NoError(t, p.EnqueueThen(t.Context(), "hot", events.TypeUpdated, []events.Group{events.GroupReplicate},
+		func() { p.Release([]*Hold{h2}); close(released) }))
+	seq, _, held = p.SaveCandidate()
+	assert.Equal(t, "1", seq, "a hold stays until the job standing for its event is acknowledged")
+	assert.True(t, held)
+	jobs.answer("hot", nil)
+	<-released
+	seq, _, held = p.SaveCandidate()
+	assert.Equal(t, "2", seq, "the next unreleased hold decides")
+	assert.True(t, held)
+	p.Release([]*Hold{h3})
+	seq, _, held = p.SaveCandidate()
+	assert.Equal(t, "4", seq, "every hold released: the candidate is Safe")
+	assert.False(t, held)
+	assert.Zero(t, p.Holds())
+
+	// A hold released before its covered event settles places nothing.
+	h5 := &Hold{}
+	p.Release([]*Hold{h5})
+	require.NoError(t, p.Covered(t.Context(), "5", h5))
+	requireSafe(t, p, "5")
+	seq, _, held = p.SaveCandidate()
+	assert.Equal(t, "5", seq)
 	assert.False(t, held)
 
 	var calls []string
@@ -259,5 +298,5 @@ func TestPublisherCoveredHoldsSaveCandidate(t *testing.T) {
 	jobs.answer("a", nil)
 	require.Eventually(t, func() bool { mu.Lock(); defer mu.Unlock(); return len(calls) == 2 }, 5*time.Second, time.Millisecond)
 	assert.Equal(t, []string{"a", "b"}, calls)
-	assert.Equal(t, "4", p.Safe(), "jobs without a position do not move Safe")
+	assert.Equal(t, "5", p.Safe(), "jobs without a position do not move Safe")
 }

@@ -28,15 +28,15 @@ var feedRetry = backoff.Policy{Initial: time.Second, Max: time.Minute, Multiplie
 
 // producer tails the db-updates feed and publishes one job per (group, db) (SPEC §4).
 type producer struct {
-	cfg         producerSettings
-	couch       *couch.Client
-	store       *checkpoint.Store         // the producer's position
-	checkpoints *checkpoint.OnChangeStore // on_change checkpoints, to forget those of deleted dbs
-	rules       *rules.Set
-	pub         *publisher
-	hot         *hotFeeds // nil: off
-	log         logrus.FieldLogger
-	metrics     producerMetrics
+	cfg     producerSettings
+	couch   *couch.Client
+	store   *checkpoint.Store // the producer's position
+	deleted *deletedDBs       // drops the cached on_change checkpoints of deleted dbs (nil: none)
+	rules   *rules.Set
+	pub     *publisher
+	hot     *hotFeeds // nil: off
+	log     logrus.FieldLogger
+	metrics producerMetrics
 
 	feedMu     sync.Mutex // guards the fields below; never held across network I/O
 	source     string
@@ -48,11 +48,10 @@ type producer struct {
 	savedState checkpoint.Position
 	resync     chan struct{} // runResyncs enqueues every matched db on a signal
 
-	saveMu      sync.Mutex // serializes saves
-	savedDue    uint64     // the publisher's due count at the last save
-	heldBack    bool       // the last save stopped before the safe position (SaveCandidate)
-	lastSaveAt  time.Time
-	lastWriteAt time.Time // of the last position write
+	saveMu     sync.Mutex // serializes saves
+	savedDue   uint64     // the publisher's due count at the last save
+	heldBack   bool       // the last save stopped before the safe position (SaveCandidate)
+	lastSaveAt time.Time
 }
 
 // producerSettings are the parts of the configuration the producer's loop uses.
@@ -65,8 +64,6 @@ type producerSettings struct {
 	SweepInterval time.Duration
 	SaveInterval  time.Duration
 	Grace         time.Duration
-	// HoldFor is how long the saved position stays before events a hot feed covered (hotFeeds).
-	HoldFor time.Duration
 }
 
 // skip reports whether db's updates never produce jobs: the spiegel db and CouchDB's own dbs.
@@ -85,37 +82,28 @@ func (p *producer) handle(ctx context.Context, ev couch.DBEvent) error {
 	}
 	if ev.Type == couch.EventDeleted {
 		p.hot.Close(ev.DB, closeDeleted)
-		p.forgetCheckpoints(ctx, ev.DB)
+		if p.rules.Groups(ev.DB).Has(events.GroupOnChange) {
+			p.deleted.Add(ev.DB)
+		}
 		return p.pub.Enqueue(ctx, ev.Seq, true, ev.DB, events.TypeDeleted, nil)
 	}
 	groups := p.rules.Groups(ev.DB).Groups()
 	if len(groups) == 0 {
 		return p.pub.Enqueue(ctx, ev.Seq, true, ev.DB, ev.Type, nil)
 	}
-	if ev.Type == couch.EventUpdated && p.hot.Covers(ev.DB) {
-		p.metrics.eventCovered()
-		p.log.WithField("db", ev.DB).Debug("db update passed over: the db's hot feed publishes its jobs")
-		return p.pub.Covered(ctx, ev.Seq)
+	if ev.Type == couch.EventUpdated {
+		if h := p.hot.Cover(ev.DB); h != nil {
+			p.metrics.eventCovered()
+			return p.pub.Covered(ctx, ev.Seq, h)
+		}
 	}
 	if err := p.pub.Enqueue(ctx, ev.Seq, true, ev.DB, ev.Type, groups); err != nil {
 		return err
 	}
-	p.hot.Open(ev.DB)
+	if ev.Type == couch.EventUpdated {
+		p.hot.Seen(ev.DB)
+	}
 	return nil
-}
-
-// forgetCheckpoints drops the cached on_change checkpoints of a deleted db (their _local docs
-// went with it), so that a recreated db is read from its beginning without a check. Best effort:
-// the consumer also finds a cached checkpoint of an earlier db gone (checkpoint.OnChangeStore).
-func (p *producer) forgetCheckpoints(ctx context.Context, db string) {
-	if p.checkpoints == nil {
-		return
-	}
-	for _, r := range p.rules.All() {
-		if r.Kind() == rules.KindOnChange {
-			p.checkpoints.Forget(ctx, r.ID(), db)
-		}
-	}
 }
 
 // runFeed follows the db-updates feed from since until ctx ends. It never gives up: a failure
@@ -344,7 +332,7 @@ func (p *producer) save(ctx context.Context, rulesSeq string) {
 			p.metrics.m.FeedPositionAge.Set(time.Since(p.lastSaveAt).Seconds())
 		}
 	}()
-	safe, due, held := p.pub.SaveCandidate(p.cfg.HoldFor)
+	safe, due, held := p.pub.SaveCandidate()
 	if safe == couch.SinceNow {
 		safe = ""
 	}
@@ -354,11 +342,6 @@ func (p *producer) save(ctx context.Context, rulesSeq string) {
 
 	next := saved
 	move := safe != "" && (due != p.savedDue || p.heldBack || source != saved.Source)
-	if move && held && source == saved.Source && time.Since(p.lastWriteAt) < p.cfg.HoldFor {
-		// Held back by hot feeds, the candidate creeps forward as holds expire: write it at
-		// most once per hold time, and the whole position once no hold is left.
-		move = false
-	}
 	if move {
 		next.LastSeq, next.Source = safe, source
 	}
@@ -380,7 +363,7 @@ func (p *producer) save(ctx context.Context, rulesSeq string) {
 	p.savedState = next
 	p.feedMu.Unlock()
 	p.savedDue, p.heldBack = due, held
-	p.lastSaveAt, p.lastWriteAt = time.Now(), time.Now()
+	p.lastSaveAt = time.Now()
 	p.log.WithField("seq", next.LastSeq).Debug("saved producer position")
 }
 

@@ -95,16 +95,20 @@ func runProducer(ctx context.Context, cfg *config.Producer, log *logrus.Logger) 
 		cfg: producerSettings{
 			SpiegelDB: cfg.DBName, Source: cfg.Source, Start: cfg.Start, Heartbeat: cfg.FeedHeartbeat,
 			PollInterval: cfg.PollInterval, SweepInterval: cfg.SweepInterval, SaveInterval: cfg.PositionSaveInterval,
-			Grace: cfg.ShutdownGrace, HoldFor: holdFor(cfg.FeedHeartbeat),
+			Grace: cfg.ShutdownGrace,
 		},
-		couch:       d.couch,
-		store:       checkpoint.NewStore(d.couch, cfg.DBName),
-		checkpoints: checkpoint.NewOnChangeStore(d.couch, kv),
-		rules:       rules.NewSet(),
-		log:         plog,
-		metrics:     producerMetrics{m: pm},
-		resync:      make(chan struct{}, 1),
+		couch:   d.couch,
+		store:   checkpoint.NewStore(d.couch, cfg.DBName),
+		rules:   rules.NewSet(),
+		log:     plog,
+		metrics: producerMetrics{m: pm},
+		resync:  make(chan struct{}, 1),
 	}
+	dropper, err := checkpoint.NewCacheDropper(ctx, d.js, kv)
+	if err != nil {
+		return err
+	}
+	p.deleted = newDeletedDBs(dropper, p.metrics, plog)
 	p.pub = newPublisher(natsjs.NewJobs(d.js, d.topo.Subjects), cfg.MaxInflight, p.metrics, plog)
 	if cfg.HotFeeds > 0 {
 		p.hot = newHotFeeds(d.couch, p.pub, func(db string) []events.Group { return p.rules.Groups(db).Groups() },
@@ -151,7 +155,8 @@ func runProducer(ctx context.Context, cfg *config.Producer, log *logrus.Logger) 
 		feedWG.Add(1)
 		go func() { defer feedWG.Done(); p.hot.Run(ctx) }()
 	}
-	feedWG.Add(4)
+	feedWG.Add(5)
+	go func() { defer feedWG.Done(); p.deleted.Run(ctx) }()
 	go func() {
 		defer feedWG.Done()
 		// Rules changed while no producer ran: enqueue their existing dbs, then follow live.

@@ -24,18 +24,22 @@ func NewRegistry(component string) *prometheus.Registry {
 
 // Producer holds the producer's metrics. A nil *Producer is valid and records nothing.
 type Producer struct {
-	FeedEvents      *prometheus.CounterVec
-	JobsPublished   *prometheus.CounterVec
-	JobsDeduped     *prometheus.CounterVec
-	PublishErrors   *prometheus.CounterVec
-	FeedPositionAge prometheus.Gauge
-	FeedReconnects  prometheus.Counter
-	RulesLoaded     *prometheus.GaugeVec
-	RulesRejected   prometheus.Gauge
-	SweepEnqueued   prometheus.Counter
-	HotFeeds        prometheus.Gauge
-	HotFeedJobs     prometheus.Counter
-	EventsCovered   prometheus.Counter
+	FeedEvents         *prometheus.CounterVec
+	JobsPublished      *prometheus.CounterVec
+	JobsDeduped        *prometheus.CounterVec
+	PublishErrors      *prometheus.CounterVec
+	FeedPositionAge    prometheus.Gauge
+	FeedReconnects     prometheus.Counter
+	RulesLoaded        *prometheus.GaugeVec
+	RulesRejected      prometheus.Gauge
+	SweepEnqueued      prometheus.Counter
+	HotFeeds           prometheus.Gauge
+	HotFeedJobs        prometheus.Counter
+	EventsCovered      prometheus.Counter
+	HotFeedsOpened     prometheus.Counter
+	HotFeedsClosed     *prometheus.CounterVec
+	HotFeedsRefused    prometheus.Counter
+	CheckpointsDropped prometheus.Counter
 }
 
 // NewProducer registers the producer's metrics on reg.
@@ -69,7 +73,7 @@ func NewProducer(reg prometheus.Registerer) *Producer {
 			Name: "spiegel_sweep_dbs_total", Help: "Dbs the reconciliation sweep found changed and enqueued.",
 		}),
 		HotFeeds: prometheus.NewGauge(prometheus.GaugeOpts{
-			Name: "spiegel_hot_feeds", Help: "Continuous _changes feeds open on recently changed dbs (SPIEGEL_HOT_FEEDS).",
+			Name: "spiegel_hot_feeds", Help: "Continuous _changes feeds open on busy dbs (at most SPIEGEL_HOT_FEEDS).",
 		}),
 		HotFeedJobs: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "spiegel_hot_feed_publishes_total", Help: "Publishes of a db's jobs on a change its hot feed delivered.",
@@ -77,9 +81,23 @@ func NewProducer(reg prometheus.Registerer) *Producer {
 		EventsCovered: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "spiegel_feed_events_covered_total", Help: "Db-update events passed over because the db's hot feed publishes its changes' jobs.",
 		}),
+		HotFeedsOpened: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "spiegel_hot_feeds_opened_total", Help: "Hot feeds opened: a db's db-update event came within SPIEGEL_HOT_FEED_IDLE of its previous one.",
+		}),
+		HotFeedsClosed: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "spiegel_hot_feeds_closed_total", Help: "Hot feeds closed, by reason (idle, failed, db_deleted, no_rule, stopping) and by what the close cost " +
+				"(none, checked: one _changes request showed the feed had delivered everything, published: the db's jobs were published again).",
+		}, []string{"reason", "then"}),
+		HotFeedsRefused: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "spiegel_hot_feeds_refused_total", Help: "Busy dbs that got no hot feed because SPIEGEL_HOT_FEEDS were open.",
+		}),
+		CheckpointsDropped: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "spiegel_deleted_db_checkpoints_dropped_total", Help: "Deleted dbs whose cached on_change checkpoints were dropped from the key-value bucket.",
+		}),
 	}
 	reg.MustRegister(m.FeedEvents, m.JobsPublished, m.JobsDeduped, m.PublishErrors, m.FeedPositionAge,
-		m.FeedReconnects, m.RulesLoaded, m.RulesRejected, m.SweepEnqueued, m.HotFeeds, m.HotFeedJobs, m.EventsCovered)
+		m.FeedReconnects, m.RulesLoaded, m.RulesRejected, m.SweepEnqueued, m.HotFeeds, m.HotFeedJobs, m.EventsCovered,
+		m.HotFeedsOpened, m.HotFeedsClosed, m.HotFeedsRefused, m.CheckpointsDropped)
 	return m
 }
 

@@ -115,9 +115,9 @@ func (r *run) startPipeline(ctx context.Context) error {
 		case strings.HasPrefix(name, "producer"):
 			bin = "producer"
 			env = append(env, "SPIEGEL_POLL_INTERVAL=1s", "SPIEGEL_SWEEP_INTERVAL=30s", "SPIEGEL_FEED_HEARTBEAT=5s")
-			// Hot feeds: producer-1 keeps one for every busy db (the default limit), producer-2
-			// only hotFeedsSmall, so that it keeps closing the least recently changed; both close
-			// a feed idle for hotFeedIdle, so that feeds close and reopen during the run.
+			// Hot feeds: producer-1 may keep one for every busy db, producer-2 only
+			// hotFeedsSmall, so that it keeps refusing busy dbs at its limit; both close a feed
+			// idle for hotFeedIdle, so that feeds close and reopen during the run.
 			hot := "500"
 			if name == "producer-2" {
 				hot = fmt.Sprint(hotFeedsSmall)

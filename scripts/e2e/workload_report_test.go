@@ -47,6 +47,11 @@ func workloadReport(cs *couchtest.Server, w workload, results []workloadResult) 
 			hook, r.lostRepl, r.lostHook, reqs, writes, conns, idle)
 	}
 	for _, r := range results {
+		if r.hotFeedsOpened >= 0 && !r.setup.replicatorDB {
+			fmt.Fprintf(&sb, "\nHot feeds opened by the producer, %s: %.0f, %.3f per written doc.\n", r.setup.name, r.hotFeedsOpened, r.perDoc(int(r.hotFeedsOpened)))
+		}
+	}
+	for _, r := range results {
 		if len(r.requests) == 0 {
 			continue
 		}

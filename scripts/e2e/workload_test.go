@@ -17,6 +17,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/spiegel-nats/spiegel/pkg/couchtest"
+	"github.com/spiegel-nats/spiegel/pkg/healthtest"
 	"github.com/spiegel-nats/spiegel/pkg/natstest"
 	"github.com/spiegel-nats/spiegel/scripts/benchreport/benchdata"
 )
@@ -45,7 +46,8 @@ import (
 // batches writes for 500 ms like CouchDB 3's default max_write_delay. Tunables: BENCH_DBS (100),
 // BENCH_RATE (10), BENCH_DURATION (20s), BENCH_IDLE (15s), BENCH_SYNC_LIMIT (5m: how long the
 // baseline may take for its initial sync before the writer starts anyway), BENCH_SERVER_PID (the
-// server's process on this machine, sampled from /proc like the pipeline's). BENCH_REPORT_DIR gets
+// server's process on this machine, sampled from /proc like the pipeline's), BENCH_BIN_DIR (the
+// pipeline's binaries from another build, to compare; bin/ by default). BENCH_REPORT_DIR gets
 // workload.md and, per setup, the run's record (scripts/benchreport/benchdata) for the
 // end-to-end report (make bench-e2e).
 func BenchmarkWorkload(b *testing.B) {
@@ -72,6 +74,7 @@ func BenchmarkWorkload(b *testing.B) {
 		b.ReportMetric(hot.perDoc(hot.total()), "req/doc")
 		b.ReportMetric(hot.perDoc(hot.spiegelWrites()), "spiegel-writes/doc")
 		b.ReportMetric(hot.idleRate(), "idle-req/s")
+		b.ReportMetric(hot.perDoc(int(hot.hotFeedsOpened)), "hot-feeds/doc")
 		for _, base := range []string{"nohot", "couchdb", "replicator"} {
 			if r, ok := byKey[base]; ok && len(r.repl) > 0 {
 				b.ReportMetric(ms(benchdata.Percentile(hot.repl, 0.99))/ms(benchdata.Percentile(r.repl, 0.99)), "repl-p99-vs-"+base)
@@ -181,6 +184,7 @@ type workloadResult struct {
 	writes                  []benchdata.Write
 	samples                 []benchdata.Sample
 	baselineConnsUnmeasured bool
+	hotFeedsOpened          float64 // by the producer while the writer ran and until every doc arrived (-1: unknown)
 }
 
 func (r workloadResult) total() int {
@@ -228,9 +232,10 @@ func (r workloadResult) idleRate() float64 {
 
 func (r workloadResult) summary() string {
 	return fmt.Sprintf("written %d, replication p50/p99 %.0f/%.0f ms (lost %d), webhook p50/p99 %.0f/%.0f ms (lost %d), %.1f requests/doc, "+
-		"connections max %v, open when idle %v",
+		"connections max %v, open when idle %v, hot feeds opened per written doc %.3f",
 		r.written, ms(benchdata.Percentile(r.repl, 0.5)), ms(benchdata.Percentile(r.repl, 0.99)), r.lostRepl,
-		ms(benchdata.Percentile(r.hook, 0.5)), ms(benchdata.Percentile(r.hook, 0.99)), r.lostHook, r.perDoc(r.total()), r.maxConns, r.idleConns)
+		ms(benchdata.Percentile(r.hook, 0.5)), ms(benchdata.Percentile(r.hook, 0.99)), r.lostHook, r.perDoc(r.total()), r.maxConns, r.idleConns,
+		r.perDoc(int(r.hotFeedsOpened)))
 }
 
 // runWorkload installs a fresh pipeline (or _replicator jobs), loads the dbs, waits for the
@@ -310,6 +315,7 @@ func runWorkload(b *testing.B, root string, cs *couchtest.Server, up *couchtest.
 	// Let the initial sync's last jobs and checkpoints settle before counting.
 	time.Sleep(2 * time.Second)
 	before := snapshotAll(proxies, true)
+	feedsBefore := hotFeedsOpened(b, procs)
 
 	written := map[string]time.Time{}
 	rng := rand.New(rand.NewPCG(1, 2))
@@ -341,6 +347,10 @@ func runWorkload(b *testing.B, root string, cs *couchtest.Server, up *couchtest.
 		time.Sleep(50 * time.Millisecond)
 	}
 	after := snapshotAll(proxies, false)
+	res.hotFeedsOpened = -1
+	if feedsBefore >= 0 {
+		res.hotFeedsOpened = hotFeedsOpened(b, procs) - feedsBefore
+	}
 	a, h := arrived.snapshot(), sink.snapshot()
 	for id, at := range written {
 		rec := benchdata.Write{AtS: at.Sub(started).Seconds(), ReplMS: -1, HookMS: -1}
@@ -386,6 +396,16 @@ func runWorkload(b *testing.B, root string, cs *couchtest.Server, up *couchtest.
 	return res
 }
 
+// hotFeedsOpened returns the producer's spiegel_hot_feeds_opened_total (-1 without a producer).
+func hotFeedsOpened(b testing.TB, procs []*proc) float64 {
+	for _, p := range procs {
+		if p.name == "producer" {
+			return healthtest.Scrape(b, p.addr).Get("spiegel_hot_feeds_opened_total")
+		}
+	}
+	return -1
+}
+
 // loadAvg returns the first three fields of /proc/loadavg ("" when unreadable).
 func loadAvg() string {
 	b, err := os.ReadFile("/proc/loadavg")
@@ -400,7 +420,8 @@ func loadAvg() string {
 // counting proxy in front of up, with rules for the workload.
 func startPipeline(b *testing.B, root string, up *couchtest.UpdatesProxy, prefix, target, hookURL string, vars []string) ([]*proc, map[string]*countingProxy, *natstest.Server) {
 	b.Helper()
-	bin := func(name string) string { return filepath.Join(root, "bin", name) }
+	binDir := cmp.Or(os.Getenv("BENCH_BIN_DIR"), filepath.Join(root, "bin")) // another build's binaries, to compare
+	bin := func(name string) string { return filepath.Join(binDir, name) }
 	ns := natstest.Start(b)
 	spiegelDB := prefix + "spiegel"
 	up.Server().Cleanup(b, spiegelDB)
