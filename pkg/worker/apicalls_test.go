@@ -73,28 +73,56 @@ func (c *apiCounter) stop(t testing.TB) map[string]int {
 	return out
 }
 
-// jobPathCalls runs n jobs of distinct dbs, none with a wakeup marker, through one runner and
-// returns the JetStream API requests counted while they ran, by kind.
-func jobPathCalls(t testing.TB, n int) map[string]int {
+// jobPathCalls runs n jobs of distinct dbs through one runner and returns the JetStream API
+// requests counted while they ran, by kind. With changeDuringRun, a change is offered for each
+// db while its first job runs (a wakeup marker), so each db runs twice.
+func jobPathCalls(t testing.TB, n int, changeDuringRun bool) map[string]int {
 	t.Helper()
 	e := newEnv(t, 0)
 	var obs results
 	cfg := testConfig()
 	cfg.Observer = &obs
-	r := e.newRunner(t, nil, cfg, func(context.Context, *Job) error { return nil })
+	var mu sync.Mutex
+	var offerErrs []error
+	runs := map[string]int{}
+	r := e.newRunner(t, nil, cfg, func(ctx context.Context, job *Job) error {
+		mu.Lock()
+		runs[job.DB]++
+		first := runs[job.DB] == 1
+		mu.Unlock()
+		if changeDuringRun && first {
+			if _, err := e.jobs.Offer(ctx, group, events.Job{DB: job.DB, Reason: events.TypeUpdated}); err != nil {
+				mu.Lock()
+				offerErrs = append(offerErrs, err)
+				mu.Unlock()
+			}
+		}
+		return nil
+	})
 	counter := newAPICounter(t, e)
 	start(t, r)
+	if b, ok := t.(*testing.B); ok {
+		b.ResetTimer() // ns/op: the jobs, not the server's start
+	}
 	for i := range n {
 		e.publish(t, fmt.Sprintf("db-%d", i), events.TypeUpdated)
 	}
+	want := n
+	if changeDuringRun {
+		want = 2 * n
+	}
 	deadline := time.Now().Add(waitFor + time.Duration(n)*10*time.Millisecond)
-	for obs.get(ResultOK) < n || r.InFlight() > 0 {
+	for obs.get(ResultOK) < want || r.InFlight() > 0 {
 		if time.Now().After(deadline) {
-			t.Fatalf("%d of %d jobs done, %d in flight", obs.get(ResultOK), n, r.InFlight())
+			t.Fatalf("%d of %d runs done, %d in flight", obs.get(ResultOK), want, r.InFlight())
 		}
 		time.Sleep(tick)
 	}
-	return counter.stop(t)
+	counts := counter.stop(t)
+	mu.Lock()
+	defer mu.Unlock()
+	require.Empty(t, offerErrs)
+	return counts
 }
 
 // extraCalls is what a job costs beyond its fetch (and ack, which is no API request): every
@@ -118,7 +146,7 @@ func extraCalls(counts map[string]int) int {
 func TestJobPathCostsOneAPIRequest(t *testing.T) {
 	t.Parallel()
 	const n = 20
-	counts := jobPathCalls(t, n)
+	counts := jobPathCalls(t, n, false)
 	t.Logf("JetStream API requests for %d jobs: %v", n, counts)
 	assert.LessOrEqual(t, extraCalls(counts), n, "at most one API request per job beyond fetch and ack")
 	assert.Zero(t, counts["STREAM.PURGE"]+counts["STREAM.MSG.DELETE"], "no write on a job without a marker")
@@ -126,9 +154,17 @@ func TestJobPathCostsOneAPIRequest(t *testing.T) {
 }
 
 // BenchmarkJobPathAPICalls reports the JetStream API requests per job beyond fetch and ack
-// (extra-calls/job), and the pulls per job, for jobs without a wakeup marker.
+// (extra-calls/job), and the pulls per job: for jobs without a wakeup marker ("quiet"), and for
+// dbs that change while their job runs ("changed"), per db (its two runs together).
 func BenchmarkJobPathAPICalls(b *testing.B) {
-	counts := jobPathCalls(b, b.N)
-	b.ReportMetric(float64(extraCalls(counts))/float64(b.N), "extra-calls/job")
-	b.ReportMetric(float64(counts["CONSUMER.MSG.NEXT"])/float64(b.N), "pulls/job")
+	b.Run("quiet", func(b *testing.B) {
+		counts := jobPathCalls(b, b.N, false)
+		b.ReportMetric(float64(extraCalls(counts))/float64(b.N), "extra-calls/job")
+		b.ReportMetric(float64(counts["CONSUMER.MSG.NEXT"])/float64(b.N), "pulls/job")
+	})
+	b.Run("changed", func(b *testing.B) {
+		counts := jobPathCalls(b, b.N, true)
+		b.ReportMetric(float64(extraCalls(counts))/float64(b.N), "extra-calls/db")
+		b.ReportMetric(float64(counts["STREAM.PURGE"]+counts["STREAM.MSG.DELETE"])/float64(b.N), "writes/db")
+	})
 }

@@ -85,7 +85,8 @@ var ackProgress = []byte("+WPI")
 // returns once no renewal can be sent any more. A renewal is an InProgress sent as a request:
 // the consumer's answer confirms that the server received it (see lease). One is sent when a
 // third of AckWait has passed since the lease was last renewed, and again every AckWait/20 while
-// none is confirmed; each waits for its answer no longer than the lease lasts. keepAlive looks at
+// none is confirmed; each waits for its answer for AckWait/4 at most (an answer lost in a
+// reconnect must not use up the lease) and never past the lease's end. keepAlive looks at
 // the lease the moment it is due to run out, so that its whenLost callback runs then at the
 // latest.
 func (r *Runner) keepAlive(ctx context.Context, msg jetstream.Msg, l *lease, log logrus.FieldLogger) (stop func()) {
@@ -94,6 +95,7 @@ func (r *Runner) keepAlive(ctx context.Context, msg jetstream.Msg, l *lease, log
 	wg.Go(func() {
 		every := max(r.cfg.AckWait/3, time.Millisecond)
 		retry := max(r.cfg.AckWait/20, time.Millisecond)
+		patience := max(r.cfg.AckWait/4, time.Millisecond)
 		from, until := l.renewedAt()
 		next := from.Add(every)
 		for {
@@ -112,7 +114,7 @@ func (r *Runner) keepAlive(ctx context.Context, msg jetstream.Msg, l *lease, log
 				continue
 			}
 			sent := r.now()
-			rctx, rcancel := context.WithTimeout(ctx, until.Sub(sent))
+			rctx, rcancel := context.WithTimeout(ctx, min(until.Sub(sent), patience))
 			_, err := r.nc.RequestWithContext(rctx, msg.Reply(), ackProgress)
 			rcancel()
 			switch {
