@@ -99,7 +99,8 @@ func New(js jetstream.JetStream, subjects events.Subjects, cfg Config, h Handler
 func (r *Runner) InFlight() int { return int(r.inFlight.Load()) }
 
 // Run takes and runs jobs until ctx ends. It pulls only as many jobs as it has free slots
-// (Config.Concurrency), so no job waits in a local buffer while its AckWait runs. Errors
+// (Config.Concurrency), so no job waits in a local buffer while its AckWait runs; meanwhile it
+// sweeps the group's wakeup markers for ones nobody handled (Config.WakeupSweep). Errors
 // talking to NATS (server down, consumer deleted for a while) are logged and retried with
 // backoff; they never end Run.
 //
