@@ -46,30 +46,31 @@ func newLease(ackWait time.Duration, pulled time.Time, now func() time.Time) *le
 }
 
 // whenLost sets f to be called once, by the first caller of held or renewed that finds the
-// lease run out (before that call returns). It must be set before the lease is shared.
+// lease run out, before any caller learns that it ran out: f must not use the lease. It must be
+// set before the lease is shared.
 func (l *lease) whenLost(f func()) { l.onLost = f }
 
 // held reports whether the lease has not run out.
 func (l *lease) held() bool {
 	l.mu.Lock()
-	held, flipped := l.heldLocked()
-	l.mu.Unlock()
-	if flipped && l.onLost != nil {
-		l.onLost()
-	}
-	return held
+	defer l.mu.Unlock()
+	return l.heldLocked()
 }
 
-// heldLocked reports whether the lease is held, and whether this call found it run out first.
-func (l *lease) heldLocked() (held, flipped bool) {
+// heldLocked reports whether the lease is held; the first call that finds it run out calls
+// onLost.
+func (l *lease) heldLocked() bool {
 	if l.lost {
-		return false, false
+		return false
 	}
 	if l.now().Before(l.from.Add(l.ttl)) {
-		return true, false
+		return true
 	}
 	l.lost = true
-	return false, true
+	if l.onLost != nil {
+		l.onLost()
+	}
+	return false
 }
 
 // renewedAt returns when the lease was last renewed (or the pull was sent), and when it ends.
@@ -82,12 +83,9 @@ func (l *lease) renewedAt() (from, until time.Time) {
 // renewed records an InProgress sent at sent whose confirmation has just come back. It returns
 // false, and changes nothing, when the lease ran out before the confirmation came.
 func (l *lease) renewed(sent time.Time) bool {
-	if !l.held() {
-		return false
-	}
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	if l.lost {
+	if !l.heldLocked() {
 		return false
 	}
 	if sent.After(l.from) {
