@@ -6,6 +6,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -144,4 +145,60 @@ func TestFrozenConnectionStopsTheJobBeforeItIsRedelivered(t *testing.T) {
 	// The bytes held during the freeze (runner A's last InProgress) change nothing now.
 	proxy.Thaw()
 	holdsFor(t, 300*time.Millisecond, func() bool { return rec.count() == 1 && e.streamMsgs(t) == 0 }, "the job ran once more only")
+}
+
+// A consumer whose NATS connection is reset in the middle of a job reconnects and renews its
+// lease again: the job is neither lost nor run twice. (A renewal made while the connection is
+// down fails at once, without a reconnect buffer; the next one after the reconnect counts.)
+//
+// Not parallel: a starved test could miss its renewals and lose the lease, which is the rule.
+func TestResetConnectionKeepsTheLeaseAfterTheReconnect(t *testing.T) {
+	const ackWait = 3 * time.Second
+	e := newEnv(t, ackWait)
+	proxy := e.srv.NewProxy(t)
+	nc, err := natsjs.Connect(t.Context(), natsjs.Options{URLs: proxy.URL(), Name: "reset", NoReconnectBuffer: true}, testLogger(t))
+	require.NoError(t, err)
+	t.Cleanup(nc.Close)
+	js, err := jetstream.New(nc)
+	require.NoError(t, err)
+	reconnected := make(chan struct{}, 1)
+	nc.SetReconnectHandler(func(*nats.Conn) { reconnected <- struct{}{} })
+
+	started, release := make(chan *Job, 1), make(chan struct{})
+	var obs results
+	cfg := testConfig()
+	cfg.Observer = &obs
+	start(t, e.newRunner(t, js, cfg, func(ctx context.Context, job *Job) error {
+		started <- job
+		select {
+		case <-release:
+			return nil
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}))
+	e.publish(t, "reset", events.TypeUpdated)
+	var job *Job
+	select {
+	case job = <-started:
+	case <-time.After(waitFor):
+		t.Fatal("the runner did not take the job")
+	}
+	proxy.Cut()
+	select {
+	case <-reconnected:
+	case <-time.After(waitFor):
+		t.Fatal("no reconnect")
+	}
+	cut := time.Now()
+	require.Eventually(t, func() bool {
+		from, _ := job.lease.renewedAt()
+		return from.After(cut)
+	}, waitFor, tick, "a renewal after the reconnect was confirmed")
+	// Past the AckWait that started before the cut: the lease holds on renewals made after it.
+	holdsFor(t, ackWait, job.Held, "the lease held across the reset")
+	close(release)
+	require.Eventually(t, func() bool { return obs.get(ResultOK) == 1 }, waitFor, tick)
+	e.requireDrained(t)
+	assert.Equal(t, uint64(1), e.consumerInfo(t).Delivered.Consumer, "delivered once")
 }
