@@ -23,7 +23,8 @@
 //     as a duplicate, and its offer leaves a wakeup marker (natsjs.Jobs.Offer). After a job is
 //     acked or terminated the runner reads the db's marker (one API request): a marker, or a
 //     failure to read it, enqueues the job again, and the run of a job enqueued for a marker
-//     deletes that marker. A marker is never deleted before a job covering it is stored; markers
-//     left behind by a worker that died in between are enqueued by the runner's sweep. No
-//     CouchDB request is made for it.
+//     deletes that marker; so does a redelivered job for the marker it reads when it starts. A
+//     marker is never deleted before a job covering it is stored; markers left behind by a
+//     worker that died in between are enqueued by the runner's sweep. No CouchDB request is
+//     made for it.
 package worker

@@ -57,6 +57,9 @@ func (r *Runner) process(handlerCtx context.Context, msg jetstream.Msg, pulled t
 		cancel(ErrLeaseLost)
 	})
 	stopKeepAlive := r.keepAlive(ctx, msg, job.lease, log)
+	if attempt > 1 {
+		r.readWakeupAtStart(ctx, job, log)
+	}
 	started := time.Now()
 	herr := r.runHandler(ctx, job)
 	took := time.Since(started)
@@ -278,6 +281,25 @@ func (r *Runner) checkWakeup(handlerCtx context.Context, job *Job, log logrus.Fi
 		}
 	default:
 		r.offerWakeup(handlerCtx, job, seq, log)
+	}
+}
+
+// readWakeupAtStart reads the db's wakeup marker before a redelivered job runs (postponed by
+// RetryAfter, e.g. a rule's dirty_after delay, or retried after a failure): changes that came
+// while it waited are read by this run, so their marker, read now, counts as covered and costs
+// no run more after this one. A first delivery skips it (its wait in the queue is short: one API
+// request per job); a marker set while it was queued costs one more run. A failure is harmless:
+// the check after the run then offers the job again for the marker.
+func (r *Runner) readWakeupAtStart(ctx context.Context, job *Job, log logrus.FieldLogger) {
+	rctx, cancel := context.WithTimeout(ctx, settleTimeout)
+	defer cancel()
+	seq, err := r.jobs.ReadWakeup(rctx, job.Group, job.DB)
+	if err != nil {
+		log.WithError(err).Debug("read wakeup marker before the run failed: a marker makes one run more")
+		return
+	}
+	if seq != 0 {
+		job.wakeupSeq = seq
 	}
 }
 

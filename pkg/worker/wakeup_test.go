@@ -235,3 +235,36 @@ func TestMarkerOutlivesAWorkerLostBeforeItsOffer(t *testing.T) {
 	}
 	assert.Equal(t, 1, recA.count())
 }
+
+// TestWakeupWhilePostponedCostsNoRun: changes offered while a job waits for its redelivery (here
+// postponed with RetryAfter, as a rule's dirty_after does) are read by that redelivery, which
+// reads the marker when it starts: one run, no second one for the marker, which it deletes.
+func TestWakeupWhilePostponedCostsNoRun(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 0)
+	var rec recorder
+	var obs results
+	cfg := testConfig()
+	cfg.Observer = &obs
+	postponed := make(chan struct{})
+	start(t, e.newRunner(t, nil, cfg, func(_ context.Context, job *Job) error {
+		if rec.add(job) == 1 {
+			<-postponed
+			return RetryAfter(time.Second, nil)
+		}
+		return nil
+	}))
+	e.publish(t, "lazy", events.TypeUpdated)
+	require.Eventually(t, func() bool { return rec.count() == 1 }, waitFor, tick)
+	close(postponed)
+	require.Eventually(t, func() bool { return obs.get(ResultDelayed) == 1 }, waitFor, tick)
+	dedup, err := e.jobs.Offer(t.Context(), group, events.Job{DB: "lazy", Reason: events.TypeUpdated})
+	require.NoError(t, err)
+	require.True(t, dedup, "the postponed job holds the db's slot")
+	require.NotZero(t, e.marker(t, "lazy"))
+
+	require.Eventually(t, func() bool { return obs.get(ResultOK) == 1 && e.marker(t, "lazy") == 0 }, waitFor, tick)
+	e.requireDrained(t)
+	holdsFor(t, 300*time.Millisecond, func() bool { return rec.count() == 2 && e.streamMsgs(t) == 0 }, "no run for the marker")
+	assert.Equal(t, 2, rec.all()[1].Attempt)
+}
