@@ -99,7 +99,9 @@ func OpenWith(ctx context.Context, cfg *config.Consumer, group events.Group, log
 	if err != nil {
 		return nil, err
 	}
-	nc, err := natsjs.Connect(ctx, natsjs.OptionsFrom(cfg.NATS, "spiegel-"+group.ConsumerName()), log.WithField("component", "nats"))
+	nopts := natsjs.OptionsFrom(cfg.NATS, "spiegel-"+group.ConsumerName())
+	nopts.NoReconnectBuffer = true // nothing a job sends may reach NATS after its lease ran out
+	nc, err := natsjs.Connect(ctx, nopts, log.WithField("component", "nats"))
 	if err != nil {
 		return nil, err
 	}

@@ -46,6 +46,12 @@ type Options struct {
 	KeyFile      string
 	// ConnectTimeout bounds one connection attempt (dial and handshake); 0 → nats.go's 2s.
 	ConnectTimeout time.Duration
+	// NoReconnectBuffer makes every publish fail at once while the connection is down, instead
+	// of being buffered (nats.go keeps up to 8 MB) and sent after the reconnect, when whoever
+	// made it may have lost the job it was for. Consumers set it: a job's side effects (its
+	// publishes, checkpoint writes, lease renewals) must reach NATS while the job is held, or
+	// not at all.
+	NoReconnectBuffer bool
 }
 
 // Connect dials NATS and keeps reconnecting forever after a connection loss (the service never
@@ -73,6 +79,9 @@ func Connect(ctx context.Context, o Options, log logrus.FieldLogger) (*nats.Conn
 		nats.ErrorHandler(func(_ *nats.Conn, _ *nats.Subscription, err error) {
 			log.WithError(err).Warn("NATS error")
 		}),
+	}
+	if o.NoReconnectBuffer {
+		opts = append(opts, nats.ReconnectBufSize(-1))
 	}
 	if o.ConnectTimeout > 0 {
 		opts = append(opts, nats.Timeout(o.ConnectTimeout))

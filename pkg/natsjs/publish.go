@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sort"
+	"strconv"
 	"strings"
 	"sync"
 	"time"
@@ -87,12 +89,23 @@ func (j *Jobs) PublishAsync(g events.Group, job events.Job) (jetstream.PubAckFut
 
 // The lost-wakeup rule (SPEC §3) without asking CouchDB. A change that lands while its db's job
 // is pending or running is refused as a duplicate; Offer then leaves a wakeup marker for the
-// (group, db). A worker clears the marker when it starts the db's job (whatever it marked is
-// read by that run) and takes it after the ack: a marker still there came during the run, so
-// the job is offered again. Offer publishes once more after writing the marker, so that a job
-// acked between the refusal and the marker is enqueued anyway: whichever way the two race, the
-// change is covered by the running job, the job offered again, or the job this second publish
-// enqueues.
+// (group, db) and publishes once more, so that a job acked between the refusal and the marker is
+// enqueued anyway. A worker reads the marker after it settled the job (ack or term) and never
+// deletes a marker before a job that covers it is stored:
+//
+//   - no marker: nothing more to do (one API request: the read);
+//   - the marker the job was offered for (its WakeupHeader): the run covered it, the worker
+//     deletes it by its sequence, which leaves a newer marker in place;
+//   - any other marker: the worker offers the job again, carrying the marker's sequence
+//     (OfferWakeup), and leaves the marker; the next run deletes it.
+//
+// So at every moment a change is represented by a pending job, a running job that will read the
+// marker, or a marker. A marker whose job is gone (the worker died or lost NATS between the read
+// and the offer) is offered again by the workers' sweep (Wakeups, OfferWakeup).
+
+// WakeupHeader carries, on a job offered because of a wakeup marker, the marker's stream
+// sequence: the run of that job covers the marker, which may then be deleted.
+const WakeupHeader = "Spiegel-Wakeup-Seq"
 
 // Offer enqueues job for group g. When a job for the same (group, db) is already pending or
 // running, it writes the wakeup marker and publishes once more; deduplicated is true when that
@@ -107,49 +120,123 @@ func (j *Jobs) Offer(ctx context.Context, g events.Group, job events.Job) (dedup
 }
 
 // MarkAndRetry is what Offer does after a refused publish (for a caller that published
-// asynchronously and saw the refusal in the answer): write the wakeup marker, publish again.
+// asynchronously and saw the refusal in the answer): write the wakeup marker, publish again. A
+// job stored by that second publish carries the marker's sequence: its run covers the marker.
 func (j *Jobs) MarkAndRetry(ctx context.Context, g events.Group, job events.Job) (deduplicated bool, err error) {
 	subject := j.subjects.Wakeup(g, job.DB)
-	if _, err := j.js.Publish(ctx, subject, nil, jetstream.WithExpectStream(j.subjects.WakeupStream())); err != nil {
+	ack, err := j.js.Publish(ctx, subject, nil, jetstream.WithExpectStream(j.subjects.WakeupStream()))
+	if err != nil {
 		return false, fmt.Errorf("write wakeup marker %s: %w", subject, err)
 	}
-	return j.Publish(ctx, g, job)
+	return j.publishWakeup(ctx, g, job, ack.Sequence)
 }
 
-// ClearWakeup removes the wakeup marker of (g, db): the job about to run reads everything it
-// stood for. A failure is harmless (TakeWakeup then finds the old marker and the job is
-// offered once more than needed) and is returned for logging.
-func (j *Jobs) ClearWakeup(ctx context.Context, g events.Group, db string) error {
-	s, err := j.wakeups(ctx)
+// OfferWakeup enqueues the job of (g, db) for the wakeup marker at stream sequence seq (0: for a
+// marker that could not be read). deduplicated is true when a job for (g, db) is already pending
+// or running: that job reads the marker after its run, so nothing more is needed.
+func (j *Jobs) OfferWakeup(ctx context.Context, g events.Group, db string, seq uint64) (deduplicated bool, err error) {
+	return j.publishWakeup(ctx, g, events.Job{DB: db, Reason: events.ReasonWakeup}, seq)
+}
+
+func (j *Jobs) publishWakeup(ctx context.Context, g events.Group, job events.Job, seq uint64) (bool, error) {
+	msg := j.Msg(g, job)
+	if seq > 0 {
+		msg.Header = nats.Header{WakeupHeader: []string{strconv.FormatUint(seq, 10)}}
+	}
+	_, err := j.js.PublishMsg(ctx, msg, jetstream.WithExpectStream(j.subjects.WorkStream()))
 	if err == nil {
-		err = s.Purge(ctx, jetstream.WithPurgeSubject(j.subjects.Wakeup(g, db)))
+		return false, nil
+	}
+	if IsDuplicateJob(err) {
+		return true, nil
+	}
+	return false, fmt.Errorf("publish %s job for %q: %w", g, job.DB, err)
+}
+
+// WakeupSeq returns the marker sequence a job message carries (WakeupHeader), 0 when none.
+func WakeupSeq(h nats.Header) uint64 {
+	seq, err := strconv.ParseUint(h.Get(WakeupHeader), 10, 64)
+	if err != nil {
+		return 0
+	}
+	return seq
+}
+
+// ReadWakeup returns the stream sequence of the wakeup marker of (g, db), 0 when there is none.
+// It reads at the stream leader (one API request, no write): a marker stored before the call
+// is seen. A failure to tell is an error; the caller offers the job again to be safe.
+func (j *Jobs) ReadWakeup(ctx context.Context, g events.Group, db string) (uint64, error) {
+	s, err := j.wakeups(ctx)
+	if err != nil {
+		return 0, fmt.Errorf("read wakeup marker of %s %q: %w", g, db, err)
+	}
+	m, err := s.GetLastMsgForSubject(ctx, j.subjects.Wakeup(g, db))
+	if errors.Is(err, jetstream.ErrMsgNotFound) {
+		return 0, nil
 	}
 	if err != nil {
-		return fmt.Errorf("clear wakeup marker of %s %q: %w", g, db, err)
+		return 0, fmt.Errorf("read wakeup marker of %s %q: %w", g, db, err)
+	}
+	return m.Sequence, nil
+}
+
+// ClearWakeup deletes the wakeup marker of (g, db) at stream sequence seq, which a settled run
+// covered. A newer marker has another sequence and stays. A failure is harmless (the sweep
+// offers the job once more than needed) and is returned for logging.
+func (j *Jobs) ClearWakeup(ctx context.Context, g events.Group, db string, seq uint64) error {
+	s, err := j.wakeups(ctx)
+	if err == nil {
+		err = s.DeleteMsg(ctx, seq)
+	}
+	if err != nil && !errors.Is(err, jetstream.ErrMsgNotFound) {
+		return fmt.Errorf("clear wakeup marker %d of %s %q: %w", seq, g, db, err)
 	}
 	return nil
 }
 
-// TakeWakeup reports whether the wakeup marker of (g, db) is set, and removes it. A failure
-// to tell is an error; the caller offers the job again to be safe.
-func (j *Jobs) TakeWakeup(ctx context.Context, g events.Group, db string) (bool, error) {
+// Wakeup is a wakeup marker: the db and the marker's stream sequence.
+type Wakeup struct {
+	DB  string
+	Seq uint64
+}
+
+// Wakeups lists up to limit wakeup markers of group g (one API request, plus one read per
+// marker), for the sweep that offers again the markers nobody handled. A marker whose subject
+// names no db is skipped.
+func (j *Jobs) Wakeups(ctx context.Context, g events.Group, limit int) ([]Wakeup, error) {
 	s, err := j.wakeups(ctx)
 	if err != nil {
-		return false, fmt.Errorf("read wakeup marker of %s %q: %w", g, db, err)
+		return nil, fmt.Errorf("list wakeup markers of %s: %w", g, err)
 	}
-	m, err := s.GetLastMsgForSubject(ctx, j.subjects.Wakeup(g, db))
-	if errors.Is(err, jetstream.ErrMsgNotFound) {
-		return false, nil
-	}
+	prefix := strings.TrimSuffix(j.subjects.Wakeup(g, "x"), "x") // <prefix>.wakeup.<group>.
+	info, err := s.Info(ctx, jetstream.WithSubjectFilter(prefix+"*"))
 	if err != nil {
-		return false, fmt.Errorf("read wakeup marker of %s %q: %w", g, db, err)
+		return nil, fmt.Errorf("list wakeup markers of %s: %w", g, err)
 	}
-	// A newer marker replaces this one (one per subject): deleting an old sequence number that
-	// is gone already is fine.
-	if err := s.DeleteMsg(ctx, m.Sequence); err != nil && !errors.Is(err, jetstream.ErrMsgNotFound) {
-		return true, fmt.Errorf("remove wakeup marker of %s %q: %w", g, db, err)
+	subjects := make([]string, 0, len(info.State.Subjects))
+	for subject := range info.State.Subjects {
+		subjects = append(subjects, subject)
 	}
-	return true, nil
+	sort.Strings(subjects)
+	var out []Wakeup
+	for _, subject := range subjects {
+		if len(out) >= limit {
+			break
+		}
+		db, err := events.DecodeDBName(strings.TrimPrefix(subject, prefix))
+		if err != nil {
+			continue
+		}
+		m, err := s.GetLastMsgForSubject(ctx, subject)
+		if errors.Is(err, jetstream.ErrMsgNotFound) {
+			continue // deleted meanwhile
+		}
+		if err != nil {
+			return out, fmt.Errorf("read wakeup marker %s: %w", subject, err)
+		}
+		out = append(out, Wakeup{DB: db, Seq: m.Sequence})
+	}
+	return out, nil
 }
 
 func (j *Jobs) wakeups(ctx context.Context) (jetstream.Stream, error) {

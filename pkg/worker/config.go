@@ -47,9 +47,14 @@ type Config struct {
 	// small because a pulled job's AckWait is already running. A pull never asks for more than
 	// the free slots.
 	FetchBatch int
-	// AckWait is the consumer's AckWait (read from the consumer when 0). InProgress is sent
-	// every AckWait/3 while a handler runs.
+	// AckWait is the consumer's AckWait (read from the consumer when 0). A running job's lease
+	// is renewed every AckWait/3 by an InProgress the server confirms, and runs out AckWait/10
+	// before JetStream could redeliver the job.
 	AckWait time.Duration
+	// WakeupSweep is how often the runner looks for wakeup markers that nobody handled (their
+	// worker died between reading one and enqueueing its job again) and enqueues their jobs: a
+	// marker found unchanged by two sweeps in a row is offered again (default AckWait).
+	WakeupSweep time.Duration
 	// Grace is how long running jobs may take to finish once shutdown starts before their
 	// context is cancelled and they are nak'ed (default 20s).
 	Grace time.Duration
@@ -64,8 +69,8 @@ func (c Config) withDefaults() (Config, error) {
 	if c.Group == "" {
 		return c, errors.New("worker config: no group")
 	}
-	if c.Concurrency < 0 || c.FetchBatch < 0 || c.AckWait < 0 || c.Grace < 0 {
-		return c, fmt.Errorf("worker config for %s: negative concurrency, fetch batch, ack wait or grace", c.Group)
+	if c.Concurrency < 0 || c.FetchBatch < 0 || c.AckWait < 0 || c.Grace < 0 || c.WakeupSweep < 0 {
+		return c, fmt.Errorf("worker config for %s: negative concurrency, fetch batch, ack wait, grace or wakeup sweep", c.Group)
 	}
 	if c.Concurrency == 0 {
 		c.Concurrency = DefaultConcurrency

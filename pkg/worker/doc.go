@@ -15,9 +15,16 @@
 //     is only ever terminated together with a dead-letter record.
 //   - No prefetching: the runner never asks the server for more messages than it has free
 //     handler slots, so a job's AckWait only starts when a slot is ready to run it.
-//   - Lost-wakeup check: a change that lands while a db's job runs is refused by the work stream
-//     as a duplicate, and its offer leaves a wakeup marker (natsjs.Jobs.Offer). The runner clears
-//     the db's marker when the job starts and takes it after the ack: a marker set during the
-//     run makes the job run again (so does a marker that cannot be read). No CouchDB request is
+//   - Leases: a running job's lease is renewed only by an InProgress the server confirmed (sent
+//     as a request), and runs AckWait minus a tenth from when that InProgress was sent, so it
+//     ends before JetStream can redeliver the job. When it runs out the handler's context is
+//     cancelled with ErrLeaseLost and Held turns false; the job is left unsettled.
+//   - Lost-wakeup check: a change that lands while a db's job is pending or running is refused
+//     as a duplicate, and its offer leaves a wakeup marker (natsjs.Jobs.Offer). After a job is
+//     acked or terminated the runner reads the db's marker (one API request): a marker, or a
+//     failure to read it, enqueues the job again, and the run of a job enqueued for a marker
+//     deletes that marker; so does a redelivered job for the marker it reads when it starts. A
+//     marker is never deleted before a job covering it is stored; markers left behind by a
+//     worker that died in between are enqueued by the runner's sweep. No CouchDB request is
 //     made for it.
 package worker

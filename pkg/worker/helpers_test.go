@@ -34,7 +34,7 @@ type env struct {
 	jobs *natsjs.Jobs
 }
 
-func newEnv(t *testing.T, ackWait time.Duration) *env {
+func newEnv(t testing.TB, ackWait time.Duration) *env {
 	t.Helper()
 	srv := natstest.Start(t)
 	_, js := srv.Connect(t)
@@ -47,7 +47,7 @@ func newEnv(t *testing.T, ackWait time.Duration) *env {
 }
 
 // testLogger logs to the test's output with WORKER_TEST_LOG=1, and nowhere otherwise.
-func testLogger(t *testing.T) logrus.FieldLogger {
+func testLogger(t testing.TB) logrus.FieldLogger {
 	l := logrus.New()
 	l.SetOutput(io.Discard)
 	if os.Getenv("WORKER_TEST_LOG") != "" {
@@ -62,7 +62,7 @@ func testLogger(t *testing.T) logrus.FieldLogger {
 // testWriter writes to t.Log until the test ends.
 type testWriter struct {
 	mu     sync.Mutex
-	t      *testing.T
+	t      testing.TB
 	closed bool
 }
 
@@ -91,7 +91,7 @@ func testConfig() Config {
 	}
 }
 
-func (e *env) newRunner(t *testing.T, js jetstream.JetStream, cfg Config, h Handler) *Runner {
+func (e *env) newRunner(t testing.TB, js jetstream.JetStream, cfg Config, h Handler) *Runner {
 	t.Helper()
 	if js == nil {
 		js = e.js
@@ -108,7 +108,7 @@ type running struct {
 }
 
 // start runs r until stop is called or the test ends.
-func start(t *testing.T, r *Runner) *running {
+func start(t testing.TB, r *Runner) *running {
 	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	rr := &running{cancel: cancel, done: make(chan error, 1)}
@@ -140,7 +140,7 @@ func (rr *running) stop(t *testing.T) time.Duration {
 	}
 }
 
-func (e *env) publish(t *testing.T, db, reason string) {
+func (e *env) publish(t testing.TB, db, reason string) {
 	t.Helper()
 	dedup, err := e.jobs.Publish(t.Context(), group, events.Job{DB: db, Reason: reason})
 	require.NoError(t, err)

@@ -23,7 +23,8 @@ type Job struct {
 	// failures. The handler sets it; Tries, and so the retry backoff, leave them out.
 	Postponed int
 
-	lease *lease // nil: not tracked (a job made outside a Runner)
+	lease     *lease // nil: not tracked (a job made outside a Runner)
+	wakeupSeq uint64 // the wakeup marker this delivery was offered for (natsjs.WakeupHeader), 0: none
 }
 
 // Tries returns the delivery count without the postponements: 1 on the first real try. The
@@ -35,7 +36,8 @@ func (j *Job) Tries() int { return max(j.Attempt-j.Postponed, 1) }
 //
 //   - nil: done; the job is acked, then the lost-wakeup check runs (natsjs.Jobs.Offer).
 //   - RetryAfter(d, err): run again no earlier than d from now.
-//   - Permanent(err): given up; a DeadLetter record is published and the job is terminated.
+//   - Permanent(err): given up; a DeadLetter record is published, the job is terminated, then the
+//     lost-wakeup check runs (a change that came during the run makes it run again).
 //   - any other error: transient; run again after the runner's backoff for Job.Attempt.
 //
 // ctx is not cancelled when the runner starts shutting down, only when the grace period ends;

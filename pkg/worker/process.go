@@ -12,6 +12,7 @@ import (
 
 	"github.com/spiegel-nats/spiegel/pkg/backoff"
 	"github.com/spiegel-nats/spiegel/pkg/events"
+	"github.com/spiegel-nats/spiegel/pkg/natsjs"
 )
 
 const (
@@ -19,9 +20,9 @@ const (
 	settleTimeout = 10 * time.Second
 )
 
-// process runs one job and settles its message. handlerCtx ends when the grace period of a
-// shutdown is over.
-func (r *Runner) process(handlerCtx context.Context, msg jetstream.Msg) {
+// process runs one job, delivered in answer to a pull request sent at pulled, and settles its
+// message. handlerCtx ends when the grace period of a shutdown is over.
+func (r *Runner) process(handlerCtx context.Context, msg jetstream.Msg, pulled time.Time) {
 	attempt := 1
 	if md, err := msg.Metadata(); err == nil && md.NumDelivered > 0 {
 		attempt = int(md.NumDelivered)
@@ -31,10 +32,10 @@ func (r *Runner) process(handlerCtx context.Context, msg jetstream.Msg) {
 		err = fmt.Errorf("parse work subject %q: group %s, want %s", msg.Subject(), group, r.cfg.Group)
 	}
 	if err != nil {
-		r.rejectSubject(handlerCtx, msg, attempt, err)
+		r.rejectSubject(handlerCtx, msg, attempt, pulled, err)
 		return
 	}
-	job := &Job{Group: group, DB: db, Attempt: attempt}
+	job := &Job{Group: group, DB: db, Attempt: attempt, wakeupSeq: natsjs.WakeupSeq(msg.Headers())}
 	log := r.log.WithFields(logrus.Fields{"db": db, "attempt": attempt})
 	if payload, err := events.UnmarshalJob(msg.Data()); err != nil {
 		log.WithError(err).Warn("bad job payload: running the job from its subject alone")
@@ -42,19 +43,31 @@ func (r *Runner) process(handlerCtx context.Context, msg jetstream.Msg) {
 		job.Reason, job.Seq = payload.Reason, payload.Seq
 	}
 
-	job.lease = newLease(r.cfg.AckWait, r.now)
+	job.lease = newLease(r.cfg.AckWait, pulled, r.now)
+	if !job.Held() {
+		// The process stalled between the pull and now: another consumer may have the job.
+		log.WithError(ErrLeaseLost).Warn("job came after its lease ran out: not run, left for a redelivery")
+		r.observe(ResultRetry, 0)
+		return
+	}
 	ctx, cancel := context.WithCancelCause(withJob(handlerCtx, job))
 	defer cancel(nil)
-	stopKeepAlive := r.keepAlive(ctx, msg, job.lease, cancel, log)
-	r.clearWakeup(ctx, job, log)
+	job.lease.whenLost(func() {
+		log.WithError(ErrLeaseLost).Warn("job lease ran out before a renewal was confirmed: stopped, left unsettled; another instance runs it")
+		cancel(ErrLeaseLost)
+	})
+	stopKeepAlive := r.keepAlive(ctx, msg, job.lease, log)
+	if attempt > 1 {
+		r.readWakeupAtStart(ctx, job, log)
+	}
 	started := time.Now()
 	herr := r.runHandler(ctx, job)
 	took := time.Since(started)
 
 	result := r.settle(handlerCtx, msg, job, herr, stopKeepAlive, log)
 	r.observe(result, took)
-	if result == ResultOK {
-		r.takeWakeup(handlerCtx, job, log)
+	if result == ResultOK || result == ResultFailed {
+		r.checkWakeup(handlerCtx, job, log)
 	}
 }
 
@@ -68,40 +81,59 @@ func (r *Runner) runHandler(ctx context.Context, job *Job) (err error) {
 	return r.handler(ctx, job)
 }
 
-// keepAlive sends InProgress at once (the job may have waited in a client buffer) and then every
-// AckWait/3 until the returned stop is called or ctx ends; stop returns once no InProgress can be
-// sent any more.
-//
-// With a lease (nil for a message that is no job), each InProgress sent renews it; when it has
-// run out before one could be sent (the process was paused), the job is lost: lost is called
-// with ErrLeaseLost and nothing more is sent.
-func (r *Runner) keepAlive(ctx context.Context, msg jetstream.Msg, l *lease, lost context.CancelCauseFunc, log logrus.FieldLogger) (stop func()) {
+// ackProgress is the body of an InProgress acknowledgement.
+var ackProgress = []byte("+WPI")
+
+// keepAlive renews l until the returned stop is called, ctx ends or the lease runs out; stop
+// returns once no renewal can be sent any more. A renewal is an InProgress sent as a request:
+// the consumer's answer confirms that the server received it (see lease). One is sent when a
+// third of AckWait has passed since the lease was last renewed, and again every AckWait/20 while
+// none is confirmed; each waits for its answer for AckWait/4 at most (an answer lost in a
+// reconnect must not use up the lease) and never past the lease's end. keepAlive looks at
+// the lease the moment it is due to run out, so that its whenLost callback runs then at the
+// latest.
+func (r *Runner) keepAlive(ctx context.Context, msg jetstream.Msg, l *lease, log logrus.FieldLogger) (stop func()) {
 	ctx, cancel := context.WithCancel(ctx)
 	var wg sync.WaitGroup
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
-		tick := time.NewTicker(max(r.cfg.AckWait/3, time.Millisecond))
-		defer tick.Stop()
+	wg.Go(func() {
+		every := max(r.cfg.AckWait/3, time.Millisecond)
+		retry := max(r.cfg.AckWait/20, time.Millisecond)
+		patience := max(r.cfg.AckWait/4, time.Millisecond)
+		from, until := l.renewedAt()
+		next := from.Add(every)
 		for {
-			if l != nil && !l.held() {
-				log.WithError(ErrLeaseLost).Warn("job not kept alive within AckWait: stopped; another instance runs it")
-				lost(ErrLeaseLost)
+			if !l.held() {
 				return
+			}
+			now := r.now()
+			if wait := min(next.Sub(now), until.Sub(now)); wait > 0 {
+				t := time.NewTimer(wait)
+				select {
+				case <-ctx.Done():
+					t.Stop()
+					return
+				case <-t.C:
+				}
+				continue
 			}
 			sent := r.now()
-			if err := msg.InProgress(); err != nil {
-				log.WithError(err).Debug("keep job alive failed")
-			} else if l != nil {
-				l.renewed(sent)
-			}
-			select {
-			case <-ctx.Done():
+			rctx, rcancel := context.WithTimeout(ctx, min(until.Sub(sent), patience))
+			_, err := r.nc.RequestWithContext(rctx, msg.Reply(), ackProgress)
+			rcancel()
+			switch {
+			case ctx.Err() != nil:
 				return
-			case <-tick.C:
+			case err == nil && l.renewed(sent):
+				from, until = l.renewedAt()
+				next = from.Add(every)
+			default:
+				if err != nil {
+					log.WithError(err).Debug("renew job lease failed: retrying while the lease lasts")
+				}
+				next = r.now().Add(retry)
 			}
 		}
-	}()
+	})
 	return func() { cancel(); wg.Wait() }
 }
 
@@ -114,7 +146,7 @@ func (r *Runner) settle(handlerCtx context.Context, msg jetstream.Msg, job *Job,
 	if !job.Held() {
 		// Another consumer may be running the job: settling this delivery could end its run.
 		stopKeepAlive()
-		log.WithError(ErrLeaseLost).Warn("job not settled: it was not kept alive within AckWait")
+		log.WithError(ErrLeaseLost).Warn("job not settled: its lease ran out")
 		return ResultRetry
 	}
 	if handlerCtx.Err() != nil {
@@ -180,11 +212,11 @@ func (r *Runner) nak(msg jetstream.Msg, delay time.Duration, log logrus.FieldLog
 }
 
 // rejectSubject gives up a message whose subject names no db of this group: dead letter, Term.
-func (r *Runner) rejectSubject(handlerCtx context.Context, msg jetstream.Msg, attempt int, perr error) {
+func (r *Runner) rejectSubject(handlerCtx context.Context, msg jetstream.Msg, attempt int, pulled time.Time, perr error) {
 	log := r.log.WithFields(logrus.Fields{"subject": msg.Subject(), "attempt": attempt})
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(handlerCtx), settleTimeout)
 	defer cancel()
-	stopKeepAlive := r.keepAlive(ctx, msg, nil, nil, log)
+	stopKeepAlive := r.keepAlive(ctx, msg, newLease(r.cfg.AckWait, pulled, r.now), log)
 	rec := DeadLetter{Group: r.cfg.Group, DB: msg.Subject(), Error: perr.Error(), Attempts: attempt,
 		Details: map[string]any{"subject": msg.Subject()}}
 	err := r.deadLetters.Publish(ctx, rec)
@@ -211,54 +243,132 @@ func (r *Runner) observe(result string, d time.Duration) {
 // wakeupFailurePause paces the jobs enqueued again because their lost-wakeup check failed.
 var wakeupFailurePause = backoff.Policy{Initial: 500 * time.Millisecond, Max: 30 * time.Second, Multiplier: 2, Jitter: 0.2}
 
-// clearWakeup removes the db's wakeup marker before the handler runs: the run reads every
-// change the marker stood for (natsjs.Jobs.Offer).
-func (r *Runner) clearWakeup(ctx context.Context, job *Job, log logrus.FieldLogger) {
-	cctx, cancel := context.WithTimeout(ctx, settleTimeout)
-	defer cancel()
-	if err := r.jobs.ClearWakeup(cctx, job.Group, job.DB); err != nil {
-		log.WithError(err).Debug("clear wakeup marker failed: the job may be offered once more than needed")
-	}
-}
-
-// takeWakeup runs the lost-wakeup check of an acked job (SPEC §3): a wakeup marker set while the
-// job ran means a change came that the run may have missed, so the job is offered again. When
-// the marker cannot be read, the job is offered again to be safe. The job is acked already: the
-// offer is retried until it is stored or the handlers' context ends (the end of a shutdown's
-// grace period).
-func (r *Runner) takeWakeup(handlerCtx context.Context, job *Job, log logrus.FieldLogger) {
+// checkWakeup runs the lost-wakeup check of a settled job (acked, or terminated with a dead
+// letter): it reads the db's wakeup marker (one API request) and
+//
+//   - finds none: done;
+//   - finds the marker this delivery was offered for: the run covered it; it is deleted by its
+//     sequence (a newer marker stays);
+//   - finds another: a change may have come that the run missed, so the job is offered again
+//     for that marker, which stays until a run covers it (natsjs "The lost-wakeup rule");
+//   - cannot read it: the job is offered again to be safe, after a pause that grows while checks
+//     keep failing (the wakeup stream missing, NATS down): a run must not follow a run without end.
+//
+// A marker is never deleted before a job that covers it is stored, so a process that dies here
+// loses nothing: the marker stays, and the sweep (sweepWakeups) offers its job again.
+func (r *Runner) checkWakeup(handlerCtx context.Context, job *Job, log logrus.FieldLogger) {
 	ctx, cancel := context.WithTimeout(handlerCtx, settleTimeout)
-	set, err := r.jobs.TakeWakeup(ctx, job.Group, job.DB)
+	seq, err := r.jobs.ReadWakeup(ctx, job.Group, job.DB)
 	cancel()
 	if err != nil {
-		// Enqueued again to be safe, after a pause that grows while checks keep failing (the
-		// wakeup stream missing, NATS down): a run must not follow a run without end.
 		n := r.wakeupFailures.Add(1)
 		delay := wakeupFailurePause.Delay(int(n))
 		log.WithError(err).WithField("delay", delay.String()).Warn("lost-wakeup check failed: enqueueing the job again to be safe")
 		if backoff.Sleep(handlerCtx, delay) != nil {
 			return
 		}
-		set = true
-	} else {
-		r.wakeupFailures.Store(0)
-	}
-	if !set {
+		r.offerWakeup(handlerCtx, job, 0, log)
 		return
 	}
+	r.wakeupFailures.Store(0)
+	switch {
+	case seq == 0:
+	case seq == job.wakeupSeq:
+		ctx, cancel := context.WithTimeout(handlerCtx, settleTimeout)
+		defer cancel()
+		if err := r.jobs.ClearWakeup(ctx, job.Group, job.DB, seq); err != nil {
+			log.WithError(err).Debug("clear wakeup marker failed: the sweep offers the job once more than needed")
+		}
+	default:
+		r.offerWakeup(handlerCtx, job, seq, log)
+	}
+}
+
+// readWakeupAtStart reads the db's wakeup marker before a redelivered job runs (postponed by
+// RetryAfter, e.g. a rule's dirty_after delay, or retried after a failure): changes that came
+// while it waited are read by this run, so their marker, read now, counts as covered and costs
+// no run more after this one. A first delivery skips it (its wait in the queue is short: one API
+// request per job); a marker set while it was queued costs one more run. A failure is harmless:
+// the check after the run then offers the job again for the marker.
+func (r *Runner) readWakeupAtStart(ctx context.Context, job *Job, log logrus.FieldLogger) {
+	rctx, cancel := context.WithTimeout(ctx, settleTimeout)
+	defer cancel()
+	seq, err := r.jobs.ReadWakeup(rctx, job.Group, job.DB)
+	if err != nil {
+		log.WithError(err).Debug("read wakeup marker before the run failed: a marker makes one run more")
+		return
+	}
+	if seq != 0 {
+		job.wakeupSeq = seq
+	}
+}
+
+// offerWakeup enqueues the job again for the wakeup marker seq, retrying until it is stored (or
+// refused: a job for the db is pending or running, and reads the marker after its run) or the
+// handlers' context ends (the end of a shutdown's grace period; the marker stays for the sweep).
+func (r *Runner) offerWakeup(handlerCtx context.Context, job *Job, seq uint64, log logrus.FieldLogger) {
 	retry := backoff.Policy{Initial: 200 * time.Millisecond, Max: 5 * time.Second, Multiplier: 2, Jitter: 0.2}
 	for attempt := 1; ; attempt++ {
-		pctx, cancel := context.WithTimeout(handlerCtx, settleTimeout)
-		_, err := r.jobs.Offer(pctx, job.Group, events.Job{DB: job.DB, Reason: events.ReasonWakeup})
+		ctx, cancel := context.WithTimeout(handlerCtx, settleTimeout)
+		_, err := r.jobs.OfferWakeup(ctx, job.Group, job.DB, seq)
 		cancel()
 		if err == nil {
-			log.Debug("db changed while its job ran: job enqueued again")
+			log.WithField("marker", seq).Debug("db changed while its job ran: job enqueued again")
 			return
 		}
 		if backoff.Sleep(handlerCtx, retry.Delay(attempt)) != nil {
-			log.WithError(err).Error("enqueue job again after a lost wakeup failed until shutdown: the db waits for its next change or sweep")
+			log.WithError(err).Warn("enqueue job again after a lost wakeup failed until shutdown: its marker stays, the sweep enqueues it")
 			return
 		}
 		log.WithError(err).WithField("attempt", attempt).Warn("enqueue job again after a lost wakeup failed: retrying")
+	}
+}
+
+// maxSweptWakeups bounds the wakeup markers one sweep reads.
+const maxSweptWakeups = 1000
+
+// sweepWakeups offers again, every Config.WakeupSweep (AckWait by default) until ctx ends, the
+// job of each wakeup marker of the group that two sweeps in a row found with the same sequence:
+// a marker nobody handled for that long, because the worker that read it died or lost NATS
+// before it could enqueue the job again. A marker whose job is pending or running is refused as
+// a duplicate, which is fine: that job reads it after its run. Offering one more job than needed
+// costs a run; a marker left behind would cost a change.
+func (r *Runner) sweepWakeups(ctx context.Context) {
+	tick := time.NewTicker(r.cfg.WakeupSweep)
+	defer tick.Stop()
+	log := r.log.WithField("component", "wakeup-sweep")
+	var seen map[string]uint64
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-tick.C:
+		}
+		lctx, cancel := context.WithTimeout(ctx, settleTimeout)
+		markers, err := r.jobs.Wakeups(lctx, r.cfg.Group, maxSweptWakeups)
+		cancel()
+		if err != nil {
+			log.WithError(err).Debug("list wakeup markers failed: retried at the next sweep")
+		}
+		now := make(map[string]uint64, len(markers))
+		for _, m := range markers {
+			now[m.DB] = m.Seq
+			if seen[m.DB] != m.Seq {
+				continue
+			}
+			octx, cancel := context.WithTimeout(ctx, settleTimeout)
+			dedup, err := r.jobs.OfferWakeup(octx, r.cfg.Group, m.DB, m.Seq)
+			cancel()
+			switch {
+			case err != nil:
+				log.WithError(err).WithField("db", m.DB).Debug("enqueue the job of a stale wakeup marker failed: retried at the next sweep")
+			case !dedup:
+				log.WithFields(logrus.Fields{"db": m.DB, "marker": m.Seq}).Info("wakeup marker left unhandled: job enqueued again")
+				delete(now, m.DB) // its run deletes it: offered again only if two more sweeps find it
+			}
+		}
+		if err == nil || len(markers) > 0 {
+			seen = now
+		}
 	}
 }

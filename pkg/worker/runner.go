@@ -8,6 +8,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/sirupsen/logrus"
 
@@ -19,8 +20,9 @@ import (
 const (
 	// lookupTimeout bounds New's consumer lookup.
 	lookupTimeout = 10 * time.Second
-	// fetchWait is how long one pull request waits for jobs at the server. Short pulls keep an
-	// idle runner quick to notice a restarted server; they cost one request per interval.
+	// fetchWait is how long one pull request waits for jobs at the server (at most AckWait/4: a
+	// job's lease runs from when the pull was sent). Short pulls keep an idle runner quick to
+	// notice a restarted server; they cost one request per interval.
 	fetchWait = 5 * time.Second
 	// fetchHeartbeat lets a pull notice a dead connection or server within 2 heartbeats.
 	fetchHeartbeat = time.Second
@@ -34,6 +36,7 @@ const (
 // Several runners, in one process or many, may share the consumer: each job goes to one of them.
 type Runner struct {
 	cfg         Config
+	nc          *nats.Conn // renews leases: InProgress as a request
 	consumer    jetstream.Consumer
 	handler     Handler
 	jobs        *natsjs.Jobs
@@ -76,8 +79,12 @@ func New(js jetstream.JetStream, subjects events.Subjects, cfg Config, h Handler
 	if cfg.AckWait <= 0 {
 		cfg.AckWait = 30 * time.Second // the server's default
 	}
+	if cfg.WakeupSweep == 0 {
+		cfg.WakeupSweep = cfg.AckWait
+	}
 	return &Runner{
 		cfg:         cfg,
+		nc:          js.Conn(),
 		consumer:    consumer,
 		handler:     h,
 		jobs:        natsjs.NewJobs(js, subjects),
@@ -92,7 +99,8 @@ func New(js jetstream.JetStream, subjects events.Subjects, cfg Config, h Handler
 func (r *Runner) InFlight() int { return int(r.inFlight.Load()) }
 
 // Run takes and runs jobs until ctx ends. It pulls only as many jobs as it has free slots
-// (Config.Concurrency), so no job waits in a local buffer while its AckWait runs. Errors
+// (Config.Concurrency), so no job waits in a local buffer while its AckWait runs; meanwhile it
+// sweeps the group's wakeup markers for ones nobody handled (Config.WakeupSweep). Errors
 // talking to NATS (server down, consumer deleted for a while) are logged and retried with
 // backoff; they never end Run.
 //
@@ -115,6 +123,9 @@ func (r *Runner) Run(ctx context.Context) error {
 	var wg sync.WaitGroup
 
 	r.log.WithField("concurrency", r.cfg.Concurrency).Info("worker started")
+	sweepDone := make(chan struct{})
+	go func() { defer close(sweepDone); r.sweepWakeups(ctx) }()
+	defer func() { <-sweepDone }()
 	r.pullLoop(ctx, handlerCtx, slots, &wg)
 
 	done := make(chan struct{})
@@ -200,7 +211,7 @@ func release(slots chan struct{}, n int) {
 // job that still arrives is nak'ed, except one the server sent in the very instant of the
 // withdrawal, which nats.go drops: it runs again after AckWait.
 func (r *Runner) pull(ctx, handlerCtx context.Context, n int, slots chan struct{}, wg *sync.WaitGroup) error {
-	pullCtx, cancel := context.WithTimeout(ctx, fetchWait)
+	pullCtx, cancel := context.WithTimeout(ctx, min(fetchWait, r.cfg.AckWait/4))
 	defer cancel()
 	if pullCtx.Err() != nil {
 		release(slots, n)
@@ -210,6 +221,7 @@ func (r *Runner) pull(ctx, handlerCtx context.Context, n int, slots chan struct{
 	if deadline, ok := pullCtx.Deadline(); ok && time.Until(deadline) > 3*fetchHeartbeat {
 		opts = append(opts, jetstream.FetchHeartbeat(fetchHeartbeat))
 	}
+	pulled := r.now() // the server delivers no job before it got the pull: the jobs' leases start here
 	batch, err := r.consumer.Fetch(n, opts...)
 	if err != nil {
 		release(slots, n)
@@ -230,7 +242,7 @@ func (r *Runner) pull(ctx, handlerCtx context.Context, n int, slots chan struct{
 		go func() {
 			defer wg.Done()
 			defer func() { r.inFlight.Add(-1); <-slots }()
-			r.process(handlerCtx, msg)
+			r.process(handlerCtx, msg, pulled)
 		}()
 	}
 	release(slots, n-got)

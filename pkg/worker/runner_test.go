@@ -278,7 +278,7 @@ func TestBadMessages(t *testing.T) {
 // resuming: the handler's context ends with ErrLeaseLost, Held turns false, the delivery is
 // neither acked nor nak'ed, and JetStream hands the job out again.
 func TestLostLeaseStopsTheJobUnsettled(t *testing.T) {
-	e := newEnv(t, time.Second)
+	e := newEnv(t, 2*time.Second)
 	var skew atomic.Int64
 	rec := &recorder{}
 	causes := make(chan error, 2)
@@ -286,7 +286,7 @@ func TestLostLeaseStopsTheJobUnsettled(t *testing.T) {
 		if rec.add(job) > 1 {
 			return nil
 		}
-		skew.Add(int64(2 * time.Second)) // the process "sleeps" through two AckWaits
+		skew.Add(int64(4 * time.Second)) // the process "sleeps" through two AckWaits
 		assert.False(t, Held(ctx), "a lease past AckWait is not held")
 		select {
 		case <-ctx.Done():
@@ -309,20 +309,32 @@ func TestLostLeaseStopsTheJobUnsettled(t *testing.T) {
 	e.requireDrained(t)
 	calls := rec.all()
 	require.Len(t, calls, 2, "the job ran again: the lost delivery was not acked")
-	assert.Equal(t, 2, calls[1].Attempt)
+	// 2, or more when a loaded machine could not get the next delivery's lease renewed in time.
+	assert.GreaterOrEqual(t, calls[1].Attempt, 2)
 }
 
+// A lease runs AckWait minus a tenth from the pull, then from each confirmed InProgress, counted
+// from when it was sent; a confirmation that comes after it ran out does not take it back.
 func TestLeaseRunsOutForGood(t *testing.T) {
 	now := time.Unix(1000, 0)
-	l := newLease(time.Second, func() time.Time { return now })
+	l := newLease(time.Second, now, func() time.Time { return now })
 	assert.True(t, l.held())
-	now = now.Add(900 * time.Millisecond)
-	l.renewed(now)
-	now = now.Add(900 * time.Millisecond)
-	assert.True(t, l.held(), "renewed from the last InProgress")
-	now = now.Add(200 * time.Millisecond)
-	assert.False(t, l.held(), "AckWait after the last InProgress")
-	l.renewed(now)
-	assert.False(t, l.held(), "an InProgress after the lease ran out does not take the job back")
+	now = now.Add(850 * time.Millisecond)
+	assert.True(t, l.held(), "within AckWait minus the margin of the pull")
+	sent := now
+	now = now.Add(40 * time.Millisecond) // the round trip of the InProgress
+	assert.True(t, l.renewed(sent), "confirmed while held")
+	now = now.Add(850 * time.Millisecond)
+	assert.True(t, l.held(), "renewed from when the InProgress was sent")
+	now = sent.Add(900 * time.Millisecond)
+	assert.False(t, l.held(), "AckWait minus the margin after the last confirmed InProgress was sent")
+	assert.False(t, l.renewed(now.Add(-50*time.Millisecond)), "a confirmation after the lease ran out does not take the job back")
+	assert.False(t, l.held())
+
+	late := newLease(time.Second, now, func() time.Time { return now })
+	sent = now.Add(800 * time.Millisecond)
+	now = now.Add(950 * time.Millisecond) // sent in time, answered too late
+	assert.False(t, late.renewed(sent), "a confirmation that came after the lease ran out proves nothing")
+	assert.False(t, late.held())
 	assert.True(t, (&Job{}).Held(), "a job without a lease is held")
 }

@@ -1,0 +1,171 @@
+package natstest
+
+import (
+	"io"
+	"net"
+	"sync"
+	"testing"
+)
+
+// Proxy is a TCP proxy in front of the server that a test controls, to play the network faults
+// a real server cannot be asked for: Freeze stops every byte in both directions while the
+// connections stay open (a partition: neither side sees a close), Thaw lets the held bytes
+// through again, Cut resets the open connections. New connections made while frozen are
+// accepted and frozen too.
+type Proxy struct {
+	target string
+	ln     net.Listener
+
+	mu     sync.Mutex
+	thawed chan struct{} // closed while not frozen
+	conns  map[net.Conn]struct{}
+	closed bool
+	wg     sync.WaitGroup
+}
+
+// NewProxy starts a proxy to s on a free loopback port; it is closed when the test ends.
+func (s *Server) NewProxy(t testing.TB) *Proxy {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatalf("natstest: proxy listen: %v", err)
+	}
+	addr, ok := s.Server.Addr().(*net.TCPAddr)
+	if !ok {
+		t.Fatalf("natstest: proxy: server address %v", s.Server.Addr())
+	}
+	thawed := make(chan struct{})
+	close(thawed)
+	p := &Proxy{target: addr.String(), ln: ln, thawed: thawed, conns: map[net.Conn]struct{}{}}
+	p.wg.Go(p.accept)
+	t.Cleanup(p.Close)
+	return p
+}
+
+// URL is the client URL of the server through the proxy.
+func (p *Proxy) URL() string { return "nats://" + p.ln.Addr().String() }
+
+// Freeze holds every byte in both directions from now on; the connections stay open.
+func (p *Proxy) Freeze() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	select {
+	case <-p.thawed:
+		p.thawed = make(chan struct{})
+	default: // frozen already
+	}
+}
+
+// Thaw lets the held bytes through and the connections run again.
+func (p *Proxy) Thaw() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	select {
+	case <-p.thawed:
+	default:
+		close(p.thawed)
+	}
+}
+
+// Cut closes every open connection (both sides see a reset); new ones are accepted.
+func (p *Proxy) Cut() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for c := range p.conns {
+		_ = c.Close()
+	}
+}
+
+// Close stops the proxy: the listener and every connection are closed, held bytes dropped.
+func (p *Proxy) Close() {
+	p.mu.Lock()
+	if !p.closed {
+		p.closed = true
+		_ = p.ln.Close()
+		for c := range p.conns {
+			_ = c.Close()
+		}
+		select {
+		case <-p.thawed:
+		default:
+			close(p.thawed)
+		}
+	}
+	p.mu.Unlock()
+	p.wg.Wait()
+}
+
+func (p *Proxy) accept() {
+	for {
+		c, err := p.ln.Accept()
+		if err != nil {
+			return
+		}
+		p.wg.Go(func() { p.pipe(c) })
+	}
+}
+
+// track adds c to the open connections; false when the proxy is closed.
+func (p *Proxy) track(cs ...net.Conn) bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.closed {
+		return false
+	}
+	for _, c := range cs {
+		p.conns[c] = struct{}{}
+	}
+	return true
+}
+
+func (p *Proxy) untrack(cs ...net.Conn) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for _, c := range cs {
+		delete(p.conns, c)
+		_ = c.Close()
+	}
+}
+
+// gate returns a channel that is closed while the proxy is not frozen.
+func (p *Proxy) gate() <-chan struct{} {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.thawed
+}
+
+func (p *Proxy) pipe(c net.Conn) {
+	<-p.gate() // a connection made while frozen stays silent until the thaw
+	up, err := net.Dial("tcp", p.target)
+	if err != nil {
+		_ = c.Close()
+		return
+	}
+	if !p.track(c, up) {
+		_ = c.Close()
+		_ = up.Close()
+		return
+	}
+	defer p.untrack(c, up)
+	done := make(chan struct{}, 2)
+	go func() { p.copy(up, c); done <- struct{}{} }()
+	go func() { p.copy(c, up); done <- struct{}{} }()
+	<-done
+}
+
+// copy moves bytes from src to dst, holding each read while the proxy is frozen.
+func (p *Proxy) copy(dst io.Writer, src io.Reader) {
+	buf := make([]byte, 32*1024)
+	for {
+		n, err := src.Read(buf)
+		if n > 0 {
+			<-p.gate()
+			if _, werr := dst.Write(buf[:n]); werr != nil {
+				return
+			}
+		}
+		if err != nil {
+			return
+		}
+	}
+}

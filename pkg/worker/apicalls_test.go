@@ -1,0 +1,170 @@
+package worker
+
+import (
+	"context"
+	"fmt"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/spiegel-nats/spiegel/pkg/events"
+)
+
+// apiCounter counts the JetStream API requests of the account by kind ("STREAM.PURGE",
+// "STREAM.MSG.GET", "DIRECT.GET", "CONSUMER.MSG.NEXT", ...), as the server sees them: it
+// subscribes to $JS.API.> on its own connection.
+type apiCounter struct {
+	nc  *nats.Conn
+	sub *nats.Subscription
+
+	mu     sync.Mutex
+	counts map[string]int
+}
+
+// apiKinds are the request kinds whose subject ends with one name (a stream) or two (stream and
+// consumer), longest first.
+var apiKinds = []string{
+	"CONSUMER.MSG.NEXT", "STREAM.MSG.GET", "STREAM.MSG.DELETE", "DIRECT.GET",
+	"STREAM.INFO", "STREAM.PURGE", "STREAM.NAMES", "STREAM.LIST", "STREAM.CREATE", "STREAM.UPDATE",
+	"CONSUMER.INFO", "CONSUMER.CREATE", "CONSUMER.DURABLE.CREATE", "CONSUMER.DELETE", "INFO",
+}
+
+func apiKind(subject string) string {
+	rest := strings.TrimPrefix(subject, "$JS.API.")
+	for _, k := range apiKinds {
+		if rest == k || strings.HasPrefix(rest, k+".") {
+			return k
+		}
+	}
+	return rest
+}
+
+func newAPICounter(t testing.TB, e *env) *apiCounter {
+	t.Helper()
+	nc, _ := e.srv.Connect(t)
+	c := &apiCounter{nc: nc, counts: map[string]int{}}
+	sub, err := nc.Subscribe("$JS.API.>", func(m *nats.Msg) {
+		c.mu.Lock()
+		c.counts[apiKind(m.Subject)]++
+		c.mu.Unlock()
+	})
+	require.NoError(t, err)
+	require.NoError(t, nc.Flush())
+	c.sub = sub
+	return c
+}
+
+// stop ends the count once every request sent so far reached the counter, and returns it.
+func (c *apiCounter) stop(t testing.TB) map[string]int {
+	t.Helper()
+	require.NoError(t, c.nc.Flush())
+	require.NoError(t, c.sub.Unsubscribe())
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	out := make(map[string]int, len(c.counts))
+	for k, v := range c.counts {
+		out[k] = v
+	}
+	return out
+}
+
+// jobPathCalls runs n jobs of distinct dbs through one runner and returns the JetStream API
+// requests counted while they ran, by kind. With changeDuringRun, a change is offered for each
+// db while its first job runs (a wakeup marker), so each db runs twice.
+func jobPathCalls(t testing.TB, n int, changeDuringRun bool) map[string]int {
+	t.Helper()
+	e := newEnv(t, 0)
+	var obs results
+	cfg := testConfig()
+	cfg.Observer = &obs
+	var mu sync.Mutex
+	var offerErrs []error
+	runs := map[string]int{}
+	r := e.newRunner(t, nil, cfg, func(ctx context.Context, job *Job) error {
+		mu.Lock()
+		runs[job.DB]++
+		first := runs[job.DB] == 1
+		mu.Unlock()
+		if changeDuringRun && first {
+			if _, err := e.jobs.Offer(ctx, group, events.Job{DB: job.DB, Reason: events.TypeUpdated}); err != nil {
+				mu.Lock()
+				offerErrs = append(offerErrs, err)
+				mu.Unlock()
+			}
+		}
+		return nil
+	})
+	counter := newAPICounter(t, e)
+	start(t, r)
+	if b, ok := t.(*testing.B); ok {
+		b.ResetTimer() // ns/op: the jobs, not the server's start
+	}
+	for i := range n {
+		e.publish(t, fmt.Sprintf("db-%d", i), events.TypeUpdated)
+	}
+	want := n
+	if changeDuringRun {
+		want = 2 * n
+	}
+	deadline := time.Now().Add(waitFor + time.Duration(n)*10*time.Millisecond)
+	for obs.get(ResultOK) < want || r.InFlight() > 0 {
+		if time.Now().After(deadline) {
+			t.Fatalf("%d of %d runs done, %d in flight", obs.get(ResultOK), want, r.InFlight())
+		}
+		time.Sleep(tick)
+	}
+	counts := counter.stop(t)
+	mu.Lock()
+	defer mu.Unlock()
+	require.Empty(t, offerErrs)
+	return counts
+}
+
+// extraCalls is what a job costs beyond its fetch (and ack, which is no API request): every
+// request but the pulls and the runner's one-time look-ups of the streams it uses.
+func extraCalls(counts map[string]int) int {
+	n := 0
+	for k, v := range counts {
+		switch k {
+		case "CONSUMER.MSG.NEXT", "STREAM.INFO", "CONSUMER.INFO":
+		default:
+			n += v
+		}
+	}
+	return n
+}
+
+// TestJobPathCostsOneAPIRequest: a job with no wakeup marker costs its fetch, its ack and at most
+// one JetStream API request more (the lost-wakeup check), which is no write (no RAFT proposal on
+// a replicated stream). The first version of the check cost a purge, a message get and, with a
+// marker, a delete.
+func TestJobPathCostsOneAPIRequest(t *testing.T) {
+	t.Parallel()
+	const n = 20
+	counts := jobPathCalls(t, n, false)
+	t.Logf("JetStream API requests for %d jobs: %v", n, counts)
+	assert.LessOrEqual(t, extraCalls(counts), n, "at most one API request per job beyond fetch and ack")
+	assert.Zero(t, counts["STREAM.PURGE"]+counts["STREAM.MSG.DELETE"], "no write on a job without a marker")
+	assert.LessOrEqual(t, counts["STREAM.INFO"]+counts["CONSUMER.INFO"], 2, "streams are looked up once")
+}
+
+// BenchmarkJobPathAPICalls reports the JetStream API requests per job beyond fetch and ack
+// (extra-calls/job), and the pulls per job: for jobs without a wakeup marker ("quiet"), and for
+// dbs that change while their job runs ("changed"), per db (its two runs together).
+func BenchmarkJobPathAPICalls(b *testing.B) {
+	b.Run("quiet", func(b *testing.B) {
+		counts := jobPathCalls(b, b.N, false)
+		b.ReportMetric(float64(extraCalls(counts))/float64(b.N), "extra-calls/job")
+		b.ReportMetric(float64(counts["CONSUMER.MSG.NEXT"])/float64(b.N), "pulls/job")
+	})
+	b.Run("changed", func(b *testing.B) {
+		counts := jobPathCalls(b, b.N, true)
+		b.ReportMetric(float64(extraCalls(counts))/float64(b.N), "extra-calls/db")
+		b.ReportMetric(float64(counts["STREAM.PURGE"]+counts["STREAM.MSG.DELETE"])/float64(b.N), "writes/db")
+	})
+}
