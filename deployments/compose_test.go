@@ -11,6 +11,7 @@ import (
 
 	"github.com/compose-spec/compose-go/v2/loader"
 	"github.com/compose-spec/compose-go/v2/types"
+	"github.com/spiegel-nats/spiegel/pkg/health"
 	"github.com/spiegel-nats/spiegel/pkg/passwords"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -156,12 +157,17 @@ func TestCompose(t *testing.T) { // not parallel: checkEnv sets the environment
 		}
 		assert.Equal(t, types.ServiceConditionCompletedSuccessfully, s.DependsOn["install"].Condition,
 			"%s starts after install", name)
-		port := defaultPort(t, bin)
+		// The health check is the binary's own healthcheck command: in the service's environment it
+		// probes /healthz on SPIEGEL_HTTP_ADDR, which must be on.
+		addr := ":" + itoa(defaultPort(t, bin))
 		if a, ok := env["SPIEGEL_HTTP_ADDR"]; ok {
-			port = portOf(t, a)
+			addr = a
 		}
+		probed, err := health.HealthzURL(addr)
+		require.NoError(t, err, "%s: the healthcheck command needs the HTTP listener", name)
+		assert.Equal(t, "http://127.0.0.1:"+itoa(portOf(t, addr))+"/healthz", probed, name)
 		require.NotNil(t, s.HealthCheck, name)
-		assert.Equal(t, []string{"CMD", "/usr/local/bin/healthcheck", "http://127.0.0.1:" + itoa(port) + "/healthz"},
+		assert.Equal(t, []string{"CMD", "/usr/local/bin/" + bin, "healthcheck"},
 			[]string(s.HealthCheck.Test), "%s: healthcheck on its own /healthz", name)
 		if bin == "onchange" {
 			assert.Contains(t, strings.Split(env["SPIEGEL_WEBHOOK_ALLOWED_HOSTS"], ","), "webhook-echo")

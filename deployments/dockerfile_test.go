@@ -106,14 +106,14 @@ func TestDockerfile(t *testing.T) {
 	cfgPkg := reflect.TypeOf(config.Producer{}).PkgPath()
 	assert.Contains(t, run, "-X "+cfgPkg+".Version=${VERSION}", "the version variable lives in %s", cfgPkg)
 	_ = config.Version // the variable the flag sets
-	for _, pkg := range []string{"./producer", "./consumers/replicator", "./consumers/onchange", "./healthcheck"} {
+	for _, pkg := range []string{"./producer", "./consumers/replicator", "./consumers/onchange"} {
 		assert.Contains(t, run, " "+pkg, "go build %s", pkg)
 		assertMainPackage(t, filepath.Join("..", pkg))
 	}
 
-	// The final stage: the four binaries, a non-root user, the three HTTP ports, no secrets.
+	// The final stage: the three binaries, a non-root user, the three HTTP ports, no secrets.
 	copies := text(final, "COPY")
-	for _, bin := range []string{"producer", "replicator", "onchange", "healthcheck"} {
+	for _, bin := range binaries {
 		assert.Regexp(t, `--from=`+regexp.QuoteMeta(build.name)+` .*/out/`+bin+`( |\n)`, copies)
 	}
 	assert.Regexp(t, `/usr/local/bin/\n?$`, copies, "binaries are copied to /usr/local/bin/")

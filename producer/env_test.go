@@ -20,13 +20,14 @@ import (
 )
 
 // TestMain lets the test binary act as the producer binary, so crash tests can SIGKILL a real
-// producer process without a separate build step.
+// producer process without a separate build step. Tests skipped for want of a CouchDB are
+// reported in one line (couchtest.Main).
 func TestMain(m *testing.M) {
 	if os.Getenv("SPIEGEL_TEST_AS_PRODUCER") == "1" {
 		main()
 		return
 	}
-	os.Exit(m.Run())
+	os.Exit(couchtest.Main(m))
 }
 
 // env is one isolated Spiegel installation: its own NATS server, spiegel db and db-name prefix

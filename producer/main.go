@@ -17,6 +17,7 @@ import (
 	"github.com/sirupsen/logrus"
 
 	"github.com/spiegel-nats/spiegel/pkg/config"
+	"github.com/spiegel-nats/spiegel/pkg/health"
 	"github.com/spiegel-nats/spiegel/pkg/logging"
 	"github.com/spiegel-nats/spiegel/pkg/natsjs"
 )
@@ -31,6 +32,7 @@ Usage:
   producer replay          dispatch an on_change rule's history again: --rule ID [--db REGEX] [--since SEQ]
   producer deadletters     list, retry or purge dead letters: list|retry|purge [--group G] [--rule ID] [--db REGEX] [--since AGE]
   producer status          rules, jobs, position, running processes, per-rule state [--rule ID] [--json]
+  producer healthcheck     exit 0 when this producer's /healthz answers (the container health check) [URL]
 
 Every command accepts --help and --version. The admin commands wait at most --timeout (default
 15s, SPIEGEL_ADMIN_TIMEOUT) for CouchDB and NATS, then exit 1 naming each problem.`
@@ -49,6 +51,9 @@ func realMain(ctx context.Context, args []string, stdin io.Reader, stdout, stder
 		cmd, args = args[0], args[1:]
 	}
 	var cfg config.Producer
+	if cmd == "healthcheck" {
+		return health.ProbeCommand(ctx, "producer", args, config.HTTPAddr(&cfg), stdout, stderr)
+	}
 	var timeout time.Duration
 	var err error
 	if cmd != "" {

@@ -2,7 +2,8 @@
 # The end-to-end bench command (`make bench-e2e`): builds the binaries, starts PouchDB Server
 # (or uses COUCHDB_URL), runs the workload benchmark (scripts/e2e, BenchmarkWorkload) once per
 # number of dbs in BENCH_NS with our pipeline and the server's own _replicator as the baseline,
-# and writes bench-e2e/report.md with its charts (scripts/benchreport). Figures are compared as
+# and writes bench-e2e/report.md with its charts (scripts/benchreport, a Go module of its own so
+# that its plotting library stays out of the product's go.mod). Figures are compared as
 # ratios against the baseline measured in the same run; nothing here asserts a timing.
 #
 # Variables: BENCH_NS (100,1000), BENCH_SETUPS (hot,replicator), BENCH_OUT (bench-e2e), and
@@ -19,6 +20,7 @@ work=$(mktemp -d "${TMPDIR:-/tmp}/spiegel-bench-e2e.XXXXXX")
 trap 'stop_started; rm -rf "$work"' EXIT
 load_start=$(cut -d' ' -f1-3 /proc/loadavg)
 go mod download
+(cd scripts/benchreport && go mod download)
 if [ -z "${COUCHDB_URL:-}" ]; then
   start_pouchdb "$work/couchdb"
   export BENCH_SERVER_PID=$POUCHDB_PID
@@ -27,6 +29,7 @@ log "building binaries (the workload benchmark runs them)"
 make --no-print-directory build >/dev/null
 rm -rf "$out"
 mkdir -p "$out/runs"
+out=$(cd "$out" && pwd) # the report generator runs in its own module's directory
 failed=()
 for n in ${ns//,/ }; do
   log "workload at N=$n ($setups); output in $out/runs/bench-$n.txt"
@@ -40,7 +43,7 @@ for n in ${ns//,/ }; do
   grep -E '^\s+workload_test.go' "$out/runs/bench-$n.txt" >&2 || true
   if [ -f "$out/runs/workload.md" ]; then mv "$out/runs/workload.md" "$out/runs/workload-$n.md"; fi
 done
-go run ./scripts/benchreport -in "$out/runs" -out "$out" -load-start "$load_start"
+(cd scripts/benchreport && go run . -in "$out/runs" -out "$out" -load-start "$load_start")
 if [ ${#failed[@]} -gt 0 ]; then
   log "no figures for N=${failed[*]}: the report holds the others"
   exit 1

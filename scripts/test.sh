@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The test command (README, `make test`, .ci/run): installs what the tests need, starts PouchDB
 # Server unless COUCHDB_URL names a server, runs the whole suite with the race detector — the main
-# module's (the short chaos run of scripts/chaos included) and the deployments module's
-# (deployments/, the deployment-validation tests) — and stops everything it started, also when
-# tests fail.
+# module's (the short chaos run of scripts/chaos included), the deployments module's
+# (deployments/, the deployment-validation tests) and the bench report's (scripts/benchreport) —
+# and stops everything it started, also when tests fail.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 cd "$ROOT"
@@ -26,6 +26,7 @@ trap 'exit 130' INT TERM
 log "downloading Go modules"
 go mod download
 (cd deployments && go mod download)
+(cd scripts/benchreport && go mod download)
 
 if [ -z "${COUCHDB_URL:-}" ]; then
   start_pouchdb "$work/couchdb"
@@ -41,6 +42,8 @@ log "go vet"
 go vet ./...
 log "deployments (its own module): go vet and go test -race"
 (cd deployments && go vet ./... && go test -race -count=1 -timeout 10m ${TEST_FLAGS:-} ./...)
+log "scripts/benchreport (its own module): go vet and go test -race"
+(cd scripts/benchreport && go vet ./... && go test -race -count=1 -timeout 10m ${TEST_FLAGS:-} ./...)
 log "building binaries"
 make -s build
 log "go test -race"

@@ -20,6 +20,7 @@ import (
 	"github.com/spiegel-nats/spiegel/pkg/config"
 	"github.com/spiegel-nats/spiegel/pkg/consumer"
 	"github.com/spiegel-nats/spiegel/pkg/couch"
+	"github.com/spiegel-nats/spiegel/pkg/couchtest"
 	"github.com/spiegel-nats/spiegel/pkg/events"
 	"github.com/spiegel-nats/spiegel/pkg/logtest"
 	"github.com/spiegel-nats/spiegel/pkg/natsjs"
@@ -28,13 +29,14 @@ import (
 )
 
 // TestMain lets the test binary act as the onchange binary, so crash tests can SIGKILL a real
-// onchange process without a separate build step.
+// onchange process without a separate build step. Tests skipped for want of a CouchDB are
+// reported in one line (couchtest.Main).
 func TestMain(m *testing.M) {
 	if os.Getenv("SPIEGEL_TEST_AS_ONCHANGE") == "1" {
 		main()
 		return
 	}
-	os.Exit(m.Run())
+	os.Exit(couchtest.Main(m))
 }
 
 // env is one isolated installation (spiegeltest) with an onchange configuration.

@@ -113,8 +113,9 @@ func (h *handler) record(rule string, r ruleResult) {
 // handle is the worker.Handler of the onchange group. For every enabled rule that matches the
 // job's db it runs, concurrently and independently, the changes after the rule's checkpoint
 // (see runRule). A missing db acks the job with a warning. The result is:
-//   - nil when every rule caught up (or stopped for a reason only a rule edit can fix), after
-//     job.Reached was told a seq up to which every rule has processed the db;
+//   - nil when every rule caught up (or stopped for a reason only a rule edit can fix): the
+//     worker acks the job, then its lost-wakeup check (natsjs.Jobs.Offer) runs the db again if a
+//     change came while the rules read the feed;
 //   - worker.RetryAfter when a rule deferred a request whose retry is due later (capped at
 //     maxDefer, so the other rules are not held back long);
 //   - a transient error when CouchDB, the checkpoint store or the dead-letter stream failed.
@@ -263,7 +264,8 @@ func (h *handler) runRule(ctx context.Context, db string, rule *rules.OnChange) 
 		}
 		if !full && next == page.LastSeq {
 			// A short page is the end of the feed as it was read: no need to ask again for an
-			// empty one. A change landing after it is the lost-wakeup check's (job.Reached).
+			// empty one. A change landing after it left a wakeup marker, which the worker's
+			// lost-wakeup check takes after the ack to run the db again (natsjs.Jobs.Offer).
 			return finish(ruleResult{caughtUp: true})
 		}
 	}

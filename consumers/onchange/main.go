@@ -20,7 +20,11 @@ import (
 
 const usage = `onchange runs the on_change rules of the spiegel db: for every changed database it calls
 each matching rule's webhook (or publishes the change to NATS) for every change, in feed order,
-with per-(rule, db) checkpoints. Configuration is read from the environment:`
+with per-(rule, db) checkpoints.
+
+Usage:
+  onchange                 run the consumer (configuration from the environment below)
+  onchange healthcheck     exit 0 when this onchange's /healthz answers (the container health check) [URL]`
 
 func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)

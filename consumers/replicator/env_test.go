@@ -13,6 +13,7 @@ import (
 
 	"github.com/spiegel-nats/spiegel/pkg/config"
 	"github.com/spiegel-nats/spiegel/pkg/consumer"
+	"github.com/spiegel-nats/spiegel/pkg/couchtest"
 	"github.com/spiegel-nats/spiegel/pkg/events"
 	"github.com/spiegel-nats/spiegel/pkg/logtest"
 	"github.com/spiegel-nats/spiegel/pkg/spiegeltest"
@@ -20,13 +21,14 @@ import (
 )
 
 // TestMain lets the test binary act as the replicator binary (SPIEGEL_TEST_AS_REPLICATOR=1), so
-// the crash test can SIGKILL a real replicator process.
+// the crash test can SIGKILL a real replicator process. Tests skipped for want of a CouchDB are
+// reported in one line (couchtest.Main).
 func TestMain(m *testing.M) {
 	if os.Getenv("SPIEGEL_TEST_AS_REPLICATOR") == "1" {
 		main()
 		return
 	}
-	code := m.Run()
+	code := couchtest.Main(m)
 	cleanupBinaries()
 	os.Exit(code)
 }

@@ -64,8 +64,8 @@ type replicator struct {
 //   - dirty_after_milliseconds: on the first delivery, if a matching rule has a delay, the job
 //     is postponed by the longest such delay (worker.RetryAfter), so a burst of writes landing
 //     meanwhile is absorbed by the one pending job. All the db's rules then run together.
-//   - The source db's update_seq is read before any replication starts; a one-shot replication
-//     covers at least that seq, so it is reported with job.Reached for the lost-wakeup check.
+//   - A change that lands while the job runs is not looked for here: it left a wakeup marker,
+//     and the worker's lost-wakeup check, after the ack, runs the db again (natsjs.Jobs.Offer).
 //   - A missing source db is not an error: one warning, the job is acked (no retry loop). The
 //     db's next creation and write enqueues it again. (The check also keeps PouchDB Server from
 //     silently creating the missing source on _replicate.)

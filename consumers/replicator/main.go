@@ -22,7 +22,8 @@ import (
 const usage = `replicator — Spiegel for NATS: replicate each changed db with its replicator rules
 
 Usage:
-  replicator               run the consumer (configuration from the environment below)`
+  replicator               run the consumer (configuration from the environment below)
+  replicator healthcheck   exit 0 when this replicator's /healthz answers (the container health check) [URL]`
 
 func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)

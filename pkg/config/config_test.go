@@ -146,3 +146,18 @@ func TestOnChangeSecuritySettings(t *testing.T) {
 		})
 	}
 }
+
+// HTTPAddr reads the listener address alone: the binary's default, the variable when set (even
+// to "", which turns the listener off), and nothing else, not even a missing required variable.
+func TestHTTPAddr(t *testing.T) {
+	t.Setenv("SPIEGEL_HTTP_ADDR", "")
+	require.NoError(t, os.Unsetenv("SPIEGEL_HTTP_ADDR"))
+	t.Setenv("SPIEGEL_COUCHDB_URL", "not a url") // Load would refuse it; HTTPAddr does not read it
+	assert.Equal(t, ":8080", HTTPAddr(&Producer{}))
+	assert.Equal(t, ":8081", HTTPAddr(&Replicator{}))
+	assert.Equal(t, ":8082", HTTPAddr(&OnChange{}))
+	t.Setenv("SPIEGEL_HTTP_ADDR", "127.0.0.1:9100")
+	assert.Equal(t, "127.0.0.1:9100", HTTPAddr(&OnChange{}))
+	t.Setenv("SPIEGEL_HTTP_ADDR", "")
+	assert.Equal(t, "", HTTPAddr(&Replicator{}))
+}

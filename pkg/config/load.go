@@ -3,6 +3,7 @@ package config
 import (
 	"errors"
 	"fmt"
+	"os"
 	"reflect"
 	"strings"
 
@@ -62,4 +63,20 @@ func trimLists(v reflect.Value) {
 			f.Set(reflect.ValueOf(out))
 		}
 	}
+}
+
+// HTTPAddr returns the health and metrics listener address of spec (a binary's configuration)
+// from the environment as Load would read it — SPIEGEL_HTTP_ADDR when set, even to "" (off), else
+// the binary's default — without reading or validating anything else: the healthcheck command
+// asks the listener whether the process is alive, and nothing else decides its answer.
+func HTTPAddr(spec any) string {
+	if v, ok := os.LookupEnv("SPIEGEL_HTTP_ADDR"); ok {
+		return v
+	}
+	for _, v := range Vars(spec) {
+		if v.Name == "SPIEGEL_HTTP_ADDR" {
+			return v.Default
+		}
+	}
+	return ""
 }

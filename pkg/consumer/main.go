@@ -9,6 +9,7 @@ import (
 	"github.com/sirupsen/logrus"
 
 	"github.com/spiegel-nats/spiegel/pkg/config"
+	"github.com/spiegel-nats/spiegel/pkg/health"
 	"github.com/spiegel-nats/spiegel/pkg/logging"
 	"github.com/spiegel-nats/spiegel/pkg/natsjs"
 )
@@ -19,11 +20,14 @@ type Spec interface {
 	LogSettings() config.Log
 }
 
-// Main is the whole main function of a consumer binary: --help and --version, configuration,
-// logging, then run. It returns the exit code: 0 on a clean stop, 1 on a runtime error, 2 on
-// bad configuration or arguments.
+// Main is the whole main function of a consumer binary: --help and --version, the healthcheck
+// command, configuration, logging, then run. It returns the exit code: 0 on a clean stop, 1 on a
+// runtime error, 2 on bad configuration or arguments.
 func Main(ctx context.Context, name, usage string, args []string, stdout, stderr io.Writer, spec Spec,
 	run func(ctx context.Context, log *logrus.Logger) error) int {
+	if len(args) > 0 && args[0] == "healthcheck" {
+		return health.ProbeCommand(ctx, name, args[1:], config.HTTPAddr(spec), stdout, stderr)
+	}
 	for _, a := range args {
 		switch a {
 		case "--help", "-h", "-help":

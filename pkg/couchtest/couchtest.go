@@ -40,7 +40,8 @@ type Server struct {
 var counter atomic.Int64
 
 // Get returns the server from COUCHDB_URL. Without it the test is skipped, unless
-// SPIEGEL_REQUIRE_COUCHDB is set (as the test command does), in which case it fails.
+// SPIEGEL_REQUIRE_COUCHDB is set (as the test command does), in which case it fails; the
+// package's TestMain (Main) counts the skips and reports them in one line.
 func Get(t testing.TB) *Server {
 	t.Helper()
 	raw := strings.TrimRight(os.Getenv("COUCHDB_URL"), "/")
@@ -48,6 +49,7 @@ func Get(t testing.TB) *Server {
 		if os.Getenv("SPIEGEL_REQUIRE_COUCHDB") != "" {
 			t.Fatal("couchtest: COUCHDB_URL is unset; the test command must start a server")
 		}
+		skip()
 		t.Skip("couchtest: COUCHDB_URL is unset; run `make test`, which starts PouchDB Server")
 	}
 	s := newServer(t, raw)
@@ -123,6 +125,36 @@ func (s *Server) Cleanup(t testing.TB, name string) {
 		defer cancel()
 		_ = s.Client.DestroyDB(ctx, name)
 	})
+}
+
+// CleanupPrefix deletes, when the test ends, every db whose name starts with prefix: the dbs a
+// test's pipeline created (replication targets, a db recreated by a late write) besides those
+// the test created itself. Register it before starting the processes, so that it runs after
+// they stopped. prefix must be unique to the test (UniqueName's result and a separator).
+func (s *Server) CleanupPrefix(t testing.TB, prefix string) {
+	t.Cleanup(func() {
+		for _, db := range s.prefixed(t, prefix) {
+			if err := s.Do(t, http.MethodDelete, "/"+PathDB(db), nil, nil); err != nil && !strings.Contains(err.Error(), "404") {
+				t.Errorf("couchtest: delete db %s left by the test: %v", db, err)
+			}
+		}
+	})
+}
+
+// prefixed lists the dbs whose names start with prefix.
+func (s *Server) prefixed(t testing.TB, prefix string) []string {
+	var all []string
+	if err := s.Do(t, http.MethodGet, "/_all_dbs", nil, &all); err != nil {
+		t.Errorf("couchtest: list dbs to delete those starting with %s: %v", prefix, err)
+		return nil
+	}
+	var out []string
+	for _, db := range all {
+		if strings.HasPrefix(db, prefix) {
+			out = append(out, db)
+		}
+	}
+	return out
 }
 
 // Put writes doc (any JSON-encodable value) as id and returns the new rev.

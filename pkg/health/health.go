@@ -1,5 +1,5 @@
 // Package health serves /healthz (the process is alive), /readyz (its dependencies answer) and
-// Prometheus /metrics on one listener.
+// Prometheus /metrics on one listener, and probes /healthz for the binaries' healthcheck command.
 package health
 
 import (

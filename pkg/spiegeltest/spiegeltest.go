@@ -58,7 +58,10 @@ func New(t testing.TB, o Options) *Env {
 	ns := natstest.Start(t)
 	_, js := ns.Connect(t)
 	e := &Env{Couch: o.Couch, NATS: ns, JS: js, Prefix: couchtest.UniqueName(t, o.Name) + "_", Logs: &logtest.Buffer{}}
-	o.Couch.Cleanup(t, e.SpiegelDB())
+	// Every db of the installation is named with Prefix: the spiegel db, the test's dbs and the
+	// ones its pipeline creates (replication targets). Registered first, this runs last, after
+	// the test's processes stopped, also when the test failed.
+	o.Couch.CleanupPrefix(t, e.Prefix)
 	if o.Install {
 		topo := natsjs.DefaultTopology("")
 		topo.AckWait = o.AckWait

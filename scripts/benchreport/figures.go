@@ -6,7 +6,7 @@ import (
 
 	"gonum.org/v1/plot/plotter"
 
-	"github.com/spiegel-nats/spiegel/scripts/benchreport/benchdata"
+	"github.com/spiegel-nats/spiegel/scripts/e2e/benchdata"
 )
 
 // nCharts draws the charts of one N and returns their PNG file names, in reading order.

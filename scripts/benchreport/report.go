@@ -13,7 +13,7 @@ import (
 
 	"gonum.org/v1/plot/plotter"
 
-	"github.com/spiegel-nats/spiegel/scripts/benchreport/benchdata"
+	"github.com/spiegel-nats/spiegel/scripts/e2e/benchdata"
 )
 
 // machine is what the report says about where it ran.

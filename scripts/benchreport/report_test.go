@@ -10,7 +10,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"gonum.org/v1/plot/plotter"
 
-	"github.com/spiegel-nats/spiegel/scripts/benchreport/benchdata"
+	"github.com/spiegel-nats/spiegel/scripts/e2e/benchdata"
 )
 
 func TestRatio(t *testing.T) {

@@ -14,8 +14,10 @@ import (
 // refuses new ones for its down time; afterwards the same address serves again.
 func TestOutageProxy(t *testing.T) {
 	hold := make(chan struct{})
+	arrived := make(chan struct{}, 1) // the held request reached the server through the proxy
 	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if r.URL.Path == "/hold" {
+			arrived <- struct{}{}
 			<-hold
 		}
 		_, _ = io.WriteString(w, "ok")
@@ -48,7 +50,13 @@ func TestOutageProxy(t *testing.T) {
 
 	held := make(chan error, 1)
 	go func() { held <- get("/hold") }()
-	time.Sleep(200 * time.Millisecond) // the held request is open
+	select { // the outage must cut an open request, not refuse a new one
+	case <-arrived:
+	case err := <-held:
+		t.Fatalf("the held request ended before the outage: %v", err)
+	case <-time.After(5 * time.Second):
+		t.Fatal("the held request did not reach the server")
+	}
 	done := make(chan error, 1)
 	go func() { done <- p.outage(context.Background(), time.Second) }()
 	select {

@@ -31,6 +31,12 @@ func TestRunCommandDemo(t *testing.T) {
 			t.Skipf("bin/%s is missing: the test command builds it (make build)", b)
 		}
 	}
+	// What the demo makes: its spiegel db, and the dbs it writes under fixed names (the run
+	// command's output names them), deleted when the test ends, also when it fails.
+	spiegelDB := couchtest.UniqueName(t, "demo_spiegel_")
+	for _, db := range []string{spiegelDB, "demo_user_alice", "demo_user_bob", "demo_user_carol", "demo_all_posts"} {
+		srv.Cleanup(t, db)
+	}
 	ctx, cancel := context.WithTimeout(t.Context(), 3*time.Minute)
 	defer cancel()
 	cmd := exec.CommandContext(ctx, "bash", "scripts/run.sh")
@@ -38,7 +44,7 @@ func TestRunCommandDemo(t *testing.T) {
 	cmd.Env = append(os.Environ(),
 		"COUCHDB_URL="+srv.URL,
 		"SPIEGEL_NATS_URL=",
-		"SPIEGEL_DB_NAME="+couchtest.UniqueName(t, "demo_spiegel_"),
+		"SPIEGEL_DB_NAME="+spiegelDB,
 		"SPIEGEL_DEMO_DURATION=20s",
 		"SPIEGEL_DEMO_INTERVAL=1s",
 		"SPIEGEL_RUN_PRODUCER_ADDR=127.0.0.1:0",

@@ -121,6 +121,7 @@ func TestDeadLettersListRetryPurge(t *testing.T) {
 	spiegelDB := couchtest.UniqueName(t, "e2e_dl_spiegel_")
 	src := couchtest.UniqueName(t, "e2e_dl_src_")
 	tgt := src + "_copy"
+	cs.Cleanup(t, spiegelDB) // made by `producer install`
 	cs.Cleanup(t, src)
 	cs.Cleanup(t, tgt)
 	env := baseEnv(

@@ -11,7 +11,7 @@ import (
 
 	"github.com/stretchr/testify/assert"
 
-	"github.com/spiegel-nats/spiegel/scripts/benchreport/benchdata"
+	"github.com/spiegel-nats/spiegel/scripts/e2e/benchdata"
 )
 
 // clockTicks is USER_HZ, the unit of utime and stime in /proc/<pid>/stat: 100 on every Linux

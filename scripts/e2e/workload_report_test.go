@@ -6,7 +6,7 @@ import (
 	"strings"
 
 	"github.com/spiegel-nats/spiegel/pkg/couchtest"
-	"github.com/spiegel-nats/spiegel/scripts/benchreport/benchdata"
+	"github.com/spiegel-nats/spiegel/scripts/e2e/benchdata"
 )
 
 // serverName names the server under test for reports.

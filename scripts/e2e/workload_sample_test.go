@@ -9,7 +9,7 @@ import (
 
 	"github.com/nats-io/nats.go/jetstream"
 
-	"github.com/spiegel-nats/spiegel/scripts/benchreport/benchdata"
+	"github.com/spiegel-nats/spiegel/scripts/e2e/benchdata"
 )
 
 // sampler looks at a running setup every interval: the pipeline's processes in /proc, the

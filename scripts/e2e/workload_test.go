@@ -19,7 +19,7 @@ import (
 	"github.com/spiegel-nats/spiegel/pkg/couchtest"
 	"github.com/spiegel-nats/spiegel/pkg/healthtest"
 	"github.com/spiegel-nats/spiegel/pkg/natstest"
-	"github.com/spiegel-nats/spiegel/scripts/benchreport/benchdata"
+	"github.com/spiegel-nats/spiegel/scripts/e2e/benchdata"
 )
 
 // BenchmarkWorkload runs the workload operators care about through the real binaries and
@@ -48,7 +48,7 @@ import (
 // baseline may take for its initial sync before the writer starts anyway), BENCH_SERVER_PID (the
 // server's process on this machine, sampled from /proc like the pipeline's), BENCH_BIN_DIR (the
 // pipeline's binaries from another build, to compare; bin/ by default). BENCH_REPORT_DIR gets
-// workload.md and, per setup, the run's record (scripts/benchreport/benchdata) for the
+// workload.md and, per setup, the run's record (scripts/e2e/benchdata) for the
 // end-to-end report (make bench-e2e).
 func BenchmarkWorkload(b *testing.B) {
 	root := repoRoot(b, "producer", "replicator", "onchange")
