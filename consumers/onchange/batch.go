@@ -84,15 +84,16 @@ const (
 // or selector are done at once. With debounce, identical requests (same method, final URL and
 // body) are sent once: later ones are done when the first is. With block each request is sent
 // after the previous one finished; without it up to requestConcurrency run at once. Subject
-// rules publish in feed order whatever block says (see publishBatch). No request is started
+// rules publish one change at a time in feed order whatever block says (see publishBatch). No request is started
 // after one has deferred or failed. The result's done counts the head of the batch that is
-// finished, the only part the checkpoint may pass. since is the seq the page was read from.
-func (h *handler) processBatch(ctx context.Context, db string, rule *rules.OnChange, since string, rows []couch.Change, log logrus.FieldLogger) batchResult {
+// finished, the only part the checkpoint may pass. since is the seq the page was read from;
+// replay, when set, is the replay whose id subject rules publish the changes under.
+func (h *handler) processBatch(ctx context.Context, db string, rule *rules.OnChange, since, replay string, rows []couch.Change, log logrus.FieldLogger) batchResult {
 	acts := make([]*action, len(rows))
 	seen := map[string]int{}
 	prev := cmp.Or(since, "0")
 	for i, row := range rows {
-		a := h.newAction(db, rule, change{row})
+		a := h.newAction(db, rule, change{row}, replay)
 		before := prev
 		prev = row.Seq
 		if a == nil {
@@ -171,34 +172,36 @@ func (h *handler) processBatch(ctx context.Context, db string, rule *rules.OnCha
 	return res
 }
 
-// publishBatch publishes the changes of a subject rule's page in feed order (SPEC §5.3):
-// pipelined on one connection, so that the stream stores them in feed order at the speed of
-// asynchronous publishes, and done only once every answer up to a change has come back. When
-// a publish fails, it is retried alone, synchronously, with the rule's retry policy (dead letter
-// at its limit, as for webhooks); the pipeline then resumes after it. Publishes after the failed
-// one may already be stored: publishing them again is deduplicated by their message ids.
+// publishBatch publishes the changes of a subject rule's page strictly in feed order (SPEC §5.3,
+// §7.8): one publish at a time, each sent only once the stream confirmed the one before it.
+// A publish that fails (a stream leader election, a NATS restart, a partition) is retried with
+// the rule's retry policy before anything after it is sent (dead letter at its limit, as for
+// webhooks), so the stream never stores a change after one that follows it in the feed. A publish
+// whose answer was lost and that is sent again is deduplicated by its message id; a process
+// that lost its job's lease sends nothing more (see act).
+//
+// Pipelining the page (all publishes at once, answers awaited in order) is faster but cannot
+// keep that promise: when one publish of the pipeline is lost, the ones after it may be stored
+// already. BenchmarkPublishPage compares the two.
 func (h *handler) publishBatch(ctx context.Context, db string, rule *rules.OnChange, acts []*action, log logrus.FieldLogger) batchResult {
 	var res batchResult
-	for from := 0; from < len(acts); {
-		failed, err := h.publisher.publishPipelined(ctx, acts, from, rule.Timeout)
-		if failed == len(acts) {
-			break
+	for i, a := range acts {
+		if a == nil {
+			continue
 		}
-		if ctx.Err() != nil {
-			res.done, res.err = failed, ctx.Err()
+		if err := ctx.Err(); err != nil {
+			res.done, res.err = i, err
 			return res
 		}
-		log.WithError(err).WithField("seq", acts[failed].c.Seq).Debug("pipelined publish failed: retrying that change alone")
-		st, retryIn, aerr := h.act(ctx, db, rule, acts[failed], log)
+		st, retryIn, err := h.act(ctx, db, rule, a, log)
 		switch st {
 		case stateDeferred:
-			res.done, res.retryIn, res.deferErr = failed, retryIn, aerr
+			res.done, res.retryIn, res.deferErr = i, retryIn, err
 			return res
 		case stateFailed:
-			res.done, res.err = failed, aerr
+			res.done, res.err = i, err
 			return res
 		}
-		from = failed + 1
 	}
 	res.done = len(acts)
 	return res
@@ -206,7 +209,7 @@ func (h *handler) publishBatch(ctx context.Context, db string, rule *rules.OnCha
 
 // newAction builds what rule does for change c, or nil when the doc does not match. A request
 // that cannot be built becomes an action that fails permanently (and is dead-lettered).
-func (h *handler) newAction(db string, rule *rules.OnChange, c change) *action {
+func (h *handler) newAction(db string, rule *rules.OnChange, c change, replay string) *action {
 	vars, doc := c.vars(db)
 	if doc == nil {
 		doc = map[string]any{"_id": c.ID}
@@ -219,7 +222,7 @@ func (h *handler) newAction(db string, rule *rules.OnChange, c change) *action {
 	}
 	a := &action{c: c}
 	if rule.Subject != "" {
-		m, err := h.publisher.message(db, rule, c)
+		m, err := h.publisher.message(db, rule, c, replay)
 		a.details = map[string]any{"subject": subjectFor(rule, db)}
 		if err != nil {
 			a.key, a.try = "unpublishable "+c.ID, func(context.Context) (int, error) { return 0, err }

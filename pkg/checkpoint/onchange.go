@@ -41,6 +41,9 @@ type OnChangeStore struct {
 	// long; should the entry be lost, the changes in between are acted on once more
 	// (at-least-once). Set it before use.
 	LocalEvery time.Duration
+	// ReplayID, when set, is the replay that Reset records in the checkpoints it resets (see
+	// OnChangePoint.Replay). Set it before use.
+	ReplayID string
 }
 
 // NewOnChangeStore returns the store over c's server, caching in kv (may be nil).
@@ -210,10 +213,10 @@ func isCASFailure(err error) bool {
 }
 
 // Reset sets the checkpoint of rule in db to seq ("" = the beginning) for `producer replay`,
-// marking it as replayed: the cache entry first (a run in flight can then no longer claim it, see
+// marking it as replayed (by s.ReplayID, if set): the cache entry first (a run in flight can then no longer claim it, see
 // Save), then the _local doc, then the entry again with the doc's new rev.
 func (s *OnChangeStore) Reset(ctx context.Context, rule, db, seq string) error {
-	replayed := time.Now().UTC().Format(time.RFC3339Nano)
+	replayed := replayMark(time.Now().UTC().Format(time.RFC3339Nano), s.ReplayID)
 	p := OnChangePoint{Rule: rule, DB: db, LastSeq: seq, replayed: replayed}
 	s.put2cache(ctx, p)
 	cur, err := s.read(ctx, OnChangePoint{Rule: rule, DB: db})

@@ -1,0 +1,279 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/sirupsen/logrus"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/spiegel-nats/spiegel/pkg/couch"
+	"github.com/spiegel-nats/spiegel/pkg/natstest"
+	"github.com/spiegel-nats/spiegel/pkg/rules"
+)
+
+// The change stream's order is tested with a real nats-server and the faults a real server
+// produces: a publish the stream refuses in the middle of a page (a message over the stream's
+// max_msg_size until the operator raises it — the same shape as a publish lost in a stream leader
+// election: one refused, the ones after it accepted) and a NATS restart in the middle of a page.
+
+// orderStream creates stream CHG on chg.> (max_msg_size maxMsg) and returns the JetStream handle
+// of a connection that reconnects forever.
+func orderStream(t testing.TB, s *natstest.Server, maxMsg int32) jetstream.JetStream {
+	t.Helper()
+	_, js := s.Connect(t)
+	_, err := js.CreateStream(t.Context(), jetstream.StreamConfig{Name: "CHG", Subjects: []string{"chg.>"},
+		MaxMsgSize: maxMsg, Duplicates: time.Hour, Storage: jetstream.FileStorage})
+	require.NoError(t, err)
+	return js
+}
+
+// countingPublisher counts the publishes that failed.
+type countingPublisher struct {
+	jetstream.JetStream
+	failed atomic.Int64
+}
+
+func (c *countingPublisher) PublishMsg(ctx context.Context, m *nats.Msg, opts ...jetstream.PublishOpt) (*jetstream.PubAck, error) {
+	ack, err := c.JetStream.PublishMsg(ctx, m, opts...)
+	if err != nil {
+		c.failed.Add(1)
+	}
+	return ack, err
+}
+
+// orderHandler returns a handler whose subject rule publishes to chg.${db_name} through pub,
+// retrying every 20 ms without limit.
+func orderHandler(t testing.TB, pub streamPublisher) (*handler, *rules.OnChange) {
+	t.Helper()
+	r, err := rules.Parse("pub", []byte(`{"type":"on_change","subject":"chg.${db_name}","timeout_ms":2000,"retry":{"backoff":"linear","delay_ms":20,"limit":0}}`))
+	require.NoError(t, err)
+	log := logrus.New()
+	log.SetOutput(io.Discard)
+	return &handler{publisher: newChangePublisher(pub, nil), dead: &noDeadLetters{}, log: log,
+		inlineRetry: time.Minute, book: newRetryBook(), requestConcurrency: 10}, r.(*rules.OnChange)
+}
+
+// pageRows returns n changes of db "db"; the one at big has a doc of 2 KB.
+func pageRows(n, big int) []couch.Change {
+	out := make([]couch.Change, n)
+	for i := range out {
+		doc := `{"n":` + fmt.Sprint(i) + `}`
+		if i == big {
+			doc = `{"pad":"` + strings.Repeat("x", 2048) + `"}`
+		}
+		out[i] = couch.Change{Seq: fmt.Sprint(i + 1), ID: fmt.Sprintf("d%03d", i), Revs: []string{"1-a"}, Doc: []byte(doc)}
+	}
+	return out
+}
+
+// stored returns the message ids stream CHG holds, in stream order.
+func stored(t testing.TB, js jetstream.JetStream) []string {
+	t.Helper()
+	st, err := js.Stream(t.Context(), "CHG")
+	require.NoError(t, err)
+	info, err := st.Info(t.Context())
+	require.NoError(t, err)
+	var ids []string
+	for seq := info.State.FirstSeq; seq <= info.State.LastSeq && info.State.Msgs > 0; seq++ {
+		m, err := st.GetMsg(t.Context(), seq)
+		require.NoError(t, err)
+		ids = append(ids, m.Header.Get(jetstream.MsgIDHeader))
+	}
+	return ids
+}
+
+func storedCount(t testing.TB, js jetstream.JetStream) uint64 {
+	st, err := js.Stream(t.Context(), "CHG")
+	require.NoError(t, err)
+	info, err := st.Info(t.Context())
+	require.NoError(t, err)
+	return info.State.Msgs
+}
+
+func wantIDs(n int) []string {
+	out := make([]string, n)
+	for i := range out {
+		out[i] = fmt.Sprintf("db/d%03d/1-a", i)
+	}
+	return out
+}
+
+// TestPublishOrderThroughARefusedPublish: the stream refuses one publish in the middle of a page
+// until the operator raises its max_msg_size. Nothing after it is stored before it: the stream
+// ends up holding the page in feed order, each change once. (Pipelined publishes, the way pages
+// were published before, store the changes after it first: checked below, so that the fault is
+// shown to be the one the order is about.)
+func TestPublishOrderThroughARefusedPublish(t *testing.T) {
+	t.Parallel()
+	const n, big = 20, 7
+	s := natstest.Start(t)
+	js := orderStream(t, s, 1024)
+	pub := &countingPublisher{JetStream: js}
+	h, r := orderHandler(t, pub)
+
+	done := make(chan batchResult, 1)
+	go func() { done <- h.processBatch(t.Context(), "db", r, "", "", pageRows(n, big), h.log) }()
+	require.Eventually(t, func() bool { return pub.failed.Load() >= 2 }, 10*time.Second, 5*time.Millisecond, "the big change is refused and retried")
+	assert.Equal(t, wantIDs(big), stored(t, js), "nothing after the refused change is stored")
+	raiseMaxMsg(t, js)
+	res := <-done
+	require.NoError(t, res.err)
+	assert.Equal(t, n, res.done)
+	assert.Equal(t, wantIDs(n), stored(t, js), "feed order, each once")
+}
+
+// TestPipelinedPublishBreaksOrder shows the fault of TestPublishOrderThroughARefusedPublish
+// breaking the order of pipelined publishes (the baseline of BenchmarkPublishPage).
+func TestPipelinedPublishBreaksOrder(t *testing.T) {
+	t.Parallel()
+	const n, big = 20, 7
+	s := natstest.Start(t)
+	js := orderStream(t, s, 1024)
+	done := make(chan struct{})
+	go func() { defer close(done); publishPipelinedUntilStored(t, js, pageRows(n, big)) }()
+	require.Eventually(t, func() bool { return storedCount(t, js) == n-1 }, 10*time.Second, 5*time.Millisecond)
+	raiseMaxMsg(t, js)
+	<-done
+	ids := stored(t, js)
+	require.Len(t, ids, n)
+	assert.Equal(t, fmt.Sprintf("db/d%03d/1-a", big), ids[n-1], "the refused change is stored last, after the ones that follow it")
+}
+
+func raiseMaxMsg(t testing.TB, js jetstream.JetStream) {
+	t.Helper()
+	st, err := js.Stream(t.Context(), "CHG")
+	require.NoError(t, err)
+	cfg := st.CachedInfo().Config
+	cfg.MaxMsgSize = 1 << 20
+	_, err = js.UpdateStream(t.Context(), cfg)
+	require.NoError(t, err)
+}
+
+// TestPublishOrderThroughANATSRestart: NATS restarts (same store) while a page of 300 changes
+// is being published; the stream holds them in feed order, each once.
+func TestPublishOrderThroughANATSRestart(t *testing.T) {
+	t.Parallel()
+	const n = 300
+	s := natstest.Start(t)
+	js := orderStream(t, s, 0)
+	h, r := orderHandler(t, js)
+	done := make(chan batchResult, 1)
+	go func() { done <- h.processBatch(t.Context(), "db", r, "", "", pageRows(n, -1), h.log) }()
+	require.Eventually(t, func() bool { return storedCount(t, js) >= 50 }, 10*time.Second, time.Millisecond)
+	s.Restart(t)
+	res := <-done
+	require.NoError(t, res.err)
+	assert.Equal(t, n, res.done)
+	require.Eventually(t, func() bool { return storedCount(t, js) == n }, 10*time.Second, 10*time.Millisecond)
+	assert.Equal(t, wantIDs(n), stored(t, js), "feed order, each once")
+}
+
+// publishPipelined is how a page was published before strict order: every publish sent at once on
+// one connection, the answers awaited in order. It returns the index of the first that failed
+// (len(msgs) when none did) and its error.
+func publishPipelined(ctx context.Context, js jetstream.JetStream, msgs []*nats.Msg, timeout time.Duration) (int, error) {
+	futures := make([]jetstream.PubAckFuture, 0, len(msgs))
+	for i, m := range msgs {
+		f, err := js.PublishMsgAsync(m)
+		if err != nil {
+			return i, err
+		}
+		futures = append(futures, f)
+	}
+	timer := time.NewTimer(timeout)
+	defer timer.Stop()
+	for i, f := range futures {
+		select {
+		case <-f.Ok():
+		case err := <-f.Err():
+			return i, err
+		case <-timer.C:
+			return i, fmt.Errorf("no answer within %s", timeout)
+		case <-ctx.Done():
+			return i, ctx.Err()
+		}
+	}
+	return len(msgs), nil
+}
+
+// publishPipelinedUntilStored publishes rows as the pipelined publisher did: the page at once,
+// then a failed change retried alone until stored, then the rest of the page pipelined again.
+func publishPipelinedUntilStored(t testing.TB, js jetstream.JetStream, rows []couch.Change) {
+	p := newChangePublisher(js, nil)
+	r, err := rules.Parse("pub", []byte(`{"type":"on_change","subject":"chg.${db_name}"}`))
+	require.NoError(t, err)
+	msgs := make([]*nats.Msg, len(rows))
+	for i, c := range rows {
+		m, err := p.message("db", r.(*rules.OnChange), change{c}, "")
+		require.NoError(t, err)
+		msgs[i] = m.nats()
+	}
+	for from := 0; from < len(msgs); {
+		failed, err := publishPipelined(t.Context(), js, msgs[from:], 5*time.Second)
+		if err == nil {
+			break
+		}
+		failed += from
+		for { // each attempt is a round trip the stream answers at once
+			if _, err := js.PublishMsg(t.Context(), msgs[failed]); err == nil {
+				break
+			}
+		}
+		from = failed + 1
+	}
+}
+
+// BenchmarkPublishPage compares, in one run, the publish throughput of a subject rule's page
+// (100 changes, embedded nats-server, file storage) published strictly in order (one at a time,
+// each confirmed before the next: publishBatch) and pipelined (all at once, answers awaited in
+// order: the earlier way, which cannot keep the order through a refused publish).
+func BenchmarkPublishPage(b *testing.B) {
+	const page = 100
+	s := natstest.Start(b)
+	js := orderStream(b, s, 0)
+	rows := pageRows(page, -1)
+	b.Run("in-order", func(b *testing.B) {
+		h, r := orderHandler(b, js)
+		b.ResetTimer()
+		for i := range b.N {
+			for j := range rows {
+				rows[j].ID = fmt.Sprintf("in-order-%d-%d", i, j) // new message ids: no deduplication
+			}
+			res := h.processBatch(b.Context(), "db", r, "", "", rows, h.log)
+			if res.err != nil || res.done != page {
+				b.Fatalf("page %d: %d done, %v", i, res.done, res.err)
+			}
+		}
+		b.ReportMetric(float64(b.N*page)/b.Elapsed().Seconds(), "changes/s")
+	})
+	b.Run("pipelined", func(b *testing.B) {
+		p := newChangePublisher(js, nil)
+		r, err := rules.Parse("pub", []byte(`{"type":"on_change","subject":"chg.${db_name}"}`))
+		require.NoError(b, err)
+		b.ResetTimer()
+		for i := range b.N {
+			msgs := make([]*nats.Msg, page)
+			for j, c := range rows {
+				c.ID = fmt.Sprintf("pipelined-%d-%d", i, j)
+				m, err := p.message("db", r.(*rules.OnChange), change{c}, "")
+				if err != nil {
+					b.Fatal(err)
+				}
+				msgs[j] = m.nats()
+			}
+			if n, err := publishPipelined(b.Context(), js, msgs, 5*time.Second); err != nil {
+				b.Fatalf("page %d: %d done, %v", i, n, err)
+			}
+		}
+		b.ReportMetric(float64(b.N*page)/b.Elapsed().Seconds(), "changes/s")
+	})
+}
