@@ -173,26 +173,19 @@ func (h *handler) processBatch(ctx context.Context, db string, rule *rules.OnCha
 }
 
 // publishBatch publishes the changes of a subject rule's page strictly in feed order (SPEC §5.3,
-// §7.8). When the stream allows atomic batch publishes, the page goes as one batch, which the
-// stream stores whole or not at all (see publishAtomic); what that did not store is published
-// one change at a time, each sent only once the stream confirmed the one before it.
+// §7.8): one publish at a time, each sent only once the stream confirmed the one before it.
 // A publish that fails (a stream leader election, a NATS restart, a partition) is retried with
 // the rule's retry policy before anything after it is sent (dead letter at its limit, as for
 // webhooks), so the stream never stores a change after one that follows it in the feed. A publish
 // whose answer was lost and that is sent again is deduplicated by its message id; a process
 // that lost its job's lease sends nothing more (see act).
 //
-// Pipelining the page (all publishes at once, answers awaited in order) is faster than one at a
-// time but cannot keep that promise: when one publish of the pipeline is lost, the ones after
-// it may be stored already. BenchmarkPublishPage compares the three.
+// Pipelining the page (all publishes at once, answers awaited in order) is faster but cannot
+// keep that promise: when one publish of the pipeline is lost, the ones after it may be stored
+// already. BenchmarkPublishPage compares the two.
 func (h *handler) publishBatch(ctx context.Context, db string, rule *rules.OnChange, acts []*action, log logrus.FieldLogger) batchResult {
 	var res batchResult
-	from := 0
-	if h.publisher.canBatch(subjectFor(rule, db)) {
-		from = h.publishAtomic(ctx, rule, acts, log)
-	}
-	for i := from; i < len(acts); i++ {
-		a := acts[i]
+	for i, a := range acts {
 		if a == nil {
 			continue
 		}
@@ -212,37 +205,6 @@ func (h *handler) publishBatch(ctx context.Context, db string, rule *rules.OnCha
 	}
 	res.done = len(acts)
 	return res
-}
-
-// publishAtomic publishes the head of acts as atomic batches (see changePublisher.publishAtomic)
-// up to the first change that cannot be published, and returns the index of the first action
-// not stored yet: publishBatch goes on from there one change at a time.
-func (h *handler) publishAtomic(ctx context.Context, rule *rules.OnChange, acts []*action, log logrus.FieldLogger) int {
-	var msgs []changeMsg
-	var index []int // of each message's action
-	end := len(acts)
-	for i, a := range acts {
-		if a == nil {
-			continue
-		}
-		if a.msg == nil { // the change could not be encoded: its action says why, one at a time
-			end = i
-			break
-		}
-		msgs, index = append(msgs, *a.msg), append(index, i)
-	}
-	if len(msgs) < 2 {
-		return 0
-	}
-	n, err := h.publisher.publishAtomic(ctx, msgs, rule.Timeout)
-	if err != nil {
-		log.WithError(err).Debug("atomic batch publish failed: publishing one change at a time")
-		if n == 0 {
-			return 0
-		}
-		return index[n-1] + 1
-	}
-	return end
 }
 
 // newAction builds what rule does for change c, or nil when the doc does not match. A request

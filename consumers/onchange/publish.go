@@ -5,13 +5,11 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"strconv"
 	"sync"
 	"time"
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
-	"github.com/nats-io/nuid"
 	"github.com/sirupsen/logrus"
 
 	"github.com/spiegel-nats/spiegel/pkg/events"
@@ -39,13 +37,6 @@ type streamPublisher interface {
 	StreamNameBySubject(ctx context.Context, subject string) (string, error)
 }
 
-// batchPublisher is the part of jetstream.JetStream that atomic batch publishes use besides
-// streamPublisher's: a publisher without it publishes one change at a time.
-type batchPublisher interface {
-	Stream(ctx context.Context, name string) (jetstream.Stream, error)
-	Conn() *nats.Conn
-}
-
 // changePublisher publishes changes for `subject` rules (SPEC §3): the change JSON with message
 // id <db>/<doc id>/<rev>, so that a re-dispatch is deduplicated by the stream (a replay's
 // messages have their own ids, see events.ReplayMsgID). Safe for concurrent use. Its memory is
@@ -55,14 +46,12 @@ type changePublisher struct {
 	metrics *metrics.Consumer
 
 	checked  *expiringSet // subjects found captured by a stream
-	atomic   *expiringSet // those of them whose stream allows atomic batch publishes
 	reported *expiringSet // rule id, rev and subject already dead-lettered as unusable
 }
 
 func newChangePublisher(js streamPublisher, m *metrics.Consumer) *changePublisher {
 	return &changePublisher{js: js, metrics: m,
-		checked: newExpiringSet(subjectCheckTTL, publisherMemory), atomic: newExpiringSet(subjectCheckTTL, publisherMemory),
-		reported: newExpiringSet(reportedTTL, publisherMemory)}
+		checked: newExpiringSet(subjectCheckTTL, publisherMemory), reported: newExpiringSet(reportedTTL, publisherMemory)}
 }
 
 // subject returns rule's subject for db: ${db_name} becomes the db's subject token
@@ -71,8 +60,7 @@ func subjectFor(rule *rules.OnChange, db string) string {
 	return rules.Interpolate(rule.Subject, rules.Vars{DBName: events.EncodeDBName(db)}, false)
 }
 
-// check reports whether some stream captures rule's subject for db, and notes whether that
-// stream allows atomic batch publishes (see publishAtomic). When none does, the rule
+// check reports whether some stream captures rule's subject for db. When none does, the rule
 // cannot run in db: the first time per rule revision and subject (again after reportedTTL) a
 // dead-letter record naming the rule is stored and an error logged; the rule's checkpoint stays where it is, so its changes
 // flow once a stream captures the subject or the rule is fixed. Other rules are not affected.
@@ -82,17 +70,8 @@ func (p *changePublisher) check(ctx context.Context, db string, rule *rules.OnCh
 	if p.checked.has(subject) {
 		return true, nil
 	}
-	name, err := p.js.StreamNameBySubject(ctx, subject)
+	_, err := p.js.StreamNameBySubject(ctx, subject)
 	if err == nil {
-		if bp, ok := p.js.(batchPublisher); ok {
-			st, err := bp.Stream(ctx, name)
-			if err != nil {
-				return false, fmt.Errorf("rule %s: read stream %s of subject %s: %w", rule.ID(), name, subject, err)
-			}
-			if st.CachedInfo().Config.AllowAtomicPublish {
-				p.atomic.add(subject)
-			}
-		}
 		p.checked.add(subject)
 		return true, nil
 	}
@@ -236,62 +215,3 @@ func (s *expiringSet) len() int {
 	defer s.mu.Unlock()
 	return len(s.at)
 }
-
-// maxAtomicBatch is the most messages published as one atomic batch (nats-server's default
-// limit).
-const maxAtomicBatch = 1000
-
-// canBatch reports whether subject's stream was found to allow atomic batch publishes.
-func (p *changePublisher) canBatch(subject string) bool {
-	_, ok := p.js.(batchPublisher)
-	return ok && p.atomic.has(subject)
-}
-
-// publishAtomic publishes msgs, in order, as atomic batches of at most maxAtomicBatch, one batch
-// at a time: the stream stores a batch whole, after everything stored before, or not at all
-// (JetStream atomic batch publish, nats-server 2.12+). Its messages but the last are sent
-// without waiting; the last commits the batch and its answer, awaited for at most timeout, says
-// whether the batch was stored. It returns how many of msgs are stored; on an error the caller
-// publishes the rest one at a time (a batch holding a change stored already — a re-dispatch —
-// is refused whole, as is one the server cannot take now). A process that lost its job's lease
-// sends no further batch.
-func (p *changePublisher) publishAtomic(ctx context.Context, msgs []changeMsg, timeout time.Duration) (int, error) {
-	bp := p.js.(batchPublisher)
-	nc := bp.Conn()
-	done := 0
-	for done < len(msgs) {
-		if !worker.Held(ctx) {
-			return done, worker.ErrLeaseLost
-		}
-		batch := msgs[done:min(len(msgs), done+maxAtomicBatch)]
-		id := nuid.Next()
-		for i, m := range batch {
-			msg := m.nats()
-			msg.Header.Set(headerBatchID, id)
-			msg.Header.Set(headerBatchSeq, strconv.Itoa(i+1))
-			if i < len(batch)-1 {
-				if err := nc.PublishMsg(msg); err != nil {
-					return done, fmt.Errorf("publish change %s to %s in a batch: %w", m.id, m.subject, err)
-				}
-				continue
-			}
-			msg.Header.Set(headerBatchCommit, "1")
-			cctx, cancel := context.WithTimeout(ctx, timeout)
-			_, err := p.js.PublishMsg(cctx, msg)
-			cancel()
-			if err != nil {
-				return done, fmt.Errorf("publish %d changes to %s as one batch: %w", len(batch), m.subject, err)
-			}
-		}
-		done += len(batch)
-		p.published(len(batch))
-	}
-	return done, nil
-}
-
-// Headers of JetStream atomic batch publishes.
-const (
-	headerBatchID     = "Nats-Batch-Id"
-	headerBatchSeq    = "Nats-Batch-Sequence"
-	headerBatchCommit = "Nats-Batch-Commit"
-)

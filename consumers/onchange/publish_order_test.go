@@ -25,13 +25,13 @@ import (
 // max_msg_size until the operator raises it — the same shape as a publish lost in a stream leader
 // election: one refused, the ones after it accepted) and a NATS restart in the middle of a page.
 
-// orderStream creates stream CHG on chg.> (max_msg_size maxMsg; atomic batch publishes allowed
-// if atomic) and returns the JetStream handle of a connection that reconnects forever.
-func orderStream(t testing.TB, s *natstest.Server, maxMsg int32, atomic bool) jetstream.JetStream {
+// orderStream creates stream CHG on chg.> (max_msg_size maxMsg) and returns the JetStream handle
+// of a connection that reconnects forever.
+func orderStream(t testing.TB, s *natstest.Server, maxMsg int32) jetstream.JetStream {
 	t.Helper()
 	_, js := s.Connect(t)
 	_, err := js.CreateStream(t.Context(), jetstream.StreamConfig{Name: "CHG", Subjects: []string{"chg.>"},
-		MaxMsgSize: maxMsg, Duplicates: time.Hour, Storage: jetstream.FileStorage, AllowAtomicPublish: atomic})
+		MaxMsgSize: maxMsg, Duplicates: time.Hour, Storage: jetstream.FileStorage})
 	require.NoError(t, err)
 	return js
 }
@@ -107,49 +107,28 @@ func wantIDs(n int) []string {
 	return out
 }
 
-// publishModes are the ways a page is published: one change at a time, or as atomic batches
-// when the stream allows them (then one at a time for what a refused batch did not store).
-var publishModes = []struct {
-	name   string
-	atomic bool
-}{{"one at a time", false}, {"atomic batch", true}}
-
-// runPage runs h's rule on rows in the background, once the subject was checked (as a job does
-// before each page).
-func runPage(t testing.TB, h *handler, r *rules.OnChange, rows []couch.Change) <-chan batchResult {
-	t.Helper()
-	ok, err := h.publisher.check(t.Context(), "db", r, h.dead, h.log)
-	require.NoError(t, err)
-	require.True(t, ok)
-	done := make(chan batchResult, 1)
-	go func() { done <- h.processBatch(t.Context(), "db", r, "", "", rows, h.log) }()
-	return done
-}
-
 // TestPublishOrderThroughARefusedPublish: the stream refuses one publish in the middle of a page
 // until the operator raises its max_msg_size. Nothing after it is stored before it: the stream
 // ends up holding the page in feed order, each change once. (Pipelined publishes, the way pages
-// were published before, store the changes after it first: see TestPipelinedPublishBreaksOrder.)
+// were published before, store the changes after it first: checked below, so that the fault is
+// shown to be the one the order is about.)
 func TestPublishOrderThroughARefusedPublish(t *testing.T) {
 	t.Parallel()
-	for _, mode := range publishModes {
-		t.Run(mode.name, func(t *testing.T) {
-			t.Parallel()
-			const n, big = 20, 7
-			s := natstest.Start(t)
-			js := orderStream(t, s, 1024, mode.atomic)
-			pub := &countingPublisher{JetStream: js}
-			h, r := orderHandler(t, pub)
-			done := runPage(t, h, r, pageRows(n, big))
-			require.Eventually(t, func() bool { return pub.failed.Load() >= 3 }, 10*time.Second, 5*time.Millisecond, "the big change is refused and retried")
-			assert.Equal(t, wantIDs(big), stored(t, js), "nothing after the refused change is stored")
-			raiseMaxMsg(t, js)
-			res := <-done
-			require.NoError(t, res.err)
-			assert.Equal(t, n, res.done)
-			assert.Equal(t, wantIDs(n), stored(t, js), "feed order, each once")
-		})
-	}
+	const n, big = 20, 7
+	s := natstest.Start(t)
+	js := orderStream(t, s, 1024)
+	pub := &countingPublisher{JetStream: js}
+	h, r := orderHandler(t, pub)
+
+	done := make(chan batchResult, 1)
+	go func() { done <- h.processBatch(t.Context(), "db", r, "", "", pageRows(n, big), h.log) }()
+	require.Eventually(t, func() bool { return pub.failed.Load() >= 2 }, 10*time.Second, 5*time.Millisecond, "the big change is refused and retried")
+	assert.Equal(t, wantIDs(big), stored(t, js), "nothing after the refused change is stored")
+	raiseMaxMsg(t, js)
+	res := <-done
+	require.NoError(t, res.err)
+	assert.Equal(t, n, res.done)
+	assert.Equal(t, wantIDs(n), stored(t, js), "feed order, each once")
 }
 
 // TestPipelinedPublishBreaksOrder shows the fault of TestPublishOrderThroughARefusedPublish
@@ -158,7 +137,7 @@ func TestPipelinedPublishBreaksOrder(t *testing.T) {
 	t.Parallel()
 	const n, big = 20, 7
 	s := natstest.Start(t)
-	js := orderStream(t, s, 1024, false)
+	js := orderStream(t, s, 1024)
 	done := make(chan struct{})
 	go func() { defer close(done); publishPipelinedUntilStored(t, js, pageRows(n, big)) }()
 	require.Eventually(t, func() bool { return storedCount(t, js) == n-1 }, 10*time.Second, 5*time.Millisecond)
@@ -183,29 +162,19 @@ func raiseMaxMsg(t testing.TB, js jetstream.JetStream) {
 // is being published; the stream holds them in feed order, each once.
 func TestPublishOrderThroughANATSRestart(t *testing.T) {
 	t.Parallel()
-	for _, mode := range publishModes {
-		t.Run(mode.name, func(t *testing.T) {
-			t.Parallel()
-			const n = 300
-			s := natstest.Start(t)
-			js := orderStream(t, s, 0, mode.atomic)
-			h, r := orderHandler(t, js)
-			rows := pageRows(n, -1)
-			first := runPage(t, h, r, rows[:100])
-			require.NoError(t, (<-first).err)
-			st, err := js.Stream(t.Context(), "CHG")
-			require.NoError(t, err)
-			m, err := st.GetMsg(t.Context(), 1)
-			require.NoError(t, err)
-			assert.Equal(t, mode.atomic, m.Header.Get("Nats-Batch-Id") != "", "published as a batch: %v", m.Header)
-			done := runPage(t, h, r, rows[100:])
-			s.Restart(t)
-			res := <-done
-			require.NoError(t, res.err)
-			assert.Equal(t, n-100, res.done)
-			assert.Equal(t, wantIDs(n), stored(t, js), "feed order, each once")
-		})
-	}
+	const n = 300
+	s := natstest.Start(t)
+	js := orderStream(t, s, 0)
+	h, r := orderHandler(t, js)
+	done := make(chan batchResult, 1)
+	go func() { done <- h.processBatch(t.Context(), "db", r, "", "", pageRows(n, -1), h.log) }()
+	require.Eventually(t, func() bool { return storedCount(t, js) >= 50 }, 10*time.Second, time.Millisecond)
+	s.Restart(t)
+	res := <-done
+	require.NoError(t, res.err)
+	assert.Equal(t, n, res.done)
+	require.Eventually(t, func() bool { return storedCount(t, js) == n }, 10*time.Second, 10*time.Millisecond)
+	assert.Equal(t, wantIDs(n), stored(t, js), "feed order, each once")
 }
 
 // publishPipelined is how a page was published before strict order: every publish sent at once on
@@ -264,24 +233,20 @@ func publishPipelinedUntilStored(t testing.TB, js jetstream.JetStream, rows []co
 }
 
 // BenchmarkPublishPage compares, in one run, the publish throughput of a subject rule's page
-// (100 changes, embedded nats-server, file storage) published strictly in order — one at a time,
-// each confirmed before the next, or as one atomic batch (publishBatch, by what the stream
-// allows) — and pipelined (all at once, answers awaited in order: the earlier way, which cannot
-// keep the order through a refused publish).
+// (100 changes, embedded nats-server, file storage) published strictly in order (one at a time,
+// each confirmed before the next: publishBatch) and pipelined (all at once, answers awaited in
+// order: the earlier way, which cannot keep the order through a refused publish).
 func BenchmarkPublishPage(b *testing.B) {
 	const page = 100
 	s := natstest.Start(b)
-	js := orderStream(b, s, 0, false)
+	js := orderStream(b, s, 0)
 	rows := pageRows(page, -1)
-	inOrder := func(b *testing.B, name string) {
+	b.Run("in-order", func(b *testing.B) {
 		h, r := orderHandler(b, js)
-		ok, err := h.publisher.check(b.Context(), "db", r, h.dead, h.log)
-		require.NoError(b, err)
-		require.True(b, ok)
 		b.ResetTimer()
 		for i := range b.N {
 			for j := range rows {
-				rows[j].ID = fmt.Sprintf("%s-%d-%d", name, i, j) // new message ids: no deduplication
+				rows[j].ID = fmt.Sprintf("in-order-%d-%d", i, j) // new message ids: no deduplication
 			}
 			res := h.processBatch(b.Context(), "db", r, "", "", rows, h.log)
 			if res.err != nil || res.done != page {
@@ -289,21 +254,6 @@ func BenchmarkPublishPage(b *testing.B) {
 			}
 		}
 		b.ReportMetric(float64(b.N*page)/b.Elapsed().Seconds(), "changes/s")
-	}
-	b.Run("one-at-a-time", func(b *testing.B) { inOrder(b, "one") })
-	b.Run("atomic-batch", func(b *testing.B) {
-		st, err := js.Stream(b.Context(), "CHG")
-		require.NoError(b, err)
-		cfg := st.CachedInfo().Config
-		cfg.AllowAtomicPublish = true
-		_, err = js.UpdateStream(b.Context(), cfg)
-		require.NoError(b, err)
-		defer func() {
-			cfg.AllowAtomicPublish = false
-			_, err = js.UpdateStream(context.Background(), cfg)
-			require.NoError(b, err)
-		}()
-		inOrder(b, "atomic")
 	})
 	b.Run("pipelined", func(b *testing.B) {
 		p := newChangePublisher(js, nil)

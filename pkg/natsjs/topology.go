@@ -111,8 +111,7 @@ func (t Topology) DeadLetterStreamConfig() jetstream.StreamConfig {
 }
 
 // ChangesStreamConfig captures the changes `subject` rules publish; message ids deduplicate
-// re-dispatches within the duplicate window. Atomic batch publishes are allowed: a rule
-// publishes a page as one batch, stored whole or not at all, in feed order.
+// replays within the duplicate window.
 func (t Topology) ChangesStreamConfig() jetstream.StreamConfig {
 	return jetstream.StreamConfig{
 		Name:        t.Subjects.ChangesStream(),
@@ -123,8 +122,6 @@ func (t Topology) ChangesStreamConfig() jetstream.StreamConfig {
 		MaxAge:      t.ChangesMaxAge,
 		Duplicates:  24 * time.Hour,
 		Replicas:    t.replicas(),
-
-		AllowAtomicPublish: true,
 	}
 }
 
