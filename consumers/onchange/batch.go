@@ -173,19 +173,27 @@ func (h *handler) processBatch(ctx context.Context, db string, rule *rules.OnCha
 }
 
 // publishBatch publishes the changes of a subject rule's page strictly in feed order (SPEC §5.3,
-// §7.8): one publish at a time, each sent only once the stream confirmed the one before it.
-// A publish that fails (a stream leader election, a NATS restart, a partition) is retried with
-// the rule's retry policy before anything after it is sent (dead letter at its limit, as for
-// webhooks), so the stream never stores a change after one that follows it in the feed. A publish
-// whose answer was lost and that is sent again is deduplicated by its message id; a process
-// that lost its job's lease sends nothing more (see act).
+// §7.8). When the stream allows fast batch publishes, the page goes as one batch in "gap: fail"
+// mode: all at once, and the stream stores it in order up to the first change it did not get or
+// refused, none after it (see publishFast). What that did not store is published one change at a
+// time, each sent only once the stream confirmed the one before it; a publish that fails
+// (a stream leader election, a NATS restart, a partition) is retried with the rule's retry policy
+// before anything after it is sent (dead letter at its limit, as for webhooks). So the stream
+// never stores a change after one that follows it in the feed. A publish whose answer was lost
+// and that is sent again is deduplicated by its message id; a process that lost its job's lease
+// sends nothing more (see act).
 //
-// Pipelining the page (all publishes at once, answers awaited in order) is faster but cannot
-// keep that promise: when one publish of the pipeline is lost, the ones after it may be stored
-// already. BenchmarkPublishPage compares the two.
+// Plain pipelined publishes (all at once, answers awaited in order) cannot keep that promise:
+// when one of them is lost, the ones after it may be stored already. BenchmarkPublishPage
+// compares the three.
 func (h *handler) publishBatch(ctx context.Context, db string, rule *rules.OnChange, acts []*action, log logrus.FieldLogger) batchResult {
 	var res batchResult
-	for i, a := range acts {
+	from := 0
+	if h.publisher.canBatch(subjectFor(rule, db)) {
+		from = h.publishFast(ctx, rule, acts, log)
+	}
+	for i := from; i < len(acts); i++ {
+		a := acts[i]
 		if a == nil {
 			continue
 		}
@@ -205,6 +213,37 @@ func (h *handler) publishBatch(ctx context.Context, db string, rule *rules.OnCha
 	}
 	res.done = len(acts)
 	return res
+}
+
+// publishFast publishes the head of acts as one fast batch (see changePublisher.publishFast) up
+// to the first change that cannot be published, and returns the index of the first action not
+// stored yet: publishBatch goes on from there one change at a time.
+func (h *handler) publishFast(ctx context.Context, rule *rules.OnChange, acts []*action, log logrus.FieldLogger) int {
+	var msgs []changeMsg
+	var index []int // of each message's action
+	end := len(acts)
+	for i, a := range acts {
+		if a == nil {
+			continue
+		}
+		if a.msg == nil { // the change could not be encoded: its action says why, one at a time
+			end = i
+			break
+		}
+		msgs, index = append(msgs, *a.msg), append(index, i)
+	}
+	if len(msgs) < 2 {
+		return 0
+	}
+	n, err := h.publisher.publishFast(ctx, msgs, rule.Timeout)
+	if err != nil {
+		log.WithError(err).Debug("fast batch publish ended early: publishing the rest one change at a time")
+		if n == 0 {
+			return 0
+		}
+		return index[n-1] + 1
+	}
+	return end
 }
 
 // newAction builds what rule does for change c, or nil when the doc does not match. A request

@@ -25,24 +25,25 @@ import (
 // max_msg_size until the operator raises it — the same shape as a publish lost in a stream leader
 // election: one refused, the ones after it accepted) and a NATS restart in the middle of a page.
 
-// orderStream creates stream CHG on chg.> (max_msg_size maxMsg) and returns the JetStream handle
-// of a connection that reconnects forever.
-func orderStream(t testing.TB, s *natstest.Server, maxMsg int32) jetstream.JetStream {
+// orderStream creates stream CHG on chg.> (max_msg_size maxMsg; fast batch publishes allowed
+// if batched) and returns the JetStream handle of a connection that reconnects forever.
+func orderStream(t testing.TB, s *natstest.Server, maxMsg int32, batched bool) jetstream.JetStream {
 	t.Helper()
 	_, js := s.Connect(t)
 	_, err := js.CreateStream(t.Context(), jetstream.StreamConfig{Name: "CHG", Subjects: []string{"chg.>"},
-		MaxMsgSize: maxMsg, Duplicates: time.Hour, Storage: jetstream.FileStorage})
+		MaxMsgSize: maxMsg, Duplicates: time.Hour, Storage: jetstream.FileStorage, AllowBatchPublish: batched})
 	require.NoError(t, err)
 	return js
 }
 
-// countingPublisher counts the publishes that failed.
+// countingPublisher counts the one-at-a-time publishes and those that failed.
 type countingPublisher struct {
 	jetstream.JetStream
-	failed atomic.Int64
+	calls, failed atomic.Int64
 }
 
 func (c *countingPublisher) PublishMsg(ctx context.Context, m *nats.Msg, opts ...jetstream.PublishOpt) (*jetstream.PubAck, error) {
+	c.calls.Add(1)
 	ack, err := c.JetStream.PublishMsg(ctx, m, opts...)
 	if err != nil {
 		c.failed.Add(1)
@@ -107,28 +108,49 @@ func wantIDs(n int) []string {
 	return out
 }
 
+// publishModes are the ways a page is published: one change at a time, or as a fast batch when
+// the stream allows it (then one at a time for what the batch did not store).
+var publishModes = []struct {
+	name    string
+	batched bool
+}{{"one at a time", false}, {"fast batch", true}}
+
+// runPage runs h's rule on rows in the background, once the subject was checked (as a job does
+// before each page).
+func runPage(t testing.TB, h *handler, r *rules.OnChange, rows []couch.Change) <-chan batchResult {
+	t.Helper()
+	ok, err := h.publisher.check(t.Context(), "db", r, h.dead, h.log)
+	require.NoError(t, err)
+	require.True(t, ok)
+	done := make(chan batchResult, 1)
+	go func() { done <- h.processBatch(t.Context(), "db", r, "", "", rows, h.log) }()
+	return done
+}
+
 // TestPublishOrderThroughARefusedPublish: the stream refuses one publish in the middle of a page
 // until the operator raises its max_msg_size. Nothing after it is stored before it: the stream
 // ends up holding the page in feed order, each change once. (Pipelined publishes, the way pages
-// were published before, store the changes after it first: checked below, so that the fault is
-// shown to be the one the order is about.)
+// were published before, store the changes after it first: see TestPipelinedPublishBreaksOrder.)
 func TestPublishOrderThroughARefusedPublish(t *testing.T) {
 	t.Parallel()
-	const n, big = 20, 7
-	s := natstest.Start(t)
-	js := orderStream(t, s, 1024)
-	pub := &countingPublisher{JetStream: js}
-	h, r := orderHandler(t, pub)
-
-	done := make(chan batchResult, 1)
-	go func() { done <- h.processBatch(t.Context(), "db", r, "", "", pageRows(n, big), h.log) }()
-	require.Eventually(t, func() bool { return pub.failed.Load() >= 2 }, 10*time.Second, 5*time.Millisecond, "the big change is refused and retried")
-	assert.Equal(t, wantIDs(big), stored(t, js), "nothing after the refused change is stored")
-	raiseMaxMsg(t, js)
-	res := <-done
-	require.NoError(t, res.err)
-	assert.Equal(t, n, res.done)
-	assert.Equal(t, wantIDs(n), stored(t, js), "feed order, each once")
+	for _, mode := range publishModes {
+		t.Run(mode.name, func(t *testing.T) {
+			t.Parallel()
+			const n, big = 20, 7
+			s := natstest.Start(t)
+			js := orderStream(t, s, 1024, mode.batched)
+			pub := &countingPublisher{JetStream: js}
+			h, r := orderHandler(t, pub)
+			done := runPage(t, h, r, pageRows(n, big))
+			require.Eventually(t, func() bool { return pub.failed.Load() >= 3 }, 10*time.Second, 5*time.Millisecond, "the big change is refused and retried")
+			assert.Equal(t, wantIDs(big), stored(t, js), "nothing after the refused change is stored")
+			raiseMaxMsg(t, js)
+			res := <-done
+			require.NoError(t, res.err)
+			assert.Equal(t, n, res.done)
+			assert.Equal(t, wantIDs(n), stored(t, js), "feed order, each once")
+		})
+	}
 }
 
 // TestPipelinedPublishBreaksOrder shows the fault of TestPublishOrderThroughARefusedPublish
@@ -137,7 +159,7 @@ func TestPipelinedPublishBreaksOrder(t *testing.T) {
 	t.Parallel()
 	const n, big = 20, 7
 	s := natstest.Start(t)
-	js := orderStream(t, s, 1024)
+	js := orderStream(t, s, 1024, false)
 	done := make(chan struct{})
 	go func() { defer close(done); publishPipelinedUntilStored(t, js, pageRows(n, big)) }()
 	require.Eventually(t, func() bool { return storedCount(t, js) == n-1 }, 10*time.Second, 5*time.Millisecond)
@@ -162,19 +184,26 @@ func raiseMaxMsg(t testing.TB, js jetstream.JetStream) {
 // is being published; the stream holds them in feed order, each once.
 func TestPublishOrderThroughANATSRestart(t *testing.T) {
 	t.Parallel()
-	const n = 300
-	s := natstest.Start(t)
-	js := orderStream(t, s, 0)
-	h, r := orderHandler(t, js)
-	done := make(chan batchResult, 1)
-	go func() { done <- h.processBatch(t.Context(), "db", r, "", "", pageRows(n, -1), h.log) }()
-	require.Eventually(t, func() bool { return storedCount(t, js) >= 50 }, 10*time.Second, time.Millisecond)
-	s.Restart(t)
-	res := <-done
-	require.NoError(t, res.err)
-	assert.Equal(t, n, res.done)
-	require.Eventually(t, func() bool { return storedCount(t, js) == n }, 10*time.Second, 10*time.Millisecond)
-	assert.Equal(t, wantIDs(n), stored(t, js), "feed order, each once")
+	for _, mode := range publishModes {
+		t.Run(mode.name, func(t *testing.T) {
+			t.Parallel()
+			const n = 300
+			s := natstest.Start(t)
+			js := orderStream(t, s, 0, mode.batched)
+			pub := &countingPublisher{JetStream: js}
+			h, r := orderHandler(t, pub)
+			rows := pageRows(n, -1)
+			first := runPage(t, h, r, rows[:100])
+			require.NoError(t, (<-first).err)
+			assert.Equal(t, mode.batched, pub.calls.Load() == 0, "%d changes published one at a time", pub.calls.Load())
+			done := runPage(t, h, r, rows[100:])
+			s.Restart(t)
+			res := <-done
+			require.NoError(t, res.err)
+			assert.Equal(t, n-100, res.done)
+			assert.Equal(t, wantIDs(n), stored(t, js), "feed order, each once")
+		})
+	}
 }
 
 // publishPipelined is how a page was published before strict order: every publish sent at once on
@@ -233,20 +262,24 @@ func publishPipelinedUntilStored(t testing.TB, js jetstream.JetStream, rows []co
 }
 
 // BenchmarkPublishPage compares, in one run, the publish throughput of a subject rule's page
-// (100 changes, embedded nats-server, file storage) published strictly in order (one at a time,
-// each confirmed before the next: publishBatch) and pipelined (all at once, answers awaited in
-// order: the earlier way, which cannot keep the order through a refused publish).
+// (100 changes, embedded nats-server, file storage) published strictly in order — one at a time,
+// each confirmed before the next, or as one fast batch in "gap: fail" mode (publishBatch, by what
+// the stream allows) — and pipelined (all at once, answers awaited in order: the earlier way, which cannot
+// keep the order through a refused publish).
 func BenchmarkPublishPage(b *testing.B) {
 	const page = 100
 	s := natstest.Start(b)
-	js := orderStream(b, s, 0)
+	js := orderStream(b, s, 0, false)
 	rows := pageRows(page, -1)
-	b.Run("in-order", func(b *testing.B) {
+	inOrder := func(b *testing.B, name string) {
 		h, r := orderHandler(b, js)
+		ok, err := h.publisher.check(b.Context(), "db", r, h.dead, h.log)
+		require.NoError(b, err)
+		require.True(b, ok)
 		b.ResetTimer()
 		for i := range b.N {
 			for j := range rows {
-				rows[j].ID = fmt.Sprintf("in-order-%d-%d", i, j) // new message ids: no deduplication
+				rows[j].ID = fmt.Sprintf("%s-%d-%d", name, i, j) // new message ids: no deduplication
 			}
 			res := h.processBatch(b.Context(), "db", r, "", "", rows, h.log)
 			if res.err != nil || res.done != page {
@@ -254,6 +287,21 @@ func BenchmarkPublishPage(b *testing.B) {
 			}
 		}
 		b.ReportMetric(float64(b.N*page)/b.Elapsed().Seconds(), "changes/s")
+	}
+	b.Run("one-at-a-time", func(b *testing.B) { inOrder(b, "one") })
+	b.Run("fast-batch", func(b *testing.B) {
+		st, err := js.Stream(b.Context(), "CHG")
+		require.NoError(b, err)
+		cfg := st.CachedInfo().Config
+		cfg.AllowBatchPublish = true
+		_, err = js.UpdateStream(b.Context(), cfg)
+		require.NoError(b, err)
+		defer func() {
+			cfg.AllowBatchPublish = false
+			_, err = js.UpdateStream(context.Background(), cfg)
+			require.NoError(b, err)
+		}()
+		inOrder(b, "fast")
 	})
 	b.Run("pipelined", func(b *testing.B) {
 		p := newChangePublisher(js, nil)
@@ -276,4 +324,24 @@ func BenchmarkPublishPage(b *testing.B) {
 		}
 		b.ReportMetric(float64(b.N*page)/b.Elapsed().Seconds(), "changes/s")
 	})
+}
+
+// TestPublishPageAgain: a page published again (a job run again after a crash) stores nothing
+// twice, and a page that starts with changes stored already goes on after them in order.
+func TestPublishPageAgain(t *testing.T) {
+	t.Parallel()
+	for _, mode := range publishModes {
+		t.Run(mode.name, func(t *testing.T) {
+			t.Parallel()
+			s := natstest.Start(t)
+			js := orderStream(t, s, 0, mode.batched)
+			h, r := orderHandler(t, js)
+			rows := pageRows(60, -1)
+			require.NoError(t, (<-runPage(t, h, r, rows[:40])).err)
+			res := <-runPage(t, h, r, rows[20:])
+			require.NoError(t, res.err)
+			assert.Equal(t, 40, res.done)
+			assert.Equal(t, wantIDs(60), stored(t, js), "feed order, each once")
+		})
+	}
 }
