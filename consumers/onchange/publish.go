@@ -274,7 +274,9 @@ func (p *changePublisher) publishFast(ctx context.Context, msgs []changeMsg, tim
 	}
 	nc := p.js.(batchPublisher).Conn()
 	inbox := nats.NewInbox()
-	answers := make(chan *nats.Msg, 64)
+	// Room for every answer there can be (a flow acknowledgement per message at most, gaps,
+	// errors, the final one), so that none is dropped as a slow consumer's.
+	answers := make(chan *nats.Msg, 2*len(msgs)+8)
 	sub, err := nc.ChanSubscribe(inbox+".>", answers)
 	if err != nil {
 		return 0, fmt.Errorf("publish a batch of %d changes: subscribe to its answers: %w", len(msgs), err)
