@@ -84,8 +84,8 @@ const (
 // or selector are done at once. With debounce, identical requests (same method, final URL and
 // body) are sent once: later ones are done when the first is. With block each request is sent
 // after the previous one finished; without it up to requestConcurrency run at once. Subject
-// rules publish one change at a time in feed order whatever block says (see publishBatch). No request is started
-// after one has deferred or failed. The result's done counts the head of the batch that is
+// rules publish strictly in feed order whatever block says (see publishBatch). No request is
+// started after one has deferred or failed. The result's done counts the head of the batch that is
 // finished, the only part the checkpoint may pass. since is the seq the page was read from;
 // replay, when set, is the replay whose id subject rules publish the changes under.
 func (h *handler) processBatch(ctx context.Context, db string, rule *rules.OnChange, since, replay string, rows []couch.Change, log logrus.FieldLogger) batchResult {
