@@ -53,15 +53,18 @@ type changePublisher struct {
 	js      streamPublisher
 	metrics *metrics.Consumer
 
-	checked  *expiringSet // subjects found captured by a stream
-	batched  *expiringSet // those of them whose stream allows fast batch publishes
-	reported *expiringSet // rule id, rev and subject already dead-lettered as unusable
+	checked *expiringSet // subjects found captured by a stream
+	batched *expiringSet // those of them whose stream allows fast batch publishes
+
+	streamsRead, batchedStreams *expiringSet // stream names whose info was read; those allowing fast batches
+	reported                    *expiringSet // rule id, rev and subject already dead-lettered as unusable
 }
 
 func newChangePublisher(js streamPublisher, m *metrics.Consumer) *changePublisher {
 	return &changePublisher{js: js, metrics: m,
 		checked: newExpiringSet(subjectCheckTTL, publisherMemory), batched: newExpiringSet(subjectCheckTTL, publisherMemory),
-		reported: newExpiringSet(reportedTTL, publisherMemory)}
+		reported:    newExpiringSet(reportedTTL, publisherMemory),
+		streamsRead: newExpiringSet(subjectCheckTTL, publisherMemory), batchedStreams: newExpiringSet(subjectCheckTTL, publisherMemory)}
 }
 
 // subject returns rule's subject for db: ${db_name} becomes the db's subject token
@@ -71,10 +74,10 @@ func subjectFor(rule *rules.OnChange, db string) string {
 }
 
 // check reports whether some stream captures rule's subject for db, and notes whether that
-// stream allows fast batch publishes (see publishFast). When none does, the rule
-// cannot run in db: the first time per rule revision and subject (again after reportedTTL) a
-// dead-letter record naming the rule is stored and an error logged; the rule's checkpoint stays where it is, so its changes
-// flow once a stream captures the subject or the rule is fixed. Other rules are not affected.
+// stream allows fast batch publishes (see publishFast). When none does, the rule cannot run in
+// db: the first time per rule revision and subject (again after reportedTTL) a dead-letter record
+// naming the rule is stored and an error logged; the rule's checkpoint stays where it is, so its
+// changes flow once a stream captures the subject or the rule is fixed. Other rules are not affected.
 // err is a failure to ask NATS or to store the record (transient).
 func (p *changePublisher) check(ctx context.Context, db string, rule *rules.OnChange, dead deadLetterer, log logrus.FieldLogger) (bool, error) {
 	subject := subjectFor(rule, db)
@@ -84,11 +87,17 @@ func (p *changePublisher) check(ctx context.Context, db string, rule *rules.OnCh
 	name, err := p.js.StreamNameBySubject(ctx, subject)
 	if err == nil {
 		if bp, ok := p.js.(batchPublisher); ok {
-			st, err := bp.Stream(ctx, name)
-			if err != nil {
-				return false, fmt.Errorf("rule %s: read stream %s of subject %s: %w", rule.ID(), name, subject, err)
+			if !p.streamsRead.has(name) { // one stream info read per stream, not per subject
+				st, err := bp.Stream(ctx, name)
+				if err != nil {
+					return false, fmt.Errorf("rule %s: read stream %s of subject %s: %w", rule.ID(), name, subject, err)
+				}
+				if st.CachedInfo().Config.AllowBatchPublish {
+					p.batchedStreams.add(name)
+				}
+				p.streamsRead.add(name)
 			}
-			if st.CachedInfo().Config.AllowBatchPublish {
+			if p.batchedStreams.has(name) {
 				p.batched.add(subject)
 			}
 		}
