@@ -293,7 +293,20 @@ func (h *handler) act(ctx context.Context, db string, rule *rules.OnChange, a *a
 	if wait > 0 {
 		return stateDeferred, wait, nil
 	}
-	out := webhook.Retrying(ctx, webhook.Retry{Policy: rule.Retry, Done: done, InlineMax: h.inlineRetry}, a.try)
+	// Every attempt checks the lease first, not only the first one: a process paused during a
+	// retry's backoff (SIGSTOP past AckWait) must not send the retry when it resumes, after the
+	// instance that took the job over has sent later changes. Losing the lease interrupts the
+	// retries (no dead letter).
+	rctx, cancel := context.WithCancelCause(ctx)
+	defer cancel(nil)
+	try := func(ctx context.Context) (int, error) {
+		if !worker.Held(ctx) {
+			cancel(worker.ErrLeaseLost)
+			return 0, worker.ErrLeaseLost
+		}
+		return a.try(ctx)
+	}
+	out := webhook.Retrying(rctx, webhook.Retry{Policy: rule.Retry, Done: done, InlineMax: h.inlineRetry}, try)
 	if out.Err == nil {
 		if booked {
 			h.book.forget(key)
