@@ -3,7 +3,6 @@ package main
 import (
 	"context"
 	"encoding/json"
-	"errors"
 	"flag"
 	"fmt"
 	"regexp"
@@ -153,50 +152,6 @@ func runResync(ctx context.Context, cfg *config.Producer, log *logrus.Logger, ci
 			return nil
 		}
 		return set.Groups(db).Groups()
-	}, events.ReasonResync, &pr, cio)
-}
-
-// runReplay resets an on_change rule's checkpoints and enqueues the dbs.
-func runReplay(ctx context.Context, cfg *config.Producer, log *logrus.Logger, cio cmdIO) error {
-	fs := flag.NewFlagSet("replay", flag.ContinueOnError)
-	fs.SetOutput(cio.stderr)
-	ruleID := fs.String("rule", "", "the on_change rule to replay (required)")
-	dbRE := fs.String("db", "", "only dbs matching this RE2 regex")
-	since := fs.String("since", "", "restart from this seq instead of the beginning")
-	if err := fs.Parse(cio.args); err != nil {
-		return usageError{err}
-	}
-	if *ruleID == "" {
-		return usageError{errors.New("--rule is required")}
-	}
-	re, err := dbFlagRegexp(*dbRE)
-	if err != nil {
-		return err
-	}
-	d, set, err := openAdmin(ctx, cfg, log, 1024)
-	if err != nil {
-		return err
-	}
-	defer func() { _ = d.nc.Drain() }()
-	r, ok := set.Rule(*ruleID)
-	if !ok || r.Kind() != rules.KindOnChange {
-		return fmt.Errorf("replay: no valid on_change rule %q in %s", *ruleID, cfg.DBName)
-	}
-	kv, err := natsjs.OnChangeBucket(ctx, d.js, d.topo)
-	if err != nil {
-		return err
-	}
-	store := checkpoint.NewOnChangeStore(d.couch, kv)
-	var pr progress
-	return enqueueDBs(ctx, d, func(db string) []events.Group {
-		if db == cfg.DBName || systemDBs[db] || !r.MatchesDB(db) || re != nil && !re.MatchString(db) {
-			return nil
-		}
-		if err := store.Reset(ctx, r.ID(), db, *since); err != nil {
-			log.WithFields(logrus.Fields{"rule": r.ID(), "db": db}).WithError(err).Warn("reset checkpoint")
-			return nil
-		}
-		return []events.Group{events.GroupOnChange}
 	}, events.ReasonResync, &pr, cio)
 }
 

@@ -29,7 +29,7 @@ Usage:
   producer install         create the spiegel db, its validation, _global_changes, streams and consumers
   producer uninstall       remove streams and consumers (and the spiegel db unless --keep-db); asks first unless --yes
   producer resync          enqueue a job for every db a rule matches [--db REGEX]
-  producer replay          dispatch an on_change rule's history again: --rule ID [--db REGEX] [--since SEQ]
+  producer replay          dispatch an on_change rule's history again: --rule ID [--db REGEX] [--since SEQ] [--id ID] [--wait D]
   producer deadletters     list, retry or purge dead letters: list|retry|purge [--group G] [--rule ID] [--db REGEX] [--since AGE]
   producer status          rules, jobs, position, running processes, per-rule state [--rule ID] [--json]
   producer healthcheck     exit 0 when this producer's /healthz answers (the container health check) [URL]
@@ -188,9 +188,14 @@ var commandHelp = map[string]string{
   spiegel db and its rules.`,
 	"resync": `producer resync [--db REGEX] — enqueue a job for every db that a rule matches (and REGEX, an
   RE2 regex, when given), with a progress display. Jobs already pending are deduplicated.`,
-	"replay": `producer replay --rule ID [--db REGEX] [--since SEQ] — reset the checkpoints of the on_change rule
-  ID (in the dbs it matches, optionally only those matching REGEX) to the beginning or to SEQ, and
-  enqueue those dbs, so the rule's history is dispatched again.`,
+	"replay": `producer replay --rule ID [--db REGEX] [--since SEQ] [--id ID] [--wait DURATION] — reset the
+  checkpoints of the on_change rule ID (in the dbs it matches, optionally only those matching REGEX)
+  to the beginning or to SEQ, and enqueue those dbs, so the rule's history is dispatched again. A
+  subject rule publishes it again under the replay's id (printed; --id to resume or repeat a replay
+  without storing any change twice): message id replay/<id>/<db>/<doc id>/<rev>, header
+  Spiegel-Replay: <id>. The command then waits (--wait, default 10m; 0: no wait) until every db's
+  replay reached the end of its feed and prints per db how many changes it re-dispatched; it exits
+  1 when a db is not done in time.`,
 	"deadletters": `producer deadletters list|retry|purge [--group G] [--rule ID] [--db REGEX] [--since AGE]
       [--before ID] [--limit N] [--json] [--yes]
   list: the dead-letter records that match, newest first (50 unless --limit; --before ID shows the

@@ -84,15 +84,16 @@ const (
 // or selector are done at once. With debounce, identical requests (same method, final URL and
 // body) are sent once: later ones are done when the first is. With block each request is sent
 // after the previous one finished; without it up to requestConcurrency run at once. Subject
-// rules publish in feed order whatever block says (see publishBatch). No request is started
-// after one has deferred or failed. The result's done counts the head of the batch that is
-// finished, the only part the checkpoint may pass. since is the seq the page was read from.
-func (h *handler) processBatch(ctx context.Context, db string, rule *rules.OnChange, since string, rows []couch.Change, log logrus.FieldLogger) batchResult {
+// rules publish strictly in feed order whatever block says (see publishBatch). No request is
+// started after one has deferred or failed. The result's done counts the head of the batch that is
+// finished, the only part the checkpoint may pass. since is the seq the page was read from;
+// replay, when set, is the replay whose id subject rules publish the changes under.
+func (h *handler) processBatch(ctx context.Context, db string, rule *rules.OnChange, since, replay string, rows []couch.Change, log logrus.FieldLogger) batchResult {
 	acts := make([]*action, len(rows))
 	seen := map[string]int{}
 	prev := cmp.Or(since, "0")
 	for i, row := range rows {
-		a := h.newAction(db, rule, change{row})
+		a := h.newAction(db, rule, change{row}, replay)
 		before := prev
 		prev = row.Seq
 		if a == nil {
@@ -171,42 +172,83 @@ func (h *handler) processBatch(ctx context.Context, db string, rule *rules.OnCha
 	return res
 }
 
-// publishBatch publishes the changes of a subject rule's page in feed order (SPEC §5.3):
-// pipelined on one connection, so that the stream stores them in feed order at the speed of
-// asynchronous publishes, and done only once every answer up to a change has come back. When
-// a publish fails, it is retried alone, synchronously, with the rule's retry policy (dead letter
-// at its limit, as for webhooks); the pipeline then resumes after it. Publishes after the failed
-// one may already be stored: publishing them again is deduplicated by their message ids.
+// publishBatch publishes the changes of a subject rule's page strictly in feed order (SPEC §5.3,
+// §7.8). When the stream allows fast batch publishes, the page goes as one batch in "gap: fail"
+// mode: all at once, and the stream stores it in order up to the first change it did not get or
+// refused, none after it (see publishFast). What that did not store is published one change at a
+// time, each sent only once the stream confirmed the one before it; a publish that fails
+// (a stream leader election, a NATS restart, a partition) is retried with the rule's retry policy
+// before anything after it is sent (dead letter at its limit, as for webhooks). So the stream
+// never stores a change after one that follows it in the feed. A publish whose answer was lost
+// and that is sent again is deduplicated by its message id; a process that lost its job's lease
+// sends nothing more (see act).
+//
+// Plain pipelined publishes (all at once, answers awaited in order) cannot keep that promise:
+// when one of them is lost, the ones after it may be stored already. BenchmarkPublishPage
+// compares the three.
 func (h *handler) publishBatch(ctx context.Context, db string, rule *rules.OnChange, acts []*action, log logrus.FieldLogger) batchResult {
 	var res batchResult
-	for from := 0; from < len(acts); {
-		failed, err := h.publisher.publishPipelined(ctx, acts, from, rule.Timeout)
-		if failed == len(acts) {
-			break
+	from := 0
+	if h.publisher.canBatch(subjectFor(rule, db)) {
+		from = h.publishFast(ctx, rule, acts, log)
+	}
+	for i := from; i < len(acts); i++ {
+		a := acts[i]
+		if a == nil {
+			continue
 		}
-		if ctx.Err() != nil {
-			res.done, res.err = failed, ctx.Err()
+		if err := ctx.Err(); err != nil {
+			res.done, res.err = i, err
 			return res
 		}
-		log.WithError(err).WithField("seq", acts[failed].c.Seq).Debug("pipelined publish failed: retrying that change alone")
-		st, retryIn, aerr := h.act(ctx, db, rule, acts[failed], log)
+		st, retryIn, err := h.act(ctx, db, rule, a, log)
 		switch st {
 		case stateDeferred:
-			res.done, res.retryIn, res.deferErr = failed, retryIn, aerr
+			res.done, res.retryIn, res.deferErr = i, retryIn, err
 			return res
 		case stateFailed:
-			res.done, res.err = failed, aerr
+			res.done, res.err = i, err
 			return res
 		}
-		from = failed + 1
 	}
 	res.done = len(acts)
 	return res
 }
 
+// publishFast publishes the head of acts as one fast batch (see changePublisher.publishFast) up
+// to the first change that cannot be published, and returns the index of the first action not
+// stored yet: publishBatch goes on from there one change at a time.
+func (h *handler) publishFast(ctx context.Context, rule *rules.OnChange, acts []*action, log logrus.FieldLogger) int {
+	var msgs []changeMsg
+	var index []int // of each message's action
+	end := len(acts)
+	for i, a := range acts {
+		if a == nil {
+			continue
+		}
+		if a.msg == nil { // the change could not be encoded: its action says why, one at a time
+			end = i
+			break
+		}
+		msgs, index = append(msgs, *a.msg), append(index, i)
+	}
+	if len(msgs) < 2 {
+		return 0
+	}
+	n, err := h.publisher.publishFast(ctx, msgs, rule.Timeout)
+	if err != nil {
+		log.WithError(err).Debug("fast batch publish ended early: publishing the rest one change at a time")
+		if n == 0 {
+			return 0
+		}
+		return index[n-1] + 1
+	}
+	return end
+}
+
 // newAction builds what rule does for change c, or nil when the doc does not match. A request
 // that cannot be built becomes an action that fails permanently (and is dead-lettered).
-func (h *handler) newAction(db string, rule *rules.OnChange, c change) *action {
+func (h *handler) newAction(db string, rule *rules.OnChange, c change, replay string) *action {
 	vars, doc := c.vars(db)
 	if doc == nil {
 		doc = map[string]any{"_id": c.ID}
@@ -219,7 +261,7 @@ func (h *handler) newAction(db string, rule *rules.OnChange, c change) *action {
 	}
 	a := &action{c: c}
 	if rule.Subject != "" {
-		m, err := h.publisher.message(db, rule, c)
+		m, err := h.publisher.message(db, rule, c, replay)
 		a.details = map[string]any{"subject": subjectFor(rule, db)}
 		if err != nil {
 			a.key, a.try = "unpublishable "+c.ID, func(context.Context) (int, error) { return 0, err }
@@ -251,7 +293,20 @@ func (h *handler) act(ctx context.Context, db string, rule *rules.OnChange, a *a
 	if wait > 0 {
 		return stateDeferred, wait, nil
 	}
-	out := webhook.Retrying(ctx, webhook.Retry{Policy: rule.Retry, Done: done, InlineMax: h.inlineRetry}, a.try)
+	// Every attempt checks the lease first, not only the first one: a process paused during a
+	// retry's backoff (SIGSTOP past AckWait) must not send the retry when it resumes, after the
+	// instance that took the job over has sent later changes. Losing the lease interrupts the
+	// retries (no dead letter).
+	rctx, cancel := context.WithCancelCause(ctx)
+	defer cancel(nil)
+	try := func(ctx context.Context) (int, error) {
+		if !worker.Held(ctx) {
+			cancel(worker.ErrLeaseLost)
+			return 0, worker.ErrLeaseLost
+		}
+		return a.try(ctx)
+	}
+	out := webhook.Retrying(rctx, webhook.Retry{Policy: rule.Retry, Done: done, InlineMax: h.inlineRetry}, try)
 	if out.Err == nil {
 		if booked {
 			h.book.forget(key)

@@ -177,6 +177,7 @@ func (h *handler) runRule(ctx context.Context, db string, rule *rules.OnChange) 
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel() // stops a page read ahead that is not needed
 	cps := &checkpointWriter{store: h.store, cp: cp, stored: since}
+	replay := replayOf(cp)
 	finish := func(r ruleResult) ruleResult {
 		if err := cps.wait(); err != nil {
 			r = ruleResult{err: errors.Join(r.err, err)}
@@ -220,11 +221,12 @@ func (h *handler) runRule(ctx context.Context, db string, rule *rules.OnChange) 
 				if cps.cp, since, err = h.start(ctx, db, rule); err != nil {
 					return finish(ruleResult{err: err})
 				}
-				cps.stored, verifying = since, h.verify(ctx, cps.cp)
+				cps.stored, verifying, replay = since, h.verify(ctx, cps.cp), replayOf(cps.cp)
 				continue
 			} else if v.err != nil {
 				return finish(ruleResult{err: v.err})
 			}
+			replay = replayOf(cps.cp)
 		}
 		page, err := got.page, got.err
 		if errors.Is(err, couch.ErrNotFound) {
@@ -236,13 +238,13 @@ func (h *handler) runRule(ctx context.Context, db string, rule *rules.OnChange) 
 			return finish(ruleResult{err: fmt.Errorf("rule %s: %w", rule.ID(), err)})
 		}
 		if len(page.Results) == 0 {
-			return finish(ruleResult{caughtUp: true})
+			return finish(h.caughtUp(ctx, cps, log))
 		}
 		full := h.batchSize <= 0 || len(page.Results) >= h.batchSize
 		if full && page.LastSeq != "" {
 			readFrom, pending = page.LastSeq, h.readPage(ctx, db, page.LastSeq)
 		}
-		b := h.processBatch(ctx, db, rule, since, page.Results, log)
+		b := h.processBatch(ctx, db, rule, since, replay, page.Results, log)
 		next := since
 		switch {
 		case b.done == len(page.Results) && page.LastSeq != "":
@@ -266,7 +268,7 @@ func (h *handler) runRule(ctx context.Context, db string, rule *rules.OnChange) 
 			// A short page is the end of the feed as it was read: no need to ask again for an
 			// empty one. A change landing after it left a wakeup marker, which the worker's
 			// lost-wakeup check takes after the ack to run the db again (natsjs.Jobs.Offer).
-			return finish(ruleResult{caughtUp: true})
+			return finish(h.caughtUp(ctx, cps, log))
 		}
 	}
 }
@@ -289,6 +291,37 @@ func (h *handler) verify(ctx context.Context, cp checkpoint.OnChangePoint) <-cha
 		out <- verified{cp, err}
 	}()
 	return out
+}
+
+// replayOf returns the replay that a run from cp is part of: the id of the replay that reset
+// it, while that replay has not reached the end of the feed yet ("" otherwise).
+func replayOf(cp checkpoint.OnChangePoint) string {
+	if id, active := cp.Replay(); active {
+		return id
+	}
+	return ""
+}
+
+// caughtUp is the result of a run that reached the end of the feed. A replay under way ends
+// there: the checkpoint records it (once), so that later changes are first publications again
+// and `producer replay` sees the replay done.
+func (h *handler) caughtUp(ctx context.Context, cps *checkpointWriter, log logrus.FieldLogger) ruleResult {
+	if err := cps.wait(); err != nil {
+		return ruleResult{err: err}
+	}
+	id, active := cps.cp.Replay()
+	if !active {
+		return ruleResult{caughtUp: true}
+	}
+	if !worker.Held(ctx) {
+		return ruleResult{err: worker.ErrLeaseLost}
+	}
+	cps.cp.EndReplay()
+	if err := cps.save(ctx, cps.stored); err != nil {
+		return ruleResult{err: err}
+	}
+	log.WithField("replay", id).Info("replay reached the end of the feed")
+	return ruleResult{caughtUp: true}
 }
 
 // pageRead is the outcome of one _changes page read.

@@ -21,14 +21,11 @@ import (
 )
 
 // fakeStream is a streamPublisher whose answers a test decides: fail(id, n) makes the next n
-// publishes of message id fail (async and sync alike). Async answers arrive in reverse order of
-// the publishes, so that waiting "in order" is exercised. It records every publish.
+// publishes of message id fail. It records every publish.
 type fakeStream struct {
 	mu       sync.Mutex
 	failures map[string]int
-	async    []string // message ids, in publish order
-	sync     []string
-	futures  []*fakeFuture
+	sync     []string // message ids, in publish order
 }
 
 func (f *fakeStream) fail(id string, n int) {
@@ -59,56 +56,15 @@ func (f *fakeStream) PublishMsg(_ context.Context, msg *nats.Msg, _ ...jetstream
 	return &jetstream.PubAck{Stream: "SPIEGEL_CHANGES"}, nil
 }
 
-func (f *fakeStream) PublishMsgAsync(msg *nats.Msg, _ ...jetstream.PublishOpt) (jetstream.PubAckFuture, error) {
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	id := msg.Header.Get(jetstream.MsgIDHeader)
-	f.async = append(f.async, id)
-	fut := &fakeFuture{msg: msg, ok: make(chan *jetstream.PubAck, 1), err: make(chan error, 1), answer: f.answer(id)}
-	f.futures = append(f.futures, fut)
-	return fut, nil
-}
-
-// settle answers every future so far, newest first.
-func (f *fakeStream) settle() {
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	for i := len(f.futures) - 1; i >= 0; i-- {
-		f.futures[i].resolve()
-	}
-	f.futures = nil
-}
-
 func (f *fakeStream) StreamNameBySubject(context.Context, string) (string, error) {
 	return "SPIEGEL_CHANGES", nil
 }
 
-func (f *fakeStream) calls() (async, sync []string) {
+func (f *fakeStream) calls() []string {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	return append([]string(nil), f.async...), append([]string(nil), f.sync...)
+	return append([]string(nil), f.sync...)
 }
-
-type fakeFuture struct {
-	msg    *nats.Msg
-	ok     chan *jetstream.PubAck
-	err    chan error
-	answer error
-	once   sync.Once
-}
-
-func (f *fakeFuture) resolve() {
-	f.once.Do(func() {
-		if f.answer != nil {
-			f.err <- f.answer
-			return
-		}
-		f.ok <- &jetstream.PubAck{Stream: "SPIEGEL_CHANGES"}
-	})
-}
-func (f *fakeFuture) Ok() <-chan *jetstream.PubAck { return f.ok }
-func (f *fakeFuture) Err() <-chan error            { return f.err }
-func (f *fakeFuture) Msg() *nats.Msg               { return f.msg }
 
 type noDeadLetters struct{ recs []worker.DeadLetter }
 
@@ -117,8 +73,7 @@ func (d *noDeadLetters) Publish(_ context.Context, rec worker.DeadLetter) error 
 	return nil
 }
 
-// subjectHandler returns a handler whose subject rules publish into fs; futures are answered
-// (newest first) as soon as they are waited for.
+// subjectHandler returns a handler whose subject rules publish into fs.
 func subjectHandler(t *testing.T, fs *fakeStream, retry string) (*handler, *rules.OnChange) {
 	t.Helper()
 	r, err := rules.Parse("pub", []byte(`{"type":"on_change","subject":"spiegel.changes.${db_name}","retry":`+retry+`}`))
@@ -143,53 +98,57 @@ func rows(n int) []couch.Change {
 
 func msgID(i int) string { return fmt.Sprintf("db/d%02d/1-a", i) }
 
-// runSettling runs processBatch while answering the fake's futures as they come.
-func runSettling(t *testing.T, h *handler, r *rules.OnChange, fs *fakeStream, ctx context.Context, n int) batchResult {
-	t.Helper()
-	done := make(chan batchResult, 1)
-	go func() { done <- h.processBatch(ctx, "db", r, "", rows(n), h.log) }()
-	for {
-		select {
-		case res := <-done:
-			return res
-		case <-time.After(time.Millisecond):
-			fs.settle()
-		}
-	}
-}
-
-// TestPublishBatchPipelined: a subject rule publishes its page asynchronously in feed order and
-// is done only when every answer came back, whatever order the answers arrive in.
-func TestPublishBatchPipelined(t *testing.T) {
+// TestPublishBatchInOrder: a subject rule publishes its page one change at a time in feed order,
+// each once.
+func TestPublishBatchInOrder(t *testing.T) {
 	t.Parallel()
 	fs := &fakeStream{}
 	h, r := subjectHandler(t, fs, fastRetry)
-	res := runSettling(t, h, r, fs, t.Context(), 50)
+	res := h.processBatch(t.Context(), "db", r, "", "", rows(50), h.log)
 	require.NoError(t, res.err)
 	assert.Equal(t, 50, res.done)
-	async, sync := fs.calls()
 	want := make([]string, 50)
 	for i := range want {
 		want[i] = msgID(i)
 	}
-	assert.Equal(t, want, async, "published once each, in feed order")
-	assert.Empty(t, sync)
+	assert.Equal(t, want, fs.calls(), "published once each, in feed order")
 }
 
-// TestPublishBatchFailureRetriedAlone: a publish refused in the middle of the pipeline is
-// retried alone with the rule's policy; the pipeline resumes after it, and nothing is lost.
-func TestPublishBatchFailureRetriedAlone(t *testing.T) {
+// TestPublishBatchFailureStopsThePage: a publish refused in the middle of the page is retried
+// with the rule's policy before anything after it is sent, so nothing is stored out of order.
+func TestPublishBatchFailureStopsThePage(t *testing.T) {
 	t.Parallel()
 	fs := &fakeStream{}
-	fs.fail(msgID(7), 2) // the async publish and the first synchronous retry
+	fs.fail(msgID(7), 2)
 	h, r := subjectHandler(t, fs, fastRetry)
-	res := runSettling(t, h, r, fs, t.Context(), 20)
+	res := h.processBatch(t.Context(), "db", r, "", "", rows(20), h.log)
 	require.NoError(t, res.err)
 	assert.Equal(t, 20, res.done)
-	async, sync := fs.calls()
-	assert.Equal(t, []string{msgID(7), msgID(7)}, sync, "the failed change alone, until it succeeds")
-	assert.Equal(t, 20+12, len(async), "the pipeline resumes after the failed change")
-	assert.Equal(t, msgID(8), async[20])
+	var want []string
+	for i := range 20 {
+		want = append(want, msgID(i))
+		if i == 7 {
+			want = append(want, msgID(7), msgID(7))
+		}
+	}
+	assert.Equal(t, want, fs.calls())
+}
+
+// TestPublishBatchReplay: a replay's messages carry its id in their message ids and the
+// Spiegel-Replay header.
+func TestPublishBatchReplay(t *testing.T) {
+	t.Parallel()
+	fs := &fakeStream{}
+	h, r := subjectHandler(t, fs, fastRetry)
+	res := h.processBatch(t.Context(), "db", r, "", "r1", rows(2), h.log)
+	require.NoError(t, res.err)
+	assert.Equal(t, []string{"replay/r1/" + msgID(0), "replay/r1/" + msgID(1)}, fs.calls())
+	m, err := h.publisher.message("db", r, change{rows(1)[0]}, "r1")
+	require.NoError(t, err)
+	assert.Equal(t, "r1", m.nats().Header.Get("Spiegel-Replay"))
+	m, err = h.publisher.message("db", r, change{rows(1)[0]}, "")
+	require.NoError(t, err)
+	assert.Empty(t, m.nats().Header.Values("Spiegel-Replay"), "a first publication has no replay header")
 }
 
 // TestPublishBatchDeferred: a publish that keeps failing stops the batch at it: done counts the
@@ -199,7 +158,7 @@ func TestPublishBatchDeferred(t *testing.T) {
 	fs := &fakeStream{}
 	fs.fail(msgID(4), 1000)
 	h, r := subjectHandler(t, fs, `{"backoff":"linear","delay_ms":60000,"limit":0}`) // retries due later: the rule defers
-	res := runSettling(t, h, r, fs, t.Context(), 10)
+	res := h.processBatch(t.Context(), "db", r, "", "", rows(10), h.log)
 	assert.Equal(t, 4, res.done)
 	assert.Positive(t, res.retryIn)
 	assert.Error(t, res.deferErr)
@@ -213,7 +172,34 @@ func TestPublishBatchCancelled(t *testing.T) {
 	h, r := subjectHandler(t, fs, fastRetry)
 	ctx, cancel := context.WithCancel(t.Context())
 	cancel()
-	res := h.processBatch(ctx, "db", r, "", rows(10), h.log)
+	res := h.processBatch(ctx, "db", r, "", "", rows(10), h.log)
 	assert.Equal(t, 0, res.done)
 	assert.True(t, errors.Is(res.err, context.Canceled), "%v", res.err)
+}
+
+// TestExpiringSetBounded: the publisher's sets never hold more than their cap, however many
+// subjects (dbs) go through them; expired entries go first, and an entry is found only until it
+// expires.
+func TestExpiringSetBounded(t *testing.T) {
+	t.Parallel()
+	now := time.Unix(0, 0)
+	s := newExpiringSet(time.Minute, 100)
+	s.now = func() time.Time { return now }
+	for i := range 50 {
+		s.add(fmt.Sprint("old", i))
+	}
+	now = now.Add(2 * time.Minute)
+	for i := range 50 {
+		s.add(fmt.Sprint("new", i))
+	}
+	assert.False(t, s.has("old1"), "expired")
+	assert.True(t, s.has("new1"))
+	s.add("one more") // full: the expired entries go, the live ones stay
+	assert.Equal(t, 51, s.len())
+	assert.True(t, s.has("new49"))
+	for i := range 20_000 {
+		s.add(fmt.Sprint("db", i))
+		require.LessOrEqual(t, s.len(), 100)
+	}
+	assert.True(t, s.has("db19999"), "the newest entry is kept")
 }

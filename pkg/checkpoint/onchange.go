@@ -64,6 +64,9 @@ type OnChangeStore struct {
 	// long; should the entry be lost, the changes in between are acted on once more
 	// (at-least-once). Set it before use.
 	LocalEvery time.Duration
+	// ReplayID, when set, is the replay that Reset records in the checkpoints it resets (see
+	// OnChangePoint.Replay). Set it before use.
+	ReplayID string
 }
 
 // NewOnChangeStore returns the store over c's server, caching in kv (may be nil).
@@ -332,7 +335,7 @@ func newInstance() string {
 }
 
 // Reset sets the checkpoint of rule in db to seq ("" = the beginning) for `producer replay`,
-// marking it as replayed. The cache entry is written first, whatever its revision: that moves
+// marking it as replayed (by s.ReplayID, if set). The cache entry is written first, whatever its revision: that moves
 // the fencing token, so a run that read the checkpoint before — even one whose claim came
 // before the reset and whose _local write lands after it — can no longer save (ErrFenced), and
 // its late doc is rewritten from the entry by the next run (Verify). Then the _local doc, then
@@ -342,7 +345,7 @@ func (s *OnChangeStore) Reset(ctx context.Context, rule, db, seq string) error {
 	if err != nil {
 		return fmt.Errorf("reset: %w", err)
 	}
-	p := OnChangePoint{Rule: rule, DB: db, LastSeq: seq, replayed: time.Now().UTC().Format(time.RFC3339Nano), instance: cur.Instance}
+	p := OnChangePoint{Rule: rule, DB: db, LastSeq: seq, replayed: replayMark(time.Now().UTC().Format(time.RFC3339Nano), s.ReplayID), instance: cur.Instance}
 	if p.instance == "" {
 		p.instance = newInstance()
 	}

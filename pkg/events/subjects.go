@@ -123,3 +123,14 @@ func (s Subjects) DefaultChangeSubject() string { return s.Prefix + ".changes.${
 
 // ChangeMsgID is the JetStream message id of a published change, so that replays deduplicate.
 func ChangeMsgID(db, docID, rev string) string { return db + "/" + docID + "/" + rev }
+
+// ReplayHeader names, on a change published by `producer replay`, the replay that published it.
+const ReplayHeader = "Spiegel-Replay"
+
+// ReplayMsgID is the JetStream message id of a change published again by replay: ChangeMsgID
+// in the replay's own namespace, so that the stream deduplicates the replay's messages among
+// themselves (a retried or concurrent run of the same replay) but not against the first
+// publication or another replay.
+func ReplayMsgID(replay, db, docID, rev string) string {
+	return "replay/" + replay + "/" + ChangeMsgID(db, docID, rev)
+}

@@ -111,7 +111,8 @@ func (t Topology) DeadLetterStreamConfig() jetstream.StreamConfig {
 }
 
 // ChangesStreamConfig captures the changes `subject` rules publish; message ids deduplicate
-// replays within the duplicate window.
+// re-dispatches within the duplicate window. Fast batch publishes are allowed: a rule publishes
+// a page at once, which the stream stores in order up to the first change missing, none after it.
 func (t Topology) ChangesStreamConfig() jetstream.StreamConfig {
 	return jetstream.StreamConfig{
 		Name:        t.Subjects.ChangesStream(),
@@ -122,6 +123,8 @@ func (t Topology) ChangesStreamConfig() jetstream.StreamConfig {
 		MaxAge:      t.ChangesMaxAge,
 		Duplicates:  24 * time.Hour,
 		Replicas:    t.replicas(),
+
+		AllowBatchPublish: true,
 	}
 }
 

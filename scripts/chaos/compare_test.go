@@ -2,6 +2,7 @@ package chaos
 
 import (
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/assert"
 )
@@ -77,6 +78,11 @@ func TestCompareDeliveriesAndStream(t *testing.T) {
 	assert.Equal(t, 1, v.StreamDuplicates)
 	assert.Len(t, v.OrderViolations, 1, "%v", v.OrderViolations)
 	assert.Empty(t, v.Errors)
+	v.StreamMissing = nil
+	account(v, nil, time.Now())
+	assert.False(t, (&Result{Verdict: v}).Pass(), "a feed-order violation fails the run, whenever it was stored")
+	v.OrderViolations = nil
+	assert.True(t, (&Result{Verdict: v}).Pass(), "and only it")
 
 	v = &verdict{}
 	v.compareStream([]streamMsg{msg(1, "i0_d0000", "2-a", "x")}, want)

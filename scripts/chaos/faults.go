@@ -202,23 +202,6 @@ func (f *faults) list() []faultRecord {
 	return out
 }
 
-// natsWindows returns, for every NATS fault, the span from its SIGKILL to slack after the node
-// was back: the stream leader elections it caused fall inside.
-func (f *faults) natsWindows(slack time.Duration) [][2]time.Duration {
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	var out [][2]time.Duration
-	for _, rec := range f.records {
-		switch rec.Kind {
-		case FaultNATSWorkLdr, FaultNATSMetaLdr, FaultNATSNode:
-			if rec.Began > 0 {
-				out = append(out, [2]time.Duration{rec.Began, rec.Ended + slack})
-			}
-		}
-	}
-	return out
-}
-
 // lastEnd is when the last fault ended.
 func (f *faults) lastEnd() time.Duration {
 	f.mu.Lock()

@@ -140,32 +140,25 @@ func (d deadLetter) String() string {
 	return s
 }
 
-// orderViolation is a change stored after one that follows it in its db's feed. Accounted says
-// why the run expected it ("" = unexpected: a failure).
+// orderViolation is a change stored after one that follows it in its db's feed: always a
+// failure.
 type orderViolation struct {
 	DB, ID, PrevID    string
 	Feed, PrevFeed    int64
 	Seq, PrevSeq      uint64
 	Stored, PrevStore time.Time
-	Accounted         string
 }
 
 func (o orderViolation) String() string {
-	s := fmt.Sprintf("%s: %s (feed seq %d, stream seq %d, stored %s) after %s (feed seq %d, stream seq %d, stored %s)",
+	return fmt.Sprintf("%s: %s (feed seq %d, stream seq %d, stored %s) after %s (feed seq %d, stream seq %d, stored %s)",
 		o.DB, o.ID, o.Feed, o.Seq, o.Stored.Format("15:04:05.000"), o.PrevID, o.PrevFeed, o.PrevSeq, o.PrevStore.Format("15:04:05.000"))
-	if o.Accounted != "" {
-		s += " — accounted: " + o.Accounted
-	}
-	return s
 }
 
-// unaccountedOrder returns the order violations the run did not expect.
-func (v *verdict) unaccountedOrder() []string {
+// orderViolations returns the order violations, every one a failure.
+func (v *verdict) orderViolations() []string {
 	var out []string
 	for _, o := range v.OrderViolations {
-		if o.Accounted == "" {
-			out = append(out, o.String())
-		}
+		out = append(out, o.String())
 	}
 	return out
 }
@@ -299,24 +292,10 @@ func errorsOf(errs ...error) []string {
 
 // account marks the dead letters the run expects: a replication of a source db that the writer
 // deleted while it ran (the replication found the db gone). The deletion is the writer's start
-// of it, so a record may come a little before it.
-//
-// It also marks the change-stream order violations whose late change was stored during the
-// outage of a NATS node (windows: from its SIGKILL to a slack after it was back), the stream
-// leader elections for which the README documents that a refused publish is stored after the
-// changes that followed it.
-func account(v *verdict, deleted map[string][]time.Duration, natsWindows [][2]time.Duration, started time.Time) {
-	for i := range v.OrderViolations {
-		o := &v.OrderViolations[i]
-		at := o.Stored.Sub(started)
-		for _, w := range natsWindows {
-			if at >= w[0] && at <= w[1] {
-				o.Accounted = fmt.Sprintf("stored at +%s, during a NATS node's outage (+%s to +%s)", at.Round(time.Millisecond),
-					w[0].Round(time.Millisecond), w[1].Round(time.Millisecond))
-				break
-			}
-		}
-	}
+// of it, so a record may come a little before it. No feed-order violation is ever expected: a
+// subject rule's stream holds each (rule, db)'s changes strictly in feed order, through NATS
+// outages and stream leader elections too.
+func account(v *verdict, deleted map[string][]time.Duration, started time.Time) {
 	for i := range v.DeadLetters {
 		d := &v.DeadLetters[i]
 		if d.Group != "replicate" {

@@ -56,12 +56,13 @@ func (res *Result) fail(format string, args ...any) {
 }
 
 // Pass reports whether the run passed: no failure recorded and a verdict that converged with
-// no order violation, no dead letter and no writer op given up.
+// no order violation at all (there is no exception), no unaccounted dead letter and no writer op
+// given up.
 func (res *Result) Pass() bool {
 	res.mu.Lock()
 	defer res.mu.Unlock()
 	v := res.Verdict
-	return len(res.failures) == 0 && v != nil && v.converged() && len(v.unaccountedOrder()) == 0 &&
+	return len(res.failures) == 0 && v != nil && v.converged() && len(v.OrderViolations) == 0 &&
 		len(v.unaccounted()) == 0 && len(res.WriterFailed) == 0 && len(res.LogFindings) == 0 && len(res.healFailures()) == 0
 }
 
@@ -197,12 +198,8 @@ func (res *Result) write(w io.Writer) {
 		}
 		p("changes:     %d messages, %d (db, doc, final rev) expected, %d missing; %d stored duplicates; feed-order violations %d",
 			v.StreamMsgs, v.StreamExpected, len(v.StreamMissing), v.StreamDuplicates, len(v.OrderViolations))
-		if n := len(v.OrderViolations) - len(v.unaccountedOrder()); n > 0 {
-			p("             %d of the %d stored during a NATS node's outage (stream leader election): the exception the README", n, len(v.OrderViolations))
-			p("             documents for subject rules; see order.log; CHAOS_STRICT=1 fails on them")
-		}
-		if n := violationsInRecreated(v.unaccountedOrder()); n > 0 {
-			p("             %d of the %d other feed-order violations are in recreated dbs (incarnation > 0)", n, len(v.unaccountedOrder()))
+		if n := violationsInRecreated(v.orderViolations()); n > 0 {
+			p("             %d of the %d feed-order violations are in recreated dbs (incarnation > 0)", n, len(v.OrderViolations))
 		}
 		if n := inRecreated(v.StreamMissing); n > 0 {
 			p("             %d of the %d missing are docs of recreated dbs (incarnation > 0)", n, len(v.StreamMissing))
@@ -233,7 +230,7 @@ func (res *Result) write(w io.Writer) {
 		failures = append(failures, list("foreign source doc", v.Foreign)...)
 		failures = append(failures, list("webhook missing", v.HookMissing)...)
 		failures = append(failures, list("change stream missing", v.StreamMissing)...)
-		failures = append(failures, list("feed order", v.unaccountedOrder())...)
+		failures = append(failures, list("feed order", v.orderViolations())...)
 		failures = append(failures, list("dead letter", v.unaccounted())...)
 		failures = append(failures, list("could not check", v.Errors)...)
 		if len(v.Resurrected) > 0 {
