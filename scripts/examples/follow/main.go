@@ -64,6 +64,9 @@ type Options struct {
 	FromSeq uint64    // start at this stream sequence (0: not set)
 	From    time.Time // start at this time (zero: not set); neither: from the start
 	Durable string    // a durable consumer of this name instead of an ordered one
+	// AckWait of the durable consumer (0: the server's default, 30s): a change delivered to a
+	// service that stopped before handling it is delivered again after it.
+	AckWait time.Duration
 }
 
 // SubjectFor is the subject the default `subject` (spiegel.changes.${db_name}) gives db:
@@ -91,13 +94,14 @@ func Follow(ctx context.Context, js jetstream.JetStream, opt Options, handle fun
 	} else {
 		cons, err = js.CreateOrUpdateConsumer(ctx, opt.Stream, jetstream.ConsumerConfig{
 			Durable: opt.Durable, FilterSubject: opt.Subject, AckPolicy: jetstream.AckExplicitPolicy,
-			DeliverPolicy: deliver, OptStartSeq: startSeq, OptStartTime: startTime, MaxAckPending: 1,
+			DeliverPolicy: deliver, OptStartSeq: startSeq, OptStartTime: startTime, MaxAckPending: 1, AckWait: opt.AckWait,
 		})
 	}
 	if err != nil {
 		return fmt.Errorf("consume %s on stream %s: %w", opt.Subject, opt.Stream, err)
 	}
-	msgs, err := cons.Messages()
+	// One message at a time: no change waits in the client when the service stops.
+	msgs, err := cons.Messages(jetstream.PullMaxMessages(1))
 	if err != nil {
 		return fmt.Errorf("consume %s on stream %s: %w", opt.Subject, opt.Stream, err)
 	}

@@ -90,7 +90,8 @@ func TestFollowRebuildsState(t *testing.T) {
 	assert.False(t, state.Apply(replayed[0]), "a replayed change changes nothing")
 
 	// A durable consumer resumes after the last change it acknowledged.
-	durable := Options{Stream: opt.Stream, Subject: opt.Subject, Durable: "alice-index"}
+	// A change the stopped reader had already been sent is delivered again after AckWait.
+	durable := Options{Stream: opt.Stream, Subject: opt.Subject, Durable: "alice-index", AckWait: time.Second}
 	first := collect(t, js, durable, 2)
 	rest := collect(t, js, durable, 3)
 	assert.Equal(t, []uint64{all[0].StreamSeq, all[1].StreamSeq}, []uint64{first[0].StreamSeq, first[1].StreamSeq})
