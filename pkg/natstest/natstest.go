@@ -45,8 +45,9 @@ func (s *Server) start(t testing.TB) {
 		t.Fatalf("natstest: new server: %v", err)
 	}
 	go srv.Start()
-	if !srv.ReadyForConnections(10 * time.Second) {
-		t.Fatalf("natstest: server not ready within 10s")
+	// A restart (StartAgain) recovers the store first, which a loaded machine may take a while.
+	if !srv.ReadyForConnections(30 * time.Second) {
+		t.Fatalf("natstest: server not ready within 30s")
 	}
 	s.Server = srv
 }
