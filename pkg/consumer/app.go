@@ -195,6 +195,9 @@ func (a *App) Run(ctx context.Context, httpAddr string, h worker.Handler) error 
 		}, h, a.log.WithField("component", "worker"))
 		return err
 	})
+	if err != nil && ctx.Err() != nil {
+		return nil // stopped while waiting: nothing was running
+	}
 	if err != nil {
 		return err
 	}

@@ -126,51 +126,71 @@ func couchPassword(raw string) string {
 	return pw
 }
 
+// consumerSetup is what the start-up tests share: a consumer's config over the test CouchDB
+// (through a proxy the test controls) and an embedded NATS with the topology installed, and a
+// logger whose output the test reads (and prints when it fails).
+type consumerSetup struct {
+	cfg   config.Consumer
+	ns    *natstest.Server
+	proxy *couchtest.Proxy
+	logs  *syncBuffer
+	log   *logrus.Logger
+}
+
+func newConsumerSetup(t *testing.T) consumerSetup {
+	t.Helper()
+	cs := couchtest.Get(t)
+	ns := natstest.Start(t)
+	_, js := ns.Connect(t)
+	require.NoError(t, natsjs.Ensure(t.Context(), js, natsjs.DefaultTopology("spiegel")))
+	spiegelDB := couchtest.UniqueName(t, "c") + "_spiegel"
+	cs.CreateDB(t, spiegelDB)
+	proxy := cs.NewProxy(t)
+	s := consumerSetup{ns: ns, proxy: proxy, logs: &syncBuffer{}, log: logrus.New(), cfg: config.Consumer{
+		CouchDB:     config.CouchDB{CouchDBURL: proxy.URL(cs.URL), DBName: spiegelDB, CouchDBTimeout: 2 * time.Second},
+		NATS:        config.NATS{NATSURL: ns.URL(), SubjectPrefix: "spiegel", StreamReplicas: 1, AckWait: 30 * time.Second},
+		Concurrency: 2, ShutdownGrace: 2 * time.Second, RetryInitial: 100 * time.Millisecond, RetryMax: time.Second,
+	}}
+	s.log.SetOutput(s.logs)
+	t.Cleanup(func() {
+		if t.Failed() {
+			t.Logf("consumer logs:\n%s", s.logs.String())
+		}
+	})
+	return s
+}
+
+// waitRetrying waits until the logs say line (the consumer is retrying, or running) and fails
+// the test if returned yields first (the consumer gave up) or within passes.
+func (s consumerSetup) waitRetrying(t *testing.T, line string, returned <-chan error, within time.Duration) {
+	t.Helper()
+	tick := time.NewTicker(20 * time.Millisecond)
+	defer tick.Stop()
+	deadline := time.After(within)
+	for !strings.Contains(s.logs.String(), line) {
+		select {
+		case err := <-returned:
+			t.Fatalf("returned while its dependency was down: %v", err)
+		case <-deadline:
+			t.Fatalf("never logged %q within %s", line, within)
+		case <-tick.C:
+		}
+	}
+}
+
 // A consumer started while CouchDB does not answer waits for it instead of exiting (SPEC §4.8:
 // never exit on a transient error), and starts once it is back.
 func TestOpenWaitsOutCouchDB(t *testing.T) {
 	t.Parallel()
-	cs := couchtest.Get(t)
-	ns := natstest.Start(t)
-	_, js := ns.Connect(t)
-	topo := natsjs.DefaultTopology("spiegel")
-	require.NoError(t, natsjs.Ensure(t.Context(), js, topo))
-	spiegelDB := couchtest.UniqueName(t, "c") + "_spiegel"
-	cs.CreateDB(t, spiegelDB)
-	proxy := cs.NewProxy(t)
-	cfg := config.Consumer{
-		CouchDB:     config.CouchDB{CouchDBURL: proxy.URL(cs.URL), DBName: spiegelDB, CouchDBTimeout: 2 * time.Second},
-		NATS:        config.NATS{NATSURL: ns.URL(), SubjectPrefix: "spiegel", StreamReplicas: 1, AckWait: 30 * time.Second},
-		Concurrency: 2, ShutdownGrace: 2 * time.Second, RetryInitial: 100 * time.Millisecond, RetryMax: time.Second,
-	}
-	logs := &syncBuffer{}
-	log := logrus.New()
-	log.SetOutput(logs)
-	t.Cleanup(func() {
-		if t.Failed() {
-			t.Logf("consumer logs:\n%s", logs.String())
-		}
-	})
-
-	proxy.Cut()
+	s := newConsumerSetup(t)
+	s.proxy.Cut()
 	opened := make(chan error, 1)
 	go func() {
-		_, err := consumer.Open(t.Context(), &cfg, events.GroupReplicate, log)
+		_, err := consumer.Open(t.Context(), &s.cfg, events.GroupReplicate, s.log)
 		opened <- err
 	}()
-	retrying := time.NewTicker(20 * time.Millisecond)
-	defer retrying.Stop()
-	deadline := time.After(20 * time.Second)
-	for !strings.Contains(logs.String(), "while the rules were loading: retrying") {
-		select {
-		case err := <-opened:
-			t.Fatalf("Open returned while CouchDB was down: %v", err)
-		case <-deadline:
-			t.Fatal("Open never retried the rules within 20s")
-		case <-retrying.C:
-		}
-	}
-	proxy.Restore(t)
+	s.waitRetrying(t, "while the rules were loading: retrying", opened, 20*time.Second)
+	s.proxy.Restore(t)
 	select {
 	case err := <-opened:
 		require.NoError(t, err)
@@ -183,32 +203,13 @@ func TestOpenWaitsOutCouchDB(t *testing.T) {
 // election) waits for it instead of exiting, and runs once it is back.
 func TestRunWaitsOutJetStream(t *testing.T) {
 	t.Parallel()
-	cs := couchtest.Get(t)
-	ns := natstest.Start(t)
-	_, js := ns.Connect(t)
-	topo := natsjs.DefaultTopology("spiegel")
-	require.NoError(t, natsjs.Ensure(t.Context(), js, topo))
-	spiegelDB := couchtest.UniqueName(t, "c") + "_spiegel"
-	cs.CreateDB(t, spiegelDB)
+	s := newConsumerSetup(t)
 	addr := healthtest.FreeAddr(t)
-	cfg := config.Consumer{
-		CouchDB:     config.CouchDB{CouchDBURL: cs.URL, DBName: spiegelDB, CouchDBTimeout: 2 * time.Second},
-		NATS:        config.NATS{NATSURL: ns.URL(), SubjectPrefix: "spiegel", StreamReplicas: 1, AckWait: 30 * time.Second},
-		Concurrency: 2, ShutdownGrace: 2 * time.Second, RetryInitial: 100 * time.Millisecond, RetryMax: time.Second,
-	}
-	logs := &syncBuffer{}
-	log := logrus.New()
-	log.SetOutput(logs)
-	t.Cleanup(func() {
-		if t.Failed() {
-			t.Logf("consumer logs:\n%s", logs.String())
-		}
-	})
 	ctx, cancel := context.WithCancel(context.Background())
-	app, err := consumer.Open(ctx, &cfg, events.GroupReplicate, log)
+	app, err := consumer.Open(ctx, &s.cfg, events.GroupReplicate, s.log)
 	require.NoError(t, err)
 
-	ns.Stop()
+	s.ns.Stop()
 	done := make(chan error, 1)
 	go func() { done <- app.Run(ctx, addr, func(context.Context, *worker.Job) error { return nil }) }()
 	t.Cleanup(func() {
@@ -220,19 +221,9 @@ func TestRunWaitsOutJetStream(t *testing.T) {
 			t.Error("consumer did not stop within 20s")
 		}
 	})
-	tick := time.NewTicker(20 * time.Millisecond)
-	defer tick.Stop()
-	deadline := time.After(30 * time.Second)
-	for !strings.Contains(logs.String(), "did not answer the installation check, retrying") {
-		select {
-		case err := <-done:
-			t.Fatalf("Run returned while NATS was down: %v", err)
-		case <-deadline:
-			t.Fatal("Run never retried the consumer lookup within 30s")
-		case <-tick.C:
-		}
-	}
-	ns.StartAgain(t)
+	s.waitRetrying(t, "did not answer the installation check, retrying", done, 30*time.Second)
+	s.ns.StartAgain(t)
+	s.waitRetrying(t, "consumer running", done, 30*time.Second)
 	r := healthtest.WaitReady(t, addr, http.StatusOK, 30*time.Second)
 	assert.Equal(t, "ok", r.Checks["consumer"])
 }
