@@ -90,15 +90,16 @@ func TestBurstCollapsesReplications(t *testing.T) {
 	assert.Len(t, revs(t, e.Couch, tgt), 1000)
 }
 
-// dirty_after_milliseconds: 3000 turns 50 writes into exactly one replication, started after the
-// last write landed and no earlier than the delay after the first.
+// dirty_after_milliseconds: 10000 turns 50 writes into exactly one replication, started after the
+// last write landed and no earlier than the delay after the first. (The delay is long so that
+// the writes, about 0.1s on a quiet machine and several seconds on a loaded one, fit in it.)
 func TestDirtyAfterAbsorbsBurst(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, 10*time.Second)
 	src, tgt := e.Prefix+"lazy", e.Prefix+"lazy_copy"
 	e.Couch.CreateDB(t, src)
 	e.Couch.CreateDB(t, tgt)
-	e.Couch.Put(t, e.cfg.DBName, "lazy", map[string]any{"type": "replicator", "source": src, "target": tgt, "dirty_after_milliseconds": 3000})
+	e.Couch.Put(t, e.cfg.DBName, "lazy", map[string]any{"type": "replicator", "source": src, "target": tgt, "dirty_after_milliseconds": 10000})
 	p := e.startReplicator(t, nil)
 	e.startProducer(t)
 	require.Eventually(t, func() bool { return len(p.replications(src)) > 0 }, 30*time.Second, 50*time.Millisecond, "the new rule's replication")
@@ -108,15 +109,15 @@ func TestDirtyAfterAbsorbsBurst(t *testing.T) {
 	first := time.Now()
 	writeDocs(t, e, src, 50, 4)
 	last := time.Now()
-	waitConverged(t, e.Couch, src, tgt, 20*time.Second)
+	waitConverged(t, e.Couch, src, tgt, 40*time.Second)
 	e.waitQuiet(t, p, 20*time.Second)
 	reps := p.replications(src)
 	require.NotEmpty(t, reps)
 	// The premise, as an order rather than a duration: every write landed before the delayed
-	// run started (the writes take about 0.1s; the delay is 3s).
+	// run started.
 	require.True(t, last.Before(reps[0]), "a write landed after the delayed replication started: the premise failed")
 	assert.Len(t, reps, 1, "exactly one replication")
-	assert.GreaterOrEqual(t, reps[0].Sub(first), 3*time.Second, "not before the delay")
+	assert.GreaterOrEqual(t, reps[0].Sub(first), 10*time.Second, "not before the delay")
 }
 
 // A deleted source db is not retried in a loop; once recreated and written, it replicates again.
