@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"net/http"
 	"net/url"
 	"sync"
@@ -324,5 +325,6 @@ func (w *writer) deletions() map[string][]time.Duration {
 func (w *writer) stats() (done, skipped map[string]int, retries int, failed []string) {
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	return w.done, w.skipped, w.retries, append([]string(nil), w.failed...)
+	// Copies: the lanes go on counting while the caller reads them (reportProgress).
+	return maps.Clone(w.done), maps.Clone(w.skipped), w.retries, append([]string(nil), w.failed...)
 }

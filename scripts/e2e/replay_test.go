@@ -123,8 +123,10 @@ func TestReplaySubjectRule(t *testing.T) {
 		}
 	}
 	assert.Len(t, msgs(), 12)
-	assert.Equal(t, []string{"replay/again-1/" + src + "/d1/", "replay/again-1/" + src + "/d2/", "replay/again-1/" + src + "/d3/"},
-		trimRevs(again), "each change once, in feed order")
+	// Each change once. (Their order is the feed's, which on a sharded CouchDB db need not be
+	// the order of the writes: the publish tests and the chaos run check the order.)
+	assert.ElementsMatch(t, []string{"replay/again-1/" + src + "/d1/", "replay/again-1/" + src + "/d2/", "replay/again-1/" + src + "/d3/"},
+		trimRevs(again), "each change once")
 }
 
 // trimRevs cuts the rev off message ids <...>/<doc>/<rev>.
