@@ -100,8 +100,13 @@ func Follow(ctx context.Context, js jetstream.JetStream, opt Options, handle fun
 	if err != nil {
 		return fmt.Errorf("consume %s on stream %s: %w", opt.Subject, opt.Stream, err)
 	}
-	// One message at a time: no change waits in the client when the service stops.
-	msgs, err := cons.Messages(jetstream.PullMaxMessages(1))
+	var opts []jetstream.PullMessagesOpt
+	if opt.Durable != "" {
+		// One message at a time: no acknowledged-later change waits in the client when the
+		// service stops.
+		opts = append(opts, jetstream.PullMaxMessages(1))
+	}
+	msgs, err := cons.Messages(opts...)
 	if err != nil {
 		return fmt.Errorf("consume %s on stream %s: %w", opt.Subject, opt.Stream, err)
 	}

@@ -33,10 +33,10 @@ func publish(t *testing.T, js jetstream.JetStream, db, id, rev string, deleted b
 	require.NoError(t, err)
 }
 
-// collect follows opt until want changes arrived (or 10s passed) and returns them.
+// collect follows opt until want changes arrived (or 30s passed) and returns them.
 func collect(t *testing.T, js jetstream.JetStream, opt Options, want int) []Change {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
+	ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
 	defer cancel()
 	var got []Change
 	err := Follow(ctx, js, opt, func(c Change) error {
