@@ -4,13 +4,12 @@ import (
 	"bytes"
 	"context"
 	"net/http"
-	"net/http/httptest"
-	"strings"
-	"sync/atomic"
 	"testing"
 
 	"github.com/sirupsen/logrus"
 	"github.com/stretchr/testify/assert"
+
+	"github.com/spiegel-nats/spiegel/pkg/healthtest"
 
 	"github.com/spiegel-nats/spiegel/pkg/config"
 	"github.com/spiegel-nats/spiegel/pkg/consumer"
@@ -19,17 +18,8 @@ import (
 // `replicator healthcheck` and `onchange healthcheck` probe the binary's own listener
 // (SPIEGEL_HTTP_ADDR) and neither load the rest of the configuration nor run the consumer.
 func TestMainHealthcheck(t *testing.T) {
-	var status atomic.Int32
-	status.Store(http.StatusOK)
-	var asked atomic.Int32
-	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if r.URL.Path == "/healthz" {
-			asked.Add(1)
-		}
-		w.WriteHeader(int(status.Load()))
-	}))
-	defer srv.Close()
-	t.Setenv("SPIEGEL_HTTP_ADDR", strings.TrimPrefix(srv.URL, "http://"))
+	hz := healthtest.NewHealthz(t)
+	t.Setenv("SPIEGEL_HTTP_ADDR", hz.Addr)
 	t.Setenv("SPIEGEL_COUCHDB_URL", "") // required: Load would fail, the probe does not read it
 	run := func(context.Context, *logrus.Logger) error {
 		t.Error("healthcheck ran the consumer")
@@ -37,12 +27,12 @@ func TestMainHealthcheck(t *testing.T) {
 	}
 	for name, cfg := range map[string]consumer.Spec{"replicator": &config.Replicator{}, "onchange": &config.OnChange{}} {
 		var stdout, stderr bytes.Buffer
-		status.Store(http.StatusOK)
+		hz.SetStatus(http.StatusOK)
 		assert.Equal(t, 0, consumer.Main(t.Context(), name, "usage", []string{"healthcheck"}, &stdout, &stderr, cfg, run), stderr.String())
-		status.Store(http.StatusInternalServerError)
+		hz.SetStatus(http.StatusInternalServerError)
 		assert.Equal(t, 1, consumer.Main(t.Context(), name, "usage", []string{"healthcheck"}, &stdout, &stderr, cfg, run))
 		assert.Contains(t, stderr.String(), name+" healthcheck: ")
 		assert.Contains(t, stderr.String(), "500 Internal Server Error")
 	}
-	assert.Equal(t, int32(4), asked.Load(), "every probe asked /healthz")
+	assert.Equal(t, int32(4), hz.Probes(), "every probe asked /healthz")
 }
