@@ -5,11 +5,13 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io/fs"
 	"net"
 	"net/http"
 	"os"
 	"path/filepath"
 	"strings"
+	"sync"
 	"syscall"
 	"time"
 
@@ -31,10 +33,13 @@ type natsNode struct {
 	*proc
 	name            string // server_name, as the servers report leaders
 	client, monitor int    // ports
+	store           string // JetStream store dir
 }
 
 // startCluster writes the three configs into dir and starts the nodes; it returns once every
-// node answers /healthz with 200 and the run's connection has JetStream.
+// node answers /healthz with 200 and the run's connection has JetStream. The nodes do not
+// advertise their addresses to clients (no_advertise): a client knows only the URLs it was
+// given, so a product process reaches every node through its own proxy (links.go).
 func startCluster(ctx context.Context, r *run, dir string) (*cluster, error) {
 	ports, err := freePorts(9)
 	if err != nil {
@@ -47,12 +52,13 @@ func startCluster(ctx context.Context, r *run, dir string) (*cluster, error) {
 	c := &cluster{}
 	for i := range 3 {
 		n := &natsNode{name: fmt.Sprintf("n%d", i+1), client: ports[i], monitor: ports[3+i]}
+		n.store = filepath.Join(dir, n.name+"-store")
 		conf := fmt.Sprintf(`server_name: %s
 listen: 127.0.0.1:%d
 http: 127.0.0.1:%d
 jetstream { store_dir: %q }
-cluster { name: chaos, listen: 127.0.0.1:%d, routes: [%s] }
-`, n.name, n.client, n.monitor, filepath.Join(dir, n.name+"-store"), ports[6+i], strings.Join(routes, ", "))
+cluster { name: chaos, listen: 127.0.0.1:%d, routes: [%s], no_advertise: true }
+`, n.name, n.client, n.monitor, n.store, ports[6+i], strings.Join(routes, ", "))
 		path := filepath.Join(dir, n.name+".conf")
 		if err := os.WriteFile(path, []byte(conf), 0o644); err != nil {
 			return nil, err
@@ -182,6 +188,88 @@ func (c *cluster) killAndRestart(ctx context.Context, n *natsNode, down time.Dur
 		return err
 	}
 	return n.waitReady(ctx, 60*time.Second)
+}
+
+// storeLoss plays a power failure with lazy fsync on nodes (one, or every node at once): it
+// copies each node's store dir as it is on disk now, calls mark, lets the cluster run on for
+// lag (acknowledging writes the copies do not hold), SIGKILLs the nodes together, replaces
+// each store with its copy, waits down and starts them again. It returns once every node
+// answers /healthz (JetStream current), or with an error if one did not come back.
+//
+// The copy is taken while the node runs, file by file: a file being written may be copied
+// half-written, as a crash leaves it.
+func (c *cluster) storeLoss(ctx context.Context, nodes []*natsNode, lag, down time.Duration, mark func()) error {
+	for _, n := range nodes {
+		n.Lock()
+		defer n.Unlock()
+	}
+	for _, n := range nodes {
+		_ = os.RemoveAll(n.store + ".copy")
+		if err := copyTree(n.store, n.store+".copy"); err != nil {
+			return fmt.Errorf("copy the store of nats-%s: %w", n.name, err)
+		}
+	}
+	mark()
+	werr := sleepCtx(ctx, lag)
+	var wg sync.WaitGroup
+	for _, n := range nodes {
+		wg.Go(func() { n.stop(syscall.SIGKILL, 10*time.Second) })
+	}
+	wg.Wait()
+	for _, n := range nodes {
+		if err := os.RemoveAll(n.store); err != nil {
+			return fmt.Errorf("remove the store of nats-%s: %w", n.name, err)
+		}
+		if err := os.Rename(n.store+".copy", n.store); err != nil {
+			return fmt.Errorf("put back the copy of the store of nats-%s: %w", n.name, err)
+		}
+	}
+	if werr == nil {
+		werr = sleepCtx(ctx, down)
+	}
+	for _, n := range nodes {
+		if err := n.start(); err != nil {
+			return err
+		}
+	}
+	for _, n := range nodes {
+		if err := n.waitReady(ctx, 90*time.Second); err != nil {
+			return err
+		}
+	}
+	return werr
+}
+
+// copyTree copies the files of dir src into dst (created), skipping files that vanish while it
+// runs (a store compacting).
+func copyTree(src, dst string) error {
+	return filepath.WalkDir(src, func(path string, d fs.DirEntry, err error) error {
+		if err != nil {
+			if errors.Is(err, fs.ErrNotExist) {
+				return nil
+			}
+			return err
+		}
+		rel, err := filepath.Rel(src, path)
+		if err != nil {
+			return err
+		}
+		target := filepath.Join(dst, rel)
+		if d.IsDir() {
+			return os.MkdirAll(target, 0o755)
+		}
+		if !d.Type().IsRegular() {
+			return nil
+		}
+		b, err := os.ReadFile(path)
+		if errors.Is(err, fs.ErrNotExist) {
+			return nil
+		}
+		if err != nil {
+			return err
+		}
+		return os.WriteFile(target, b, 0o644)
+	})
 }
 
 // close closes the run's connection.

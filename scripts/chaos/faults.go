@@ -121,6 +121,30 @@ func (f *faults) execute(ctx context.Context, ft Fault, mark func()) (what, skip
 		err := sleepCtx(ctx, ft.Down)
 		r.sink.setMode(sinkNormal)
 		return what, "", err
+	case FaultPartitionNATS, FaultPartitionCouch:
+		p := r.procs[ft.Target]
+		p.Lock()
+		defer p.Unlock()
+		ps, with := p.links.nats, "NATS"
+		if ft.Kind == FaultPartitionCouch {
+			ps, with = []*outageProxy{p.links.couch}, "CouchDB"
+		}
+		what := fmt.Sprintf("%s frozen off %s (no byte moves, connections stay open)", p.name, with)
+		if ft.Cut {
+			what = fmt.Sprintf("%s cut off %s (connections reset, new ones reset)", p.name, with)
+		}
+		return what, "", partition(ctx, ps, ft.Cut, ft.Down, mark)
+	case FaultNATSStoreLoss, FaultNATSStoreLossAll:
+		f.natsMu.Lock()
+		defer f.natsMu.Unlock()
+		nodes := r.nats.nodes
+		what := fmt.Sprintf("every NATS node SIGKILLed and restarted from copies of its store %s old", ft.Lag.Round(time.Millisecond))
+		if ft.Kind == FaultNATSStoreLoss {
+			n := r.nats.nodes[ft.Target%len(r.nats.nodes)]
+			nodes = []*natsNode{n}
+			what = fmt.Sprintf("nats-%s SIGKILLed and restarted from a copy of its store %s old", n.name, ft.Lag.Round(time.Millisecond))
+		}
+		return what, "", r.nats.storeLoss(ctx, nodes, ft.Lag, ft.Down, mark)
 	case FaultRotatePasswords:
 		f.rotateMu.Lock()
 		defer f.rotateMu.Unlock()

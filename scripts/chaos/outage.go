@@ -178,15 +178,24 @@ func (p *outageProxy) freezeFor(ctx context.Context, down time.Duration) error {
 // cutFor resets every connection and resets new ones at once for down (or until ctx ends);
 // the listener stays open.
 func (p *outageProxy) cutFor(ctx context.Context, down time.Duration) error {
+	p.startCut()
+	defer p.endCut()
+	return sleepCtx(ctx, down)
+}
+
+// startCut resets every connection and makes new ones reset at once, until endCut.
+func (p *outageProxy) startCut() {
 	p.mu.Lock()
+	defer p.mu.Unlock()
 	p.resetNew = true
 	p.resetAllLocked()
-	p.mu.Unlock()
-	err := sleepCtx(ctx, down)
+}
+
+// endCut ends a cut: new connections are served again.
+func (p *outageProxy) endCut() {
 	p.mu.Lock()
+	defer p.mu.Unlock()
 	p.resetNew = false
-	p.mu.Unlock()
-	return err
 }
 
 // resetAllLocked resets every open connection (both sides of each pipe).

@@ -48,20 +48,25 @@ type FaultKind int
 
 // Fault classes.
 const (
-	FaultKillProc        FaultKind = iota // SIGKILL a product process, restart it after Down
-	FaultStopProc                         // SIGSTOP a consumer for Down (longer than AckWait), then SIGCONT
-	FaultNATSWorkLdr                      // SIGKILL the NATS node leading the work stream, restart after Down
-	FaultNATSMetaLdr                      // SIGKILL the JetStream meta leader, restart after Down
-	FaultNATSNode                         // SIGKILL NATS node Target, restart after Down
-	FaultCouchRestart                     // stop CouchDB (SIGKILL or SIGTERM), start it after Down
-	FaultSink500                          // the webhook sink answers 500 to every request for Down
-	FaultSinkStall                        // the webhook sink answers after the rule's timeout for Down
-	FaultRotatePasswords                  // new webhook password: passwords file rewritten, SIGHUP to consumers
+	FaultKillProc         FaultKind = iota // SIGKILL a product process, restart it after Down
+	FaultStopProc                          // SIGSTOP a consumer for Down (longer than AckWait), then SIGCONT
+	FaultNATSWorkLdr                       // SIGKILL the NATS node leading the work stream, restart after Down
+	FaultNATSMetaLdr                       // SIGKILL the JetStream meta leader, restart after Down
+	FaultNATSNode                          // SIGKILL NATS node Target, restart after Down
+	FaultCouchRestart                      // stop CouchDB (SIGKILL or SIGTERM), start it after Down
+	FaultSink500                           // the webhook sink answers 500 to every request for Down
+	FaultSinkStall                         // the webhook sink answers after the rule's timeout for Down
+	FaultRotatePasswords                   // new webhook password: passwords file rewritten, SIGHUP to consumers
+	FaultPartitionNATS                     // partition process Target from every NATS node for Down: freeze, or Cut
+	FaultPartitionCouch                    // partition process Target from CouchDB for Down: freeze, or Cut
+	FaultNATSStoreLoss                     // NATS node Target restarted from a copy of its store taken Lag before its SIGKILL
+	FaultNATSStoreLossAll                  // every NATS node SIGKILLed at once and restarted from copies of their stores taken Lag before
 	numFaultKinds
 )
 
 var faultNames = [...]string{"kill", "stop", "kill-nats-work-leader", "kill-nats-meta-leader", "kill-nats-node",
-	"restart-couchdb", "sink-500", "sink-stall", "rotate-passwords"}
+	"restart-couchdb", "sink-500", "sink-stall", "rotate-passwords", "partition-nats", "partition-couchdb",
+	"nats-store-loss", "nats-store-loss-all"}
 
 func (k FaultKind) String() string { return faultNames[k] }
 
@@ -72,6 +77,8 @@ type Fault struct {
 	Target int           // product process index (procNames), or NATS node index
 	Down   time.Duration // how long the fault lasts
 	Term   bool          // FaultCouchRestart: SIGTERM instead of SIGKILL
+	Cut    bool          // FaultPartitionNATS, FaultPartitionCouch: connections reset instead of frozen
+	Lag    time.Duration // FaultNATSStoreLoss(All): the store copy is this old when the node is killed
 }
 
 // procNames are the product processes, by index.
@@ -227,10 +234,13 @@ var requiredFaults = []struct {
 	{FaultKillProc, []int{0, 1}}, {FaultKillProc, []int{2}}, {FaultKillProc, []int{3}}, {FaultKillProc, []int{4, 5}},
 	{FaultStopProc, []int{4, 5}}, {FaultNATSWorkLdr, nil}, {FaultNATSMetaLdr, nil}, {FaultCouchRestart, nil},
 	{FaultSink500, nil}, {FaultSinkStall, nil}, {FaultRotatePasswords, nil},
+	// An onchange consumer frozen off NATS for longer than AckWait: the lease verdict's case.
+	{FaultPartitionNATS, []int{4, 5}}, {FaultPartitionCouch, []int{0, 1, 2, 3, 4, 5}},
+	{FaultNATSStoreLoss, nil}, {FaultNATSStoreLossAll, nil},
 }
 
 // faultWeights are the odds of each class after the required ones.
-var faultWeights = [numFaultKinds]int{30, 10, 8, 6, 6, 6, 8, 6, 6}
+var faultWeights = [numFaultKinds]int{30, 10, 8, 6, 6, 6, 8, 6, 6, 10, 8, 3, 2}
 
 // planFaults plans the faults: max(#required, window/FaultEvery) of them at uniformly random
 // moments between a warm-up of 3s and 2s before the end; the required ones first (shuffled),
@@ -251,7 +261,8 @@ func planFaults(cfg Config) []Fault {
 	var out []Fault
 	for i, at := range times {
 		var f Fault
-		if i < len(kinds) {
+		required := i < len(kinds)
+		if required {
 			req := requiredFaults[kinds[i]]
 			f = Fault{Kind: req.kind}
 			if len(req.targets) > 0 {
@@ -262,7 +273,7 @@ func planFaults(cfg Config) []Fault {
 			if f.Kind == FaultStopProc {
 				f.Target = 2 + r.IntN(4) // consumers only
 			}
-			if f.Kind == FaultNATSNode {
+			if f.Kind == FaultNATSNode || f.Kind == FaultNATSStoreLoss {
 				f.Target = r.IntN(3)
 			}
 		}
@@ -280,6 +291,21 @@ func planFaults(cfg Config) []Fault {
 			f.Down = time.Duration(2000+r.IntN(6000)) * time.Millisecond
 		case FaultSinkStall:
 			f.Down = time.Duration(2000+r.IntN(5000)) * time.Millisecond
+		case FaultPartitionNATS, FaultPartitionCouch:
+			// Around AckWait: from half of it to twice it.
+			f.Down = cfg.AckWait/2 + time.Duration(r.Int64N(int64(3*cfg.AckWait/2)))
+			f.Cut = r.IntN(2) == 0
+			if required && f.Kind == FaultPartitionNATS {
+				// The lease verdict's case: a freeze that outlasts AckWait and the rule's
+				// timeout, during which the frozen instance must stop calling the webhook.
+				f.Cut, f.Down = false, cfg.AckWait+hookTimeout+time.Duration(1000+r.IntN(3000))*time.Millisecond
+			}
+		case FaultNATSStoreLoss, FaultNATSStoreLossAll:
+			if required && f.Kind == FaultNATSStoreLoss {
+				f.Target = r.IntN(3)
+			}
+			f.Lag = time.Duration(2000+r.IntN(6000)) * time.Millisecond
+			f.Down = time.Duration(500+r.IntN(2000)) * time.Millisecond
 		case FaultRotatePasswords:
 			if at-lastRotation < rotationGap {
 				continue
@@ -309,7 +335,7 @@ func weighted(r *rand.Rand) FaultKind {
 // write writes the plan as text, one line per op and fault: what Digest hashes.
 func (p Plan) write(w io.Writer) {
 	for _, f := range p.Faults {
-		fmt.Fprintf(w, "fault %9.3fs %-22s target=%d down=%s term=%t\n", f.At.Seconds(), f.Kind, f.Target, f.Down, f.Term)
+		fmt.Fprintf(w, "fault %9.3fs %-22s target=%d down=%s term=%t cut=%t lag=%s\n", f.At.Seconds(), f.Kind, f.Target, f.Down, f.Term, f.Cut, f.Lag)
 	}
 	for _, o := range p.Ops {
 		fmt.Fprintf(w, "op %9.3fs db=%03d inc=%d %-9s doc=%d docs=%v salt=%016x\n", o.At.Seconds(), o.DB, o.Inc, o.Kind, o.Doc, o.Docs, o.Salt)
@@ -332,8 +358,11 @@ func (p Plan) Summary() string {
 	faults := map[string]int{}
 	for _, f := range p.Faults {
 		name := f.Kind.String()
-		if f.Kind == FaultKillProc || f.Kind == FaultStopProc {
+		switch f.Kind {
+		case FaultKillProc, FaultStopProc:
 			name += " " + procNames[f.Target]
+		case FaultPartitionNATS, FaultPartitionCouch:
+			name += " " + procNames[f.Target] + map[bool]string{false: " freeze", true: " cut"}[f.Cut]
 		}
 		faults[name]++
 	}

@@ -1,6 +1,7 @@
 package chaos
 
 import (
+	"fmt"
 	"strings"
 	"testing"
 	"time"
@@ -88,5 +89,49 @@ func TestPlanOpsFollowDBLifecycle(t *testing.T) {
 		} else {
 			assert.Equal(t, cfg.DBs, created)
 		}
+	}
+}
+
+// The long run partitions every kind of process from NATS and from CouchDB, both ways
+// (freeze and cut), for durations around AckWait, and loses the store of one node and of every
+// node; the required NATS partition of an onchange consumer is a freeze longer than AckWait
+// and the rule's timeout (the lease verdict's case).
+func TestPlanPartitionsAndStoreLoss(t *testing.T) {
+	t.Parallel()
+	cfg, err := longConfig("/repo")
+	require.NoError(t, err)
+	cfg.Seed = 42
+	seen := map[string]bool{}
+	for _, f := range newPlan(cfg).Faults {
+		switch f.Kind {
+		case FaultPartitionNATS, FaultPartitionCouch:
+			kind := strings.SplitN(procNames[f.Target], "-", 2)[0]
+			seen[fmt.Sprintf("%s %s cut=%t", f.Kind, kind, f.Cut)] = true
+			assert.GreaterOrEqual(t, f.Down, cfg.AckWait/2)
+			assert.Less(t, f.Down, 2*cfg.AckWait+hookTimeout+4*time.Second)
+		case FaultNATSStoreLoss, FaultNATSStoreLossAll:
+			seen[f.Kind.String()] = true
+			assert.GreaterOrEqual(t, f.Lag, 2*time.Second)
+		}
+	}
+	for _, k := range []FaultKind{FaultPartitionNATS, FaultPartitionCouch} {
+		for _, proc := range []string{"producer", "replicator", "onchange"} {
+			for _, cut := range []bool{false, true} {
+				assert.True(t, seen[fmt.Sprintf("%s %s cut=%t", k, proc, cut)], "no %s of a %s with cut=%t", k, proc, cut)
+			}
+		}
+	}
+	assert.True(t, seen["nats-store-loss"] && seen["nats-store-loss-all"], "store losses: %v", seen)
+
+	for _, seed := range []uint64{1, 2, 3, 20260611} {
+		cfg := shortConfig("/repo")
+		cfg.Seed = seed
+		found := false
+		for _, f := range newPlan(cfg).Faults {
+			if f.Kind == FaultPartitionNATS && strings.HasPrefix(procNames[f.Target], "onchange") && !f.Cut && f.Down > cfg.AckWait+hookTimeout {
+				found = true
+			}
+		}
+		assert.True(t, found, "seed %d: no freeze of an onchange consumer's NATS link longer than AckWait + the rule's timeout", seed)
 	}
 }

@@ -31,6 +31,7 @@ type proc struct {
 	logPath string
 	ready   string // URL answering 200 once the process is ready ("" = started is ready)
 	run     *run
+	links   *links // a product process's proxies to NATS and CouchDB (nil for the servers)
 
 	sync.Mutex // held by a fault on this process
 
@@ -40,6 +41,7 @@ type proc struct {
 	exitErr      error
 	expectExit   bool
 	starts       int
+	pids         []int // of every incarnation, in start order
 	startedAt    time.Time
 	wasReady     bool     // the current incarnation answered its ready URL once
 	crashes      []string // exits by itself once started (see startupGrace)
@@ -75,6 +77,7 @@ func (p *proc) startLocked() error {
 		return fmt.Errorf("start %s: %w", p.name, err)
 	}
 	p.run.track(cmd.Process.Pid)
+	p.pids = append(p.pids, cmd.Process.Pid)
 	done := make(chan struct{})
 	p.cmd, p.done, p.expectExit, p.exitErr, p.wasReady, p.startedAt = cmd, done, false, nil, p.ready == "", time.Now()
 	go p.watchReady(done)
@@ -140,6 +143,13 @@ func lastLine(text string) string {
 	lines := strings.Split(strings.TrimSpace(text), "\n")
 	l := lines[len(lines)-1]
 	return l[:min(len(l), 300)]
+}
+
+// allPIDs returns the process ids of every incarnation so far.
+func (p *proc) allPIDs() []int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return append([]int(nil), p.pids...)
 }
 
 // running reports whether the process has not exited.

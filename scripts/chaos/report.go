@@ -27,7 +27,8 @@ type Result struct {
 
 	WriterEnd, LastFault, Converged time.Duration // offsets on the run's clock
 	Verdict                         *verdict
-	Heal                            []classHeal // time to heal per fault class
+	Heal                            []classHeal  // time to heal per fault class
+	Lease                           *leaseResult // no side effect after a lease ran out (lease.go)
 	Total                           time.Duration
 
 	Crashes      []string // exits by themselves of processes that were ready: failures
@@ -63,7 +64,8 @@ func (res *Result) Pass() bool {
 	defer res.mu.Unlock()
 	v := res.Verdict
 	return len(res.failures) == 0 && v != nil && v.converged() && len(v.OrderViolations) == 0 &&
-		len(v.unaccounted()) == 0 && len(res.WriterFailed) == 0 && len(res.LogFindings) == 0 && len(res.healFailures()) == 0
+		len(v.unaccounted()) == 0 && len(res.WriterFailed) == 0 && len(res.LogFindings) == 0 && len(res.healFailures()) == 0 &&
+		len(res.leaseFailures()) == 0
 }
 
 // replay is the command that runs the same plan again, with the variables that made this run
@@ -211,6 +213,9 @@ func (res *Result) write(w io.Writer) {
 			}
 		}
 	}
+	if res.Lease != nil {
+		p("leases:      %s", res.Lease)
+	}
 	p("processes:   %d started; crashes %d; startup exits %d; all stopped, none left running unless listed below", res.Started, len(res.Crashes), len(res.StartupExits))
 	if len(res.StartupExits) > 0 && !res.Cfg.Strict {
 		p("DEFECT:      %d process(es) exited while starting, on a transient error of a dependency (SPEC §4.8: never exit on a", len(res.StartupExits))
@@ -239,6 +244,7 @@ func (res *Result) write(w io.Writer) {
 	}
 	failures = append(failures, list("writer op given up", res.WriterFailed)...)
 	failures = append(failures, res.healFailures()...)
+	failures = append(failures, res.leaseFailures()...)
 	failures = append(failures, res.LogFindings...)
 	for _, f := range failures {
 		p("FAILURE:     %s", f)
@@ -299,6 +305,20 @@ func list(what string, items []string) []string {
 			break
 		}
 		out = append(out, what+": "+it)
+	}
+	return out
+}
+
+// leaseFailures are the webhook calls made by an instance after its lease ran out, and calls
+// the lease verdict could not attribute to a process (it could not check them).
+func (res *Result) leaseFailures() []string {
+	l := res.Lease
+	if l == nil {
+		return nil
+	}
+	out := list("call after the lease ran out", l.Violations)
+	if l.Unidentified > 0 {
+		out = append(out, fmt.Sprintf("lease verdict: %d webhook calls carry no X-Spiegel-Instance of a process of the run", l.Unidentified))
 	}
 	return out
 }

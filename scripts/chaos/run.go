@@ -147,6 +147,16 @@ func execute(ctx context.Context, cfg Config, out io.Writer) *Result {
 		}
 	}
 	res.Verdict = v
+	pids := map[string][]int{}
+	for _, p := range r.procs {
+		pids[p.name] = p.allPIDs()
+	}
+	lease := leaseVerdict(res.Faults, r.sink.allCalls(), pids, r.started, cfg.AckWait, hookTimeout)
+	res.Lease = &lease
+	j := r.newJournal("lease")
+	for _, viol := range lease.Violations {
+		j.printf("%s", viol)
+	}
 	r.dumpChanges()
 	return res
 }
@@ -232,6 +242,9 @@ func (r *run) shutdown(res *Result) {
 		})
 	}
 	wg.Wait()
+	for _, p := range r.procs {
+		p.links.close()
+	}
 	res.scanLogs(r)
 	if r.nats != nil {
 		r.nats.close()
@@ -298,6 +311,7 @@ func (r *run) shutdown(res *Result) {
 		_ = os.RemoveAll(filepath.Join(r.cfg.OutDir, "couchdb", "data"))
 		for _, n := range []string{"n1", "n2", "n3"} {
 			_ = os.RemoveAll(filepath.Join(r.cfg.OutDir, n+"-store"))
+			_ = os.RemoveAll(filepath.Join(r.cfg.OutDir, n+"-store.copy"))
 		}
 	}
 }

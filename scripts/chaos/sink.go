@@ -15,6 +15,8 @@ import (
 	"path/filepath"
 	"sync"
 	"time"
+
+	"github.com/spiegel-nats/spiegel/pkg/webhook"
 )
 
 // sinkMode is what the sink does with every request during a fault.
@@ -56,6 +58,15 @@ type sink struct {
 	status    map[string]int          // answers by kind
 	okByGen   map[int]int             // 200 answers by password generation
 	badBodies []string
+	calls     []sinkCall // every request, in arrival order
+}
+
+// sinkCall is one request as it arrived: when, from which instance (X-Spiegel-Instance), for
+// which change. The lease verdict (lease.go) reads them.
+type sinkCall struct {
+	At          time.Time
+	Instance    string
+	DB, ID, Rev string
 }
 
 const hookUser = "hook"
@@ -134,12 +145,18 @@ type hookBody struct {
 }
 
 func (s *sink) serve(w http.ResponseWriter, r *http.Request) {
+	arrived := time.Now()
 	body, _ := io.ReadAll(r.Body)
 	user, pw, _ := r.BasicAuth()
 	var b hookBody
 	decodeErr := json.Unmarshal(body, &b)
 
 	s.mu.Lock()
+	call := sinkCall{At: arrived, Instance: r.Header.Get(webhook.InstanceHeader), DB: b.DB, ID: b.Change.ID}
+	if len(b.Change.Changes) > 0 {
+		call.Rev = b.Change.Changes[0].Rev
+	}
+	s.calls = append(s.calls, call)
 	gen := 0
 	for i := len(s.passwords) - 1; i >= 0 && i >= len(s.passwords)-2; i-- {
 		if user == hookUser && pw == s.passwords[i] {
@@ -209,6 +226,13 @@ func (s *sink) serve(w http.ResponseWriter, r *http.Request) {
 func (s *sink) fraction(key string, attempt int) float64 {
 	h := sha256.Sum256(fmt.Appendf(nil, "%d\x00%s\x00%d", s.seed, key, attempt))
 	return float64(binary.BigEndian.Uint64(h[:8])>>11) / (1 << 53)
+}
+
+// allCalls returns every request so far, in arrival order.
+func (s *sink) allCalls() []sinkCall {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return append([]sinkCall(nil), s.calls...)
 }
 
 // firstDelivered returns when each (db, doc id, rev) was first answered 200.
