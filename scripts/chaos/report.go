@@ -90,11 +90,14 @@ func (res *Result) replay() string {
 	add(c.SinkFail != def.SinkFail, fmt.Sprintf("CHAOS_SINK_FAIL=%g", c.SinkFail))
 	add(c.SinkStall != def.SinkStall, fmt.Sprintf("CHAOS_SINK_STALL=%g", c.SinkStall))
 	add(c.Q != def.Q, fmt.Sprintf("CHAOS_Q=%d", c.Q))
-	if len(c.SkipFaults) > 0 {
-		names := make([]string, 0, len(c.SkipFaults))
-		for n := range c.SkipFaults {
+	add(c.StoreLossAll != def.StoreLossAll, fmt.Sprintf("CHAOS_STORE_LOSS_ALL=%d", map[bool]int{false: 0, true: 1}[c.StoreLossAll]))
+	names := make([]string, 0, len(c.SkipFaults))
+	for n := range c.SkipFaults {
+		if n != FaultNATSStoreLossAll.String() || c.StoreLossAll { // else CHAOS_STORE_LOSS_ALL says it
 			names = append(names, n)
 		}
+	}
+	if len(names) > 0 {
 		sort.Strings(names)
 		env = append(env, "CHAOS_SKIP_FAULTS="+strings.Join(names, ","))
 	}
