@@ -42,6 +42,7 @@ type proc struct {
 	expectExit   bool
 	starts       int
 	pids         []int // of every incarnation, in start order
+	dumped       bool  // ended with SIGQUIT for its goroutine stacks (dumpStacks)
 	startedAt    time.Time
 	wasReady     bool     // the current incarnation answered its ready URL once
 	crashes      []string // exits by itself once started (see startupGrace)
@@ -143,6 +144,13 @@ func lastLine(text string) string {
 	lines := strings.Split(strings.TrimSpace(text), "\n")
 	l := lines[len(lines)-1]
 	return l[:min(len(l), 300)]
+}
+
+// wasDumped reports whether dumpStacks ended the process.
+func (p *proc) wasDumped() bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.dumped
 }
 
 // allPIDs returns the process ids of every incarnation so far.

@@ -157,8 +157,29 @@ func execute(ctx context.Context, cfg Config, out io.Writer) *Result {
 	for _, viol := range lease.Violations {
 		j.printf("%s", viol)
 	}
+	if err != nil && ctx.Err() == nil {
+		r.dumpStacks()
+	}
 	r.dumpChanges()
 	return res
+}
+
+// dumpStacks ends every running consumer with SIGQUIT, which makes a Go program write the
+// stacks of all its goroutines to its log before it exits: what a job that never ends was
+// waiting for. Only after the run failed to converge.
+func (r *run) dumpStacks() {
+	var dumped []string
+	for _, p := range r.consumers() {
+		if !p.running() {
+			continue
+		}
+		p.mu.Lock()
+		p.dumped = true
+		p.mu.Unlock()
+		p.stop(syscall.SIGQUIT, 10*time.Second)
+		dumped = append(dumped, p.name)
+	}
+	r.logf("not converged: sent SIGQUIT to %v; their goroutine stacks end their logs in %s", dumped, r.logDir)
 }
 
 // setup starts the servers, installs Spiegel, writes the rules and starts the pipeline.
@@ -236,6 +257,8 @@ func (r *run) shutdown(res *Result) {
 			switch {
 			case forced:
 				res.fail("%s did not exit within 30s of SIGTERM (killed)", p.name)
+			case err != nil && p.wasDumped():
+				// ended by dumpStacks
 			case err != nil:
 				res.fail("%s exited with %v on SIGTERM; its log ends:\n%s", p.name, err, p.logTail(10))
 			}
