@@ -22,8 +22,8 @@
 // to the consumers; network partitions of one process from NATS or from CouchDB, frozen (no
 // byte moves, connections stay open) or cut (connections reset), through the process's own
 // proxies (links.go, outage.go); NATS storage loss: one node, or every node at once, SIGKILLed
-// and restarted from a copy of its store taken seconds earlier (the latter only with
-// CHAOS_STORE_LOSS_ALL=1 in the short run).
+// and restarted from a copy of its store taken seconds earlier (in the short run only with
+// CHAOS_STORE_LOSS=1).
 //
 // Verdict (oracle.go, after the writer and the faults stop and the pipeline converges): every
 // target holds exactly its source's docs and leaf revisions; every (rule, doc, final revision)

@@ -90,10 +90,10 @@ func (res *Result) replay() string {
 	add(c.SinkFail != def.SinkFail, fmt.Sprintf("CHAOS_SINK_FAIL=%g", c.SinkFail))
 	add(c.SinkStall != def.SinkStall, fmt.Sprintf("CHAOS_SINK_STALL=%g", c.SinkStall))
 	add(c.Q != def.Q, fmt.Sprintf("CHAOS_Q=%d", c.Q))
-	add(c.StoreLossAll != def.StoreLossAll, fmt.Sprintf("CHAOS_STORE_LOSS_ALL=%d", map[bool]int{false: 0, true: 1}[c.StoreLossAll]))
+	add(c.StoreLoss != def.StoreLoss, fmt.Sprintf("CHAOS_STORE_LOSS=%d", map[bool]int{false: 0, true: 1}[c.StoreLoss]))
 	names := make([]string, 0, len(c.SkipFaults))
 	for n := range c.SkipFaults {
-		if n != FaultNATSStoreLossAll.String() || c.StoreLossAll { // else CHAOS_STORE_LOSS_ALL says it
+		if c.StoreLoss || n != FaultNATSStoreLoss.String() && n != FaultNATSStoreLossAll.String() { // else CHAOS_STORE_LOSS says it
 			names = append(names, n)
 		}
 	}
