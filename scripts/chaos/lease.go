@@ -25,7 +25,7 @@ import (
 //
 // Also reported, not failing: how late the partitioned instance's last call came, and how soon
 // another instance called for a db the partitioned one had called for in the AckWait before the
-// partition (the successor taking the job over).
+// partition (the successor taking the job over, or a later job of that db).
 
 // leaseResult is the lease verdict of a run.
 type leaseResult struct {
@@ -124,7 +124,7 @@ func (l leaseResult) String() string {
 	if len(l.Successor) > 0 {
 		s := append([]time.Duration(nil), l.Successor...)
 		sort.Slice(s, func(i, j int) bool { return s[i] < s[j] })
-		succ = fmt.Sprintf("another instance took over a db of the partitioned one %s–%s after the partition began (%d partitions)",
+		succ = fmt.Sprintf("another instance first called for a db the partitioned one had called for in the AckWait before, %s–%s after the partition began (%d partitions)",
 			s[0].Round(100*time.Millisecond), s[len(s)-1].Round(100*time.Millisecond), len(s))
 	}
 	return fmt.Sprintf("%d NATS partitions of onchange instances (%d freezes, %d cuts); %d webhook calls by a partitioned instance during them, "+
