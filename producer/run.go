@@ -46,6 +46,7 @@ func connect(ctx context.Context, cfg *config.Producer, log *logrus.Logger, maxP
 func newCouch(cfg *config.Producer, log *logrus.Logger) (*couch.Client, error) {
 	return couch.New(couch.Config{
 		URL: cfg.CouchDBURL, CAFile: cfg.CouchDBCAFile, InsecureSkipVerify: cfg.CouchDBInsecureTLS, RequestTimeout: cfg.CouchDBTimeout,
+		MaxConns: cfg.CouchDBMaxConns,
 	}, log.WithField("component", "couch"))
 }
 

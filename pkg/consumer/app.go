@@ -91,6 +91,7 @@ func OpenWith(ctx context.Context, cfg *config.Consumer, group events.Group, log
 	o.Rules.SubjectPrefix = cfg.SubjectPrefix
 	cc, err := couch.New(couch.Config{
 		URL: cfg.CouchDBURL, CAFile: cfg.CouchDBCAFile, InsecureSkipVerify: cfg.CouchDBInsecureTLS, RequestTimeout: cfg.CouchDBTimeout,
+		MaxConns: cfg.CouchDBMaxConns,
 	}, log.WithField("component", "couch"))
 	if err != nil {
 		return nil, err
