@@ -19,6 +19,7 @@ import (
 	"github.com/spiegel-nats/spiegel/pkg/config"
 	"github.com/spiegel-nats/spiegel/pkg/events"
 	"github.com/spiegel-nats/spiegel/pkg/natsjs"
+	"github.com/spiegel-nats/spiegel/pkg/producer"
 	"github.com/spiegel-nats/spiegel/pkg/rulefeed"
 	"github.com/spiegel-nats/spiegel/pkg/rules"
 	"github.com/spiegel-nats/spiegel/pkg/status"
@@ -26,20 +27,20 @@ import (
 
 // openAdmin is the setup of the admin commands that act on an installation: it connects to
 // CouchDB and NATS (maxPending publishes in flight), checks that install has run (the streams and
-// the consumers of groups) and reads the rule set once. The caller closes d.nc.
-func openAdmin(ctx context.Context, cfg *config.Producer, log *logrus.Logger, maxPending int, groups ...events.Group) (*deps, *rules.Set, error) {
+// the consumers of groups) and reads the rule set once. The caller closes d.NC.
+func openAdmin(ctx context.Context, cfg *config.Producer, log *logrus.Logger, maxPending int, groups ...events.Group) (*producer.Conns, *rules.Set, error) {
 	d, err := connectAdmin(ctx, cfg, log, maxPending)
 	if err != nil {
 		return nil, nil, err
 	}
-	if err := natsjs.CheckInstalled(ctx, d.js, d.topo, groups...); err != nil {
-		d.nc.Close()
+	if err := natsjs.CheckInstalled(ctx, d.JS, d.Topo, groups...); err != nil {
+		d.NC.Close()
 		return nil, nil, err
 	}
 	set := rules.NewSet()
-	rf := &rulefeed.Follower{Couch: d.couch, DB: d.cfg.DBName, Set: set, Log: log.WithField("component", "rules")}
+	rf := &rulefeed.Follower{Couch: d.Couch, DB: d.Cfg.DBName, Set: set, Log: log.WithField("component", "rules")}
 	if _, err := rf.Load(ctx); err != nil {
-		d.nc.Close()
+		d.NC.Close()
 		return nil, nil, err
 	}
 	return d, set, nil
@@ -62,8 +63,8 @@ func (p *progress) print(c cmdIO, final bool) {
 
 // enqueueDBs publishes a job per matching group for every db accepted by match, settling the
 // publishes in windows of 256.
-func enqueueDBs(ctx context.Context, d *deps, match func(db string) []events.Group, reason string, pr *progress, cio cmdIO) error {
-	jobs := natsjs.NewJobs(d.js, d.topo.Subjects)
+func enqueueDBs(ctx context.Context, d *producer.Conns, match func(db string) []events.Group, reason string, pr *progress, cio cmdIO) error {
+	jobs := natsjs.NewJobs(d.JS, d.Topo.Subjects)
 	type inflight struct {
 		g events.Group
 		j events.Job
@@ -101,7 +102,7 @@ func enqueueDBs(ctx context.Context, d *deps, match func(db string) []events.Gro
 		window = window[:0]
 		return nil
 	}
-	err := d.couch.EachDB(ctx, func(db string) error {
+	err := d.Couch.EachDB(ctx, func(db string) error {
 		pr.scanned.Add(1)
 		for _, g := range match(db) {
 			j := events.Job{DB: db, Reason: reason, At: time.Now().UTC()}
@@ -145,10 +146,10 @@ func runResync(ctx context.Context, cfg *config.Producer, log *logrus.Logger, ci
 	if err != nil {
 		return err
 	}
-	defer func() { _ = d.nc.Drain() }()
+	defer func() { _ = d.NC.Drain() }()
 	var pr progress
 	return enqueueDBs(ctx, d, func(db string) []events.Group {
-		if db == cfg.DBName || systemDBs[db] || re != nil && !re.MatchString(db) {
+		if db == cfg.DBName || producer.IsSystemDB(db) || re != nil && !re.MatchString(db) {
 			return nil
 		}
 		return set.Groups(db).Groups()
@@ -194,7 +195,7 @@ func runStatus(ctx context.Context, cfg *config.Producer, log *logrus.Logger, ci
 	if err != nil {
 		return err
 	}
-	defer d.nc.Close()
+	defer d.NC.Close()
 	var rep statusReport
 	st := set.Stats()
 	selected := set.All()
@@ -218,7 +219,7 @@ func runStatus(ctx context.Context, cfg *config.Producer, log *logrus.Logger, ci
 	var collectErr error
 	var wg sync.WaitGroup
 	wg.Go(func() {
-		rep.Processes, collectErr = status.Collect(wctx, d.nc, cfg.SubjectPrefix, min(timeout, collectWait))
+		rep.Processes, collectErr = status.Collect(wctx, d.NC, cfg.SubjectPrefix, min(timeout, collectWait))
 	})
 	checker, err := openRuleChecker(wctx, d, cfg.DBName)
 	if err != nil {
@@ -237,7 +238,7 @@ func runStatus(ctx context.Context, cfg *config.Producer, log *logrus.Logger, ci
 	rep.Rules.Rejected = st.RejectedIDs
 	rep.Groups = map[string]groupStatus{}
 	for _, g := range events.Groups {
-		c, err := d.js.Consumer(ctx, d.topo.Subjects.WorkStream(), g.ConsumerName())
+		c, err := d.JS.Consumer(ctx, d.Topo.Subjects.WorkStream(), g.ConsumerName())
 		if err != nil {
 			return fmt.Errorf("read consumer %s: %w", g.ConsumerName(), err)
 		}
@@ -247,10 +248,10 @@ func runStatus(ctx context.Context, cfg *config.Producer, log *logrus.Logger, ci
 		}
 		rep.Groups[string(g)] = groupStatus{Pending: info.NumPending, InFlight: info.NumAckPending, Redelivered: info.NumRedelivered}
 	}
-	if s, err := d.js.Stream(ctx, d.topo.Subjects.DeadLetterStream()); err == nil {
+	if s, err := d.JS.Stream(ctx, d.Topo.Subjects.DeadLetterStream()); err == nil {
 		rep.DeadLetters = s.CachedInfo().State.Msgs
 	}
-	if pos, err := checkpoint.NewStore(d.couch, cfg.DBName).Position(ctx); err == nil {
+	if pos, err := checkpoint.NewStore(d.Couch, cfg.DBName).Position(ctx); err == nil {
 		rep.Position = &pos
 	}
 	if *asJSON {

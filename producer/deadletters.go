@@ -91,16 +91,16 @@ func runDeadLetters(ctx context.Context, cfg *config.Producer, log *logrus.Logge
 	if err != nil {
 		return err
 	}
-	defer d.nc.Close()
-	stream, err := d.js.Stream(ctx, d.topo.Subjects.DeadLetterStream())
+	defer d.NC.Close()
+	stream, err := d.JS.Stream(ctx, d.Topo.Subjects.DeadLetterStream())
 	if err != nil {
-		return fmt.Errorf("open the dead-letter stream %s: %w", d.topo.Subjects.DeadLetterStream(), err)
+		return fmt.Errorf("open the dead-letter stream %s: %w", d.Topo.Subjects.DeadLetterStream(), err)
 	}
 	if sub == "list" {
-		return listDeadLetters(ctx, cio, stream, d.topo.Subjects, f, *asJSON)
+		return listDeadLetters(ctx, cio, stream, d.Topo.Subjects, f, *asJSON)
 	}
 	var recs []deadLetter
-	if err := eachDeadLetter(ctx, stream, d.topo.Subjects, f, func(r deadLetter) bool {
+	if err := eachDeadLetter(ctx, stream, d.Topo.Subjects, f, func(r deadLetter) bool {
 		recs = append(recs, r)
 		return f.limit == 0 || len(recs) < f.limit
 	}); err != nil {
@@ -121,11 +121,11 @@ func runDeadLetters(ctx context.Context, cfg *config.Producer, log *logrus.Logge
 		fmt.Fprintf(cio.stdout, "deleted %d dead letters\n", len(recs))
 		return nil
 	}
-	kv, err := natsjs.OnChangeBucket(ctx, d.js, d.topo)
+	kv, err := natsjs.OnChangeBucket(ctx, d.JS, d.Topo)
 	if err != nil {
 		return err
 	}
-	rd := &redriver{couch: d.couch, store: checkpoint.NewOnChangeStore(d.couch, kv), jobs: natsjs.NewJobs(d.js, d.topo.Subjects), stream: stream}
+	rd := &redriver{couch: d.Couch, store: checkpoint.NewOnChangeStore(d.Couch, kv), jobs: natsjs.NewJobs(d.JS, d.Topo.Subjects), stream: stream}
 	plans := planRedrives(recs, set)
 	if !*yes && !confirm(cio, describePlans(plans)) {
 		return usageError{errors.New("not confirmed; nothing was re-driven (use --yes to skip the question)")}

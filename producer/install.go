@@ -16,6 +16,7 @@ import (
 	"github.com/spiegel-nats/spiegel/pkg/config"
 	"github.com/spiegel-nats/spiegel/pkg/couch"
 	"github.com/spiegel-nats/spiegel/pkg/natsjs"
+	"github.com/spiegel-nats/spiegel/pkg/producer"
 	"github.com/spiegel-nats/spiegel/pkg/rulefeed"
 	"github.com/spiegel-nats/spiegel/pkg/rules"
 )
@@ -36,9 +37,9 @@ func runInstall(ctx context.Context, cfg *config.Producer, log *logrus.Logger, c
 	if err != nil {
 		return err
 	}
-	defer d.nc.Close()
+	defer d.NC.Close()
 	out := cio.stdout
-	if err := ensureDB(ctx, d.couch, cfg.DBName); err != nil {
+	if err := ensureDB(ctx, d.Couch, cfg.DBName); err != nil {
 		return err
 	}
 	fmt.Fprintf(out, "spiegel db %q: present\n", cfg.DBName)
@@ -46,29 +47,29 @@ func runInstall(ctx context.Context, cfg *config.Producer, log *logrus.Logger, c
 		"admins":  map[string]any{"names": []string{}, "roles": []string{"_admin"}},
 		"members": map[string]any{"names": []string{}, "roles": []string{"_admin"}},
 	}
-	if err := ensureSecurity(ctx, d.couch, cfg.DBName, sec); err != nil {
+	if err := ensureSecurity(ctx, d.Couch, cfg.DBName, sec); err != nil {
 		return err
 	}
 	fmt.Fprintln(out, "security: admins only")
-	if err := ensureDesignDoc(ctx, d.couch, cfg.DBName); err != nil {
+	if err := ensureDesignDoc(ctx, d.Couch, cfg.DBName); err != nil {
 		return err
 	}
 	fmt.Fprintf(out, "%s: validate_doc_update installed\n", designDocID)
-	info, err := d.couch.Server(ctx)
+	info, err := d.Couch.Server(ctx)
 	if err != nil {
 		return fmt.Errorf("read server info: %w", err)
 	}
 	if info.CouchDB && info.Major >= 2 {
-		if err := ensureDB(ctx, d.couch, "_global_changes"); err != nil {
+		if err := ensureDB(ctx, d.Couch, "_global_changes"); err != nil {
 			return err
 		}
 		fmt.Fprintln(out, "_global_changes: present")
 	}
-	if err := natsjs.Ensure(ctx, d.js, d.topo); err != nil {
+	if err := natsjs.Ensure(ctx, d.JS, d.Topo); err != nil {
 		return err
 	}
 	fmt.Fprintf(out, "streams %s, %s, %s and consumers replicator, onchange: present\n",
-		d.topo.Subjects.WorkStream(), d.topo.Subjects.DeadLetterStream(), d.topo.Subjects.ChangesStream())
+		d.Topo.Subjects.WorkStream(), d.Topo.Subjects.DeadLetterStream(), d.Topo.Subjects.ChangesStream())
 	fmt.Fprintln(out, "install complete")
 	return nil
 }
@@ -166,18 +167,18 @@ func runUninstall(ctx context.Context, cfg *config.Producer, log *logrus.Logger,
 	if err != nil {
 		return err
 	}
-	defer d.nc.Close()
+	defer d.NC.Close()
 	n, err := removeCheckpoints(ctx, d, log)
 	if err != nil {
 		return err
 	}
 	fmt.Fprintf(cio.stdout, "on_change checkpoints (_local docs in the watched dbs): %d removed\n", n)
-	if err := natsjs.Remove(ctx, d.js, d.topo); err != nil {
+	if err := natsjs.Remove(ctx, d.JS, d.Topo); err != nil {
 		return err
 	}
 	fmt.Fprintln(cio.stdout, "streams and consumers: removed")
 	if !*keep {
-		err := d.couch.Do(ctx, http.MethodDelete, d.couch.DBPath(cfg.DBName), nil, nil, nil)
+		err := d.Couch.Do(ctx, http.MethodDelete, d.Couch.DBPath(cfg.DBName), nil, nil, nil)
 		if err != nil && !errors.Is(err, couch.ErrNotFound) {
 			return fmt.Errorf("delete db %s: %w", cfg.DBName, err)
 		}
@@ -189,19 +190,19 @@ func runUninstall(ctx context.Context, cfg *config.Producer, log *logrus.Logger,
 // removeCheckpoints deletes the _local checkpoint docs of every on_change rule in every db it
 // matches, and returns how many it deleted. Without the spiegel db there are no rules, and so
 // nothing to find.
-func removeCheckpoints(ctx context.Context, d *deps, log *logrus.Logger) (int, error) {
+func removeCheckpoints(ctx context.Context, d *producer.Conns, log *logrus.Logger) (int, error) {
 	set := rules.NewSet()
-	rf := &rulefeed.Follower{Couch: d.couch, DB: d.cfg.DBName, Set: set, Log: log.WithField("component", "rules")}
+	rf := &rulefeed.Follower{Couch: d.Couch, DB: d.Cfg.DBName, Set: set, Log: log.WithField("component", "rules")}
 	if _, err := rf.Load(ctx); err != nil {
 		if errors.Is(err, couch.ErrNotFound) || strings.Contains(err.Error(), "does not exist") {
 			return 0, nil
 		}
 		return 0, err
 	}
-	store := checkpoint.NewOnChangeStore(d.couch, nil)
+	store := checkpoint.NewOnChangeStore(d.Couch, nil)
 	n := 0
-	err := d.couch.EachDB(ctx, func(db string) error {
-		if db == d.cfg.DBName || systemDBs[db] {
+	err := d.Couch.EachDB(ctx, func(db string) error {
+		if db == d.Cfg.DBName || producer.IsSystemDB(db) {
 			return nil
 		}
 		for _, r := range set.All() {

@@ -20,6 +20,7 @@ import (
 	"github.com/spiegel-nats/spiegel/pkg/health"
 	"github.com/spiegel-nats/spiegel/pkg/logging"
 	"github.com/spiegel-nats/spiegel/pkg/natsjs"
+	"github.com/spiegel-nats/spiegel/pkg/producer"
 )
 
 const usage = `producer — Spiegel for NATS: CouchDB db updates → deduplicated JetStream jobs
@@ -164,7 +165,7 @@ var commands = map[string]command{
 		if len(io.args) > 0 {
 			return usageError{fmt.Errorf("unexpected arguments %q", io.args)}
 		}
-		return runProducer(ctx, cfg, log)
+		return producer.Run(ctx, cfg, log)
 	},
 	"install":   runInstall,
 	"uninstall": runUninstall,

@@ -19,6 +19,7 @@ import (
 	"github.com/spiegel-nats/spiegel/pkg/couch"
 	"github.com/spiegel-nats/spiegel/pkg/logging"
 	"github.com/spiegel-nats/spiegel/pkg/natsjs"
+	"github.com/spiegel-nats/spiegel/pkg/producer"
 )
 
 // defaultAdminTimeout bounds the admin commands' wait for CouchDB and NATS when the
@@ -34,12 +35,12 @@ func (p serverProblems) Error() string { return strings.Join(p, "\n") }
 // for as long as it takes (and says so on /readyz), an admin command checks CouchDB and NATS at
 // once, for at most cfg.AdminTimeout, and fails with one sentence per problem it found — which
 // server, at which URL (without its password), what it answered.
-func connectAdmin(ctx context.Context, cfg *config.Producer, log *logrus.Logger, maxPending int) (*deps, error) {
+func connectAdmin(ctx context.Context, cfg *config.Producer, log *logrus.Logger, maxPending int) (*producer.Conns, error) {
 	timeout := cfg.AdminTimeout
 	if timeout <= 0 {
 		timeout = defaultAdminTimeout
 	}
-	cc, err := newCouch(cfg, log)
+	cc, err := producer.NewCouch(cfg, log)
 	if err != nil {
 		return nil, err
 	}
@@ -69,7 +70,7 @@ func connectAdmin(ctx context.Context, cfg *config.Producer, log *logrus.Logger,
 		}
 		return nil, problems
 	}
-	return newDeps(cfg, log, cc, nc, maxPending)
+	return producer.NewConns(cfg, log, cc, nc, maxPending)
 }
 
 // checkCouch returns what is wrong with the CouchDB at rawURL ("" when it answers as it should).

@@ -23,6 +23,7 @@ import (
 	"github.com/spiegel-nats/spiegel/pkg/config"
 	"github.com/spiegel-nats/spiegel/pkg/events"
 	"github.com/spiegel-nats/spiegel/pkg/natsjs"
+	"github.com/spiegel-nats/spiegel/pkg/producer"
 	"github.com/spiegel-nats/spiegel/pkg/rules"
 )
 
@@ -87,22 +88,22 @@ func runReplay(ctx context.Context, cfg *config.Producer, log *logrus.Logger, ci
 	if err != nil {
 		return err
 	}
-	defer func() { _ = d.nc.Drain() }()
+	defer func() { _ = d.NC.Drain() }()
 	r, ok := set.Rule(*ruleID)
 	oc, isOnChange := r.(*rules.OnChange)
 	if !ok || !isOnChange {
 		return fmt.Errorf("replay: no valid on_change rule %q in %s", *ruleID, cfg.DBName)
 	}
-	kv, err := natsjs.OnChangeBucket(ctx, d.js, d.topo)
+	kv, err := natsjs.OnChangeBucket(ctx, d.JS, d.Topo)
 	if err != nil {
 		return err
 	}
-	store := checkpoint.NewOnChangeStore(d.couch, kv)
+	store := checkpoint.NewOnChangeStore(d.Couch, kv)
 	store.ReplayID = *id
 
 	var counter *replayCounter
 	if oc.Subject != "" && *wait > 0 {
-		if counter, err = newReplayCounter(ctx, d.js, oc, *id, resumed); err != nil {
+		if counter, err = newReplayCounter(ctx, d.JS, oc, *id, resumed); err != nil {
 			return err
 		}
 	}
@@ -112,7 +113,7 @@ func runReplay(ctx context.Context, cfg *config.Producer, log *logrus.Logger, ci
 	var dbs, failed []string
 	var pr progress
 	err = enqueueDBs(ctx, d, func(db string) []events.Group {
-		if db == cfg.DBName || systemDBs[db] || !oc.MatchesDB(db) || re != nil && !re.MatchString(db) {
+		if db == cfg.DBName || producer.IsSystemDB(db) || !oc.MatchesDB(db) || re != nil && !re.MatchString(db) {
 			return nil
 		}
 		if err := resetForReplay(ctx, store, oc.ID(), db, *since); err != nil {

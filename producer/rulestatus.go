@@ -14,6 +14,7 @@ import (
 	"github.com/spiegel-nats/spiegel/pkg/couch"
 	"github.com/spiegel-nats/spiegel/pkg/events"
 	"github.com/spiegel-nats/spiegel/pkg/natsjs"
+	"github.com/spiegel-nats/spiegel/pkg/producer"
 	"github.com/spiegel-nats/spiegel/pkg/rules"
 	"github.com/spiegel-nats/spiegel/pkg/status"
 	"github.com/spiegel-nats/spiegel/pkg/worker"
@@ -54,7 +55,7 @@ type ruleStatus struct {
 
 // ruleChecker computes the per-rule part of `producer status`. Its work is bounded by ctx.
 type ruleChecker struct {
-	d         *deps
+	d         *producer.Conns
 	spiegelDB string
 	store     *checkpoint.OnChangeStore
 	now       time.Time
@@ -82,8 +83,8 @@ func (c *ruleChecker) perRule(ctx context.Context, rs []rules.Rule) (out []ruleS
 		db string
 	}
 	var tasks []task
-	err := c.d.couch.EachDB(ctx, func(db string) error {
-		if db == c.spiegelDB || systemDBs[db] {
+	err := c.d.Couch.EachDB(ctx, func(db string) error {
+		if db == c.spiegelDB || producer.IsSystemDB(db) {
 			return nil
 		}
 		for i, r := range rs {
@@ -109,7 +110,7 @@ func (c *ruleChecker) perRule(ctx context.Context, rs []rules.Rule) (out []ruleS
 	var dl map[string]int
 	var dlErr error
 	var wg sync.WaitGroup
-	wg.Go(func() { dl, dlErr = deadLettersByRule(ctx, c.d.js, c.d.topo.Subjects.DeadLetterStream()) })
+	wg.Go(func() { dl, dlErr = deadLettersByRule(ctx, c.d.JS, c.d.Topo.Subjects.DeadLetterStream()) })
 
 	var mu sync.Mutex
 	unchecked := 0
@@ -234,7 +235,7 @@ func (c *ruleChecker) behind(ctx context.Context, r *rules.OnChange, db string) 
 	if !cp.Found && r.Since == rules.SinceNow {
 		return false, nil, nil // the rule starts at the db's end on its first run
 	}
-	page, err := c.d.couch.Changes(ctx, db, couch.ChangesOptions{Since: cp.LastSeq, Limit: 1})
+	page, err := c.d.Couch.Changes(ctx, db, couch.ChangesOptions{Since: cp.LastSeq, Limit: 1})
 	if errors.Is(err, couch.ErrNotFound) {
 		return false, nil, nil
 	}
@@ -256,11 +257,11 @@ func (c *ruleChecker) pendingJob(ctx context.Context, db string) (*time.Time, er
 	if ok {
 		return at, nil
 	}
-	s, err := c.d.js.Stream(ctx, c.d.topo.Subjects.WorkStream())
+	s, err := c.d.JS.Stream(ctx, c.d.Topo.Subjects.WorkStream())
 	if err != nil {
 		return nil, err
 	}
-	m, err := s.GetLastMsgForSubject(ctx, c.d.topo.Subjects.Work(events.GroupOnChange, db))
+	m, err := s.GetLastMsgForSubject(ctx, c.d.Topo.Subjects.Work(events.GroupOnChange, db))
 	switch {
 	case errors.Is(err, jetstream.ErrMsgNotFound):
 		at = nil
@@ -320,11 +321,11 @@ func deadLettersByRule(ctx context.Context, js jetstream.JetStream, stream strin
 }
 
 // openRuleChecker returns a checker over d's servers.
-func openRuleChecker(ctx context.Context, d *deps, spiegelDB string) (*ruleChecker, error) {
-	kv, err := natsjs.OnChangeBucket(ctx, d.js, d.topo)
+func openRuleChecker(ctx context.Context, d *producer.Conns, spiegelDB string) (*ruleChecker, error) {
+	kv, err := natsjs.OnChangeBucket(ctx, d.JS, d.Topo)
 	if err != nil {
 		return nil, err
 	}
-	return &ruleChecker{d: d, spiegelDB: spiegelDB, store: checkpoint.NewOnChangeStore(d.couch, kv), now: time.Now(),
+	return &ruleChecker{d: d, spiegelDB: spiegelDB, store: checkpoint.NewOnChangeStore(d.Couch, kv), now: time.Now(),
 		jobs: map[string]*time.Time{}}, nil
 }
