@@ -18,7 +18,8 @@ import (
 // Hot feeds against a real CouchDB: the proxy serves its own _db_updates feed
 // (couchtest.AlwaysSynthesize) on both servers, so that a test can hold it back and see what the
 // hot feeds do alone. The tests read what happened from the producer's metrics, not its logs.
-// pkg/publisher/hotfeeds_test.go drives the same logic with a fake feed, in an order the test decides.
+// pkg/publisher/hotfeeds_test.go drives the same logic with a fake feed, in an order the test
+// decides.
 
 // newHotEnv is an env whose in-process producers keep up to feeds hot feeds (idle: 1 min) and
 // serve their metrics on e.cfg.HTTPAddr.

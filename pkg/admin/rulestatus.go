@@ -1,4 +1,4 @@
-package main
+package admin
 
 import (
 	"context"
@@ -24,8 +24,8 @@ import (
 // checks how far the on_change rules are behind.
 const ruleCheckConcurrency = 16
 
-// ruleStatus is one rule's part of `producer status`.
-type ruleStatus struct {
+// RuleStatus is one rule's part of `producer status` (StatusReport.PerRule).
+type RuleStatus struct {
 	ID         string `json:"id"`
 	Kind       string `json:"kind"`
 	Pattern    string `json:"pattern"`          // the db_name regex; an exact replicator rule's db
@@ -67,9 +67,9 @@ type ruleChecker struct {
 // perRule returns the status of rules, in their order, as the spiegel db, the checkpoints and
 // the dead-letter stream tell it (see withProcesses for the rest). incomplete, when not "", says
 // what could not be done within ctx.
-func (c *ruleChecker) perRule(ctx context.Context, rs []rules.Rule) (out []ruleStatus, incomplete string) {
+func (c *ruleChecker) perRule(ctx context.Context, rs []rules.Rule) (out []RuleStatus, incomplete string) {
 	var notes []string
-	out = make([]ruleStatus, len(rs))
+	out = make([]RuleStatus, len(rs))
 	if len(rs) == 0 {
 		return out, ""
 	}
@@ -172,8 +172,8 @@ func (c *ruleChecker) perRule(ctx context.Context, rs []rules.Rule) (out []ruleS
 }
 
 // describeRule is what the rule itself tells about r.
-func describeRule(r rules.Rule) ruleStatus {
-	rs := ruleStatus{ID: r.ID(), Kind: r.Kind(), Enabled: r.Enabled()}
+func describeRule(r rules.Rule) RuleStatus {
+	rs := RuleStatus{ID: r.ID(), Kind: r.Kind(), Enabled: r.Enabled()}
 	switch x := r.(type) {
 	case *rules.Replicator:
 		rs.Pattern = x.ExactDB
@@ -192,7 +192,7 @@ func describeRule(r rules.Rule) ruleStatus {
 // withProcesses adds to out what the running consumers (procs) say about each rule: the
 // default engine of replicator rules that name none, and the runs summed over the instances
 // that ran the rule (the last run is the latest of theirs).
-func withProcesses(out []ruleStatus, procs []status.Report) {
+func withProcesses(out []RuleStatus, procs []status.Report) {
 	defaultEngine := "default"
 	for _, p := range procs {
 		if p.Component == status.ComponentReplicator && p.DefaultEngine != "" {

@@ -2,7 +2,7 @@
 // hands each event's jobs to the publish pipeline (pkg/publisher), saves the position the
 // pipeline calls safe, sweeps for what the feed dropped, and enqueues the existing dbs of new
 // rules. Run wires it with its connections, metrics, NATS service and health listener; the
-// producer binary (producer/) runs it and its admin commands.
+// producer binary (producer/) runs it; what its admin commands do is pkg/admin.
 //
 // One db-updates event, top-down: Run starts runFeed (producer.go), which reads the feed
 // (couch.UpdatesFeed) and calls handle for each event; handle asks the rules which groups want
