@@ -16,6 +16,7 @@ import (
 	"github.com/spiegel-nats/spiegel/pkg/couchtest"
 	"github.com/spiegel-nats/spiegel/pkg/events"
 	"github.com/spiegel-nats/spiegel/pkg/logtest"
+	"github.com/spiegel-nats/spiegel/pkg/producer"
 	"github.com/spiegel-nats/spiegel/pkg/spiegeltest"
 )
 
@@ -81,7 +82,7 @@ func (e *env) startProducer(t *testing.T) (stop func()) {
 	done := make(chan error, 1)
 	cfg := e.cfg
 	log := e.Logger()
-	go func() { done <- runProducer(ctx, &cfg, log) }()
+	go func() { done <- producer.Run(ctx, &cfg, log) }()
 	var once sync.Once
 	stop = func() {
 		once.Do(func() {

@@ -1,4 +1,4 @@
-package main
+package producer
 
 import (
 	"context"
@@ -20,6 +20,7 @@ import (
 	"github.com/spiegel-nats/spiegel/pkg/events"
 	"github.com/spiegel-nats/spiegel/pkg/natsjs"
 	"github.com/spiegel-nats/spiegel/pkg/natstest"
+	"github.com/spiegel-nats/spiegel/pkg/publisher"
 	"github.com/spiegel-nats/spiegel/pkg/rules"
 )
 
@@ -93,7 +94,7 @@ func BenchmarkProducerThroughput(b *testing.B) {
 		cc, err := couch.New(couch.Config{URL: feedSrv.URL}, quietLogger())
 		require.NoError(b, err)
 		p := &producer{cfg: producerSettings{SpiegelDB: "spiegel"}, couch: cc, rules: set, log: quietLogger()}
-		p.pub = newPublisher(jobs, 2048, producerMetrics{}, p.log)
+		p.pub = publisher.New(jobs, 2048, nil, p.log)
 		ctx, cancel := context.WithCancel(context.Background())
 		go p.pub.Run(ctx, time.Second)
 		feed, err := cc.NewUpdatesFeed(ctx, couch.SourceDBUpdates, couch.FeedOptions{Heartbeat: 10 * time.Second})

@@ -1,4 +1,4 @@
-package main
+package producer
 
 import (
 	"context"
@@ -14,12 +14,17 @@ import (
 	"github.com/spiegel-nats/spiegel/pkg/couch"
 	"github.com/spiegel-nats/spiegel/pkg/events"
 	"github.com/spiegel-nats/spiegel/pkg/logging"
+	"github.com/spiegel-nats/spiegel/pkg/publisher"
 	"github.com/spiegel-nats/spiegel/pkg/rules"
 	"github.com/spiegel-nats/spiegel/pkg/status"
 )
 
 // systemDBs are CouchDB's internal dbs: their updates never produce jobs.
 var systemDBs = map[string]bool{"_dbs": true, "_nodes": true, "_global_changes": true}
+
+// IsSystemDB reports whether db is one of CouchDB's internal dbs, whose updates never produce
+// jobs (nor does the spiegel db itself).
+func IsSystemDB(db string) bool { return systemDBs[db] }
 
 // feedRetry is the backoff between two attempts to open or resume the db-updates feed after
 // it failed as a whole (a permanent error such as refused credentials included: they get
@@ -33,8 +38,8 @@ type producer struct {
 	store   *checkpoint.Store // the producer's position
 	deleted *deletedDBs       // drops the cached on_change checkpoints of deleted dbs (nil: none)
 	rules   *rules.Set
-	pub     *publisher
-	hot     *hotFeeds // nil: off
+	pub     *publisher.Pipeline
+	hot     *publisher.HotFeeds // nil: off
 	log     logrus.FieldLogger
 	metrics producerMetrics
 
@@ -81,7 +86,7 @@ func (p *producer) handle(ctx context.Context, ev couch.DBEvent) error {
 		return p.pub.Enqueue(ctx, ev.Seq, false, ev.DB, "", nil)
 	}
 	if ev.Type == couch.EventDeleted {
-		p.hot.Close(ev.DB, closeDeleted)
+		p.hot.Close(ev.DB, publisher.CloseDeleted)
 		if p.rules.Groups(ev.DB).Has(events.GroupOnChange) {
 			p.deleted.Add(ev.DB)
 		}
