@@ -79,7 +79,7 @@ func Connect(ctx context.Context, cfg *config.Producer, log *logrus.Logger, maxP
 
 // checkCouch returns what is wrong with the CouchDB at rawURL ("" when it answers as it should).
 func checkCouch(ctx context.Context, cc *couch.Client, rawURL string, timeout time.Duration) string {
-	where := "CouchDB at " + logging.RedactURL(rawURL)
+	where := "CouchDB at " + cc.Redacted()
 	_, err := cc.Server(ctx)
 	if err == nil {
 		return ""

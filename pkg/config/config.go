@@ -16,7 +16,7 @@ var Version = "dev"
 
 // CouchDB says how to reach the watched server and where the rules live.
 type CouchDB struct {
-	CouchDBURL         string        `envconfig:"SPIEGEL_COUCHDB_URL" required:"true" desc:"the watched CouchDB, with admin credentials (http://user:password@host:5984)"`
+	CouchDBURL         string        `envconfig:"SPIEGEL_COUCHDB_URL" required:"true" desc:"the watched CouchDB, with admin credentials (http://user:password@host:5984); the nodes of one cluster may be listed, comma-separated: the first is used until it cannot be reached, then the next"`
 	DBName             string        `envconfig:"SPIEGEL_DB_NAME" default:"spiegel" desc:"the spiegel db: rules and checkpoints"`
 	CouchDBCAFile      string        `envconfig:"SPIEGEL_COUCHDB_CA_FILE" desc:"PEM file of CAs to trust for an https CouchDB (default: system roots)"`
 	CouchDBInsecureTLS bool          `envconfig:"SPIEGEL_COUCHDB_INSECURE_SKIP_VERIFY" default:"false" desc:"skip TLS certificate verification of CouchDB (testing only)"`

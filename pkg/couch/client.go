@@ -48,7 +48,9 @@ const DefaultRequestTimeout = 30 * time.Second
 // Config of the watched server.
 type Config struct {
 	// URL is the base URL with admin credentials, e.g. http://admin:pw@127.0.0.1:5984. It may
-	// have a path prefix (a reverse proxy). Never log it: use Client.Redacted.
+	// have a path prefix (a reverse proxy). It may list the nodes of one cluster, comma-separated
+	// (see SplitURLs): requests go to the first node until it cannot be reached, then to the
+	// next (see failover). Never log it: use Client.Redacted.
 	URL string
 	// CAFile is an optional PEM CA bundle trusted for https, in addition to the system roots.
 	CAFile string
@@ -97,8 +99,9 @@ func NewTransport(cfg Config) (*http.Transport, error) {
 // traffic, kivik's included, shares one connection pool.
 type Client struct {
 	log      logrus.FieldLogger
-	base     *url.URL // without user info, no trailing slash
+	base     *url.URL // without user info, no trailing slash; of the first node
 	user     *url.Userinfo
+	nodes    *failover // nil: one node
 	redacted string
 	timeout  time.Duration
 	tr       http.RoundTripper // under http's PlusSafe wrapper
@@ -122,9 +125,16 @@ func New(cfg Config, log logrus.FieldLogger) (*Client, error) {
 		l.SetOutput(io.Discard)
 		log = l
 	}
-	base, user, err := parseBaseURL(cfg.URL)
+	urls := SplitURLs(cfg.URL)
+	base, user, err := parseBaseURL(urls[0])
 	if err != nil {
 		return nil, err
+	}
+	var nodes []node
+	if len(urls) > 1 {
+		if nodes, err = parseNodes(base, user, urls[1:]); err != nil {
+			return nil, err
+		}
 	}
 	var tr, streamTr http.RoundTripper = cfg.Transport, cmp.Or(cfg.StreamTransport, cfg.Transport)
 	if tr == nil {
@@ -141,6 +151,14 @@ func New(cfg Config, log logrus.FieldLogger) (*Client, error) {
 			streamTr = st
 		}
 	}
+	var fo *failover
+	if len(nodes) > 1 {
+		cur := new(atomic.Int32)
+		flog := log.WithField("component", "couch")
+		fo = &failover{base: tr, primary: base.Host, nodes: nodes, cur: cur, log: flog}
+		tr = fo
+		streamTr = &failover{base: streamTr, primary: base.Host, nodes: nodes, cur: cur, log: flog}
+	}
 	timeout := cfg.RequestTimeout
 	if timeout <= 0 {
 		timeout = DefaultRequestTimeout
@@ -150,7 +168,8 @@ func New(cfg Config, log logrus.FieldLogger) (*Client, error) {
 		log:      log.WithField("component", "couch"),
 		base:     base,
 		user:     user,
-		redacted: logging.RedactURL(cfg.URL),
+		nodes:    fo,
+		redacted: redactURLs(urls),
 		timeout:  timeout,
 		tr:       tr,
 		http:     &http.Client{Transport: rt},
@@ -329,4 +348,13 @@ func (c *Client) Server(ctx context.Context) (ServerInfo, error) {
 	info.Major, _ = strconv.Atoi(major)
 	c.server = &info
 	return info, nil
+}
+
+// redactURLs returns the URLs, passwords replaced, comma-separated.
+func redactURLs(urls []string) string {
+	out := make([]string, len(urls))
+	for i, u := range urls {
+		out[i] = logging.RedactURL(u)
+	}
+	return strings.Join(out, ",")
 }
