@@ -73,6 +73,7 @@ func newHandler(app consumer.Deps, cfg *config.OnChange) *handler {
 			Timeout: cfg.WebhookTimeout, AllowedHosts: cfg.AllowedHosts, Passwords: app.Passwords,
 			SignatureSecrets: cfg.SignatureSecrets, Metrics: app.Metrics,
 			MaxParallel: max(cfg.Concurrency, 1) * max(cfg.RequestConcurrency, 1),
+			Instance:    webhook.InstanceName(),
 		}),
 		publisher:          newChangePublisher(app.JS, app.Metrics),
 		batchSize:          max(cfg.BatchSize, 1),

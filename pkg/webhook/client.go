@@ -9,6 +9,7 @@ import (
 	"net"
 	"net/http"
 	"net/url"
+	"os"
 	"strconv"
 	"strings"
 	"time"
@@ -73,6 +74,23 @@ type Config struct {
 	// MaxParallel is how many requests the caller may have in flight at once; the transport
 	// keeps that many idle connections per host (at least 64).
 	MaxParallel int
+	// Instance, when set, is sent as X-Spiegel-Instance on every attempt: which process made
+	// the call (the onchange consumer sends "<hostname>/<pid>"), so that a receiver can tell
+	// which instance called. Not signed.
+	Instance string
+}
+
+// InstanceHeader names the process that sent a request (Config.Instance).
+const InstanceHeader = "X-Spiegel-Instance"
+
+// InstanceName is the Instance the consumers send: "<hostname>/<pid>", unique among the
+// processes of one host (container or machine).
+func InstanceName() string {
+	host, err := os.Hostname()
+	if err != nil || host == "" {
+		host = "unknown"
+	}
+	return fmt.Sprintf("%s/%d", host, os.Getpid())
 }
 
 // Client sends webhook requests. It is safe for concurrent use.
@@ -145,7 +163,8 @@ func StatusOf(err error) int {
 // a host the allow-list refuses or an address the address check refuses (ErrHostNotAllowed,
 // ErrAddressNotAllowed). The password of the URL's user is injected here and never leaves this
 // function. Every attempt carries X-Spiegel-Timestamp (now), X-Spiegel-Delivery (req.Delivery,
-// the same for every attempt) and, with signature secrets, X-Spiegel-Signature.
+// the same for every attempt), X-Spiegel-Instance (Config.Instance, when set) and, with
+// signature secrets, X-Spiegel-Signature.
 func (c *Client) Send(ctx context.Context, req Request) (int, error) {
 	safeURL := logging.RedactURL(req.URL)
 	fail := func(status int, permanent bool, cause error, format string, args ...any) (int, error) {
@@ -187,6 +206,9 @@ func (c *Client) Send(ctx context.Context, req Request) (int, error) {
 	}
 	if hreq.Header.Get("User-Agent") == "" {
 		hreq.Header.Set("User-Agent", "spiegel-nats")
+	}
+	if c.cfg.Instance != "" {
+		hreq.Header.Set(InstanceHeader, c.cfg.Instance)
 	}
 	s := &signer{secrets: secrets, ts: c.now().Unix(), delivery: req.delivery(), body: req.Body}
 	s.sign(hreq, req.Body)

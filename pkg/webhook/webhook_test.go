@@ -355,3 +355,22 @@ func TestIdleConnectionsCoverParallelRequests(t *testing.T) {
 		assert.GreaterOrEqual(t, tr.MaxIdleConns, want)
 	}
 }
+
+// TestSendInstanceHeader: with Config.Instance every attempt names the sending process in
+// X-Spiegel-Instance; without it the header is absent. InstanceName ends in this process's pid.
+func TestSendInstanceHeader(t *testing.T) {
+	t.Parallel()
+	got := make(chan []string, 2)
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		got <- r.Header.Values(InstanceHeader)
+	}))
+	defer srv.Close()
+	name := InstanceName()
+	require.True(t, strings.HasSuffix(name, fmt.Sprintf("/%d", os.Getpid())), "instance name %q", name)
+	_, err := New(Config{AllowedHosts: loopback, Instance: name}).Send(t.Context(), Request{Method: "GET", URL: srv.URL + "/x"})
+	require.NoError(t, err)
+	assert.Equal(t, []string{name}, <-got)
+	_, err = New(Config{AllowedHosts: loopback}).Send(t.Context(), Request{Method: "GET", URL: srv.URL + "/x"})
+	require.NoError(t, err)
+	assert.Empty(t, <-got)
+}
