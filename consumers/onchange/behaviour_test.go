@@ -16,6 +16,7 @@ import (
 
 	"github.com/spiegel-nats/spiegel/pkg/consumer"
 	"github.com/spiegel-nats/spiegel/pkg/events"
+	"github.com/spiegel-nats/spiegel/pkg/webhook"
 )
 
 // only matches exactly db.
@@ -73,6 +74,7 @@ func TestSpiegelBehaviours(t *testing.T) {
 		assert.Equal(t, "POST", h.Method)
 		assert.Equal(t, "/post/"+url.PathEscape(db)+"/d%2B1", h.Path)
 		assert.Equal(t, "application/json", h.Header.Get("Content-Type"))
+		assert.Equal(t, webhook.InstanceName(), h.Header.Get(webhook.InstanceHeader), "the call names the instance that made it")
 		change, ok := h.Body["change"].(map[string]any)
 		require.True(t, ok, "$change is an object: %v", h.Body["change"])
 		assert.Equal(t, "d+1", change["id"])
