@@ -4,28 +4,39 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
 	"net"
 	"net/url"
 	"sync"
 	"time"
 )
 
-// outageProxy stands between the Spiegel processes and an external CouchDB (CHAOS_COUCHDB_URL)
-// that the run must not restart: it is shared, and restarting it would break whoever else uses
-// it. The restart fault then plays a restart as the processes see one: every connection through
-// the proxy is cut and new ones are refused (the listener is closed) for the down time, then the
-// proxy listens on the same port again. The server itself, and the writer and the oracle, which
-// talk to it directly, are untouched: writes go on during the outage, as they would on the other
-// nodes of a cluster.
+// outageProxy is a TCP proxy the run controls, between a Spiegel process and a server. It
+// plays three faults on every connection through it:
+//
+//   - outage (a restart as the processes see one): every connection is cut and new ones are
+//     refused (the listener is closed) for the down time, then the proxy listens on the same port
+//     again. It stands between the Spiegel processes and an external CouchDB
+//     (CHAOS_COUCHDB_URL) that the run must not restart: the server itself, and the writer and
+//     the oracle, which talk to it directly, are untouched.
+//   - freeze (a partition that drops packets): no byte moves either way, connections stay open,
+//     new connections are accepted by the kernel but not served, until the freeze ends; then
+//     everything held is passed on, in order.
+//   - cut (a partition that resets): every connection is reset (RST) and new ones are reset at
+//     once, for the down time; the listener stays open.
+//
+// Every product process reaches each NATS node and CouchDB through its own proxies (links.go),
+// so a partition separates one process from one kind of server.
 type outageProxy struct {
 	addr     string // host:port the proxy listens on
 	upstream string // host:port of the server
 
-	mu    sync.Mutex
-	ln    net.Listener // nil during an outage
-	conns map[net.Conn]struct{}
-	wg    sync.WaitGroup
+	mu       sync.Mutex
+	ln       net.Listener // nil during an outage
+	conns    map[net.Conn]struct{}
+	frozen   chan struct{} // non-nil while frozen; closed when the freeze ends
+	resetNew bool          // during a cut: new connections are reset at once
+	closed   bool
+	wg       sync.WaitGroup
 }
 
 // startOutageProxy listens on a free loopback port and forwards every connection to upstream.
@@ -65,25 +76,34 @@ func (p *outageProxy) serve(ln net.Listener) {
 }
 
 // pipe copies between c and a new connection to the server until either side ends or the
-// proxy cuts both.
+// proxy cuts both. A connection accepted during a freeze dials the server only once the freeze
+// ends (as a SYN lost in a partition); one accepted during a cut is reset at once.
 func (p *outageProxy) pipe(c net.Conn) {
+	p.waitThawed()
+	p.mu.Lock()
+	reset := p.resetNew || p.closed
+	p.mu.Unlock()
+	if reset {
+		resetConn(c)
+		return
+	}
 	up, err := net.DialTimeout("tcp", p.upstream, 5*time.Second)
 	if err != nil {
 		_ = c.Close()
 		return
 	}
 	p.mu.Lock()
-	if p.ln == nil { // an outage began meanwhile
+	if p.ln == nil || p.resetNew || p.closed { // an outage or a cut began meanwhile
 		p.mu.Unlock()
-		_ = c.Close()
-		_ = up.Close()
+		resetConn(c)
+		resetConn(up)
 		return
 	}
 	p.conns[c], p.conns[up] = struct{}{}, struct{}{}
 	p.mu.Unlock()
 	done := make(chan struct{}, 2)
 	cp := func(dst, src net.Conn) {
-		_, _ = io.Copy(dst, src)
+		p.copy(dst, src)
 		done <- struct{}{}
 	}
 	go cp(up, c)
@@ -96,6 +116,92 @@ func (p *outageProxy) pipe(c net.Conn) {
 	delete(p.conns, c)
 	delete(p.conns, up)
 	p.mu.Unlock()
+}
+
+// copy copies src to dst until either fails. While the proxy is frozen it neither reads nor
+// writes: what src sent stays in the kernel's buffers (the sender's writes block once they are
+// full), and what was read just before the freeze is held until it ends.
+func (p *outageProxy) copy(dst, src net.Conn) {
+	buf := make([]byte, 32<<10)
+	for {
+		p.waitThawed()
+		n, err := src.Read(buf)
+		if n > 0 {
+			p.waitThawed()
+			if _, werr := dst.Write(buf[:n]); werr != nil {
+				return
+			}
+		}
+		if err != nil {
+			return // pipe closes both sides
+		}
+	}
+}
+
+// waitThawed returns at once, or when the current freeze ends.
+func (p *outageProxy) waitThawed() {
+	p.mu.Lock()
+	ch := p.frozen
+	p.mu.Unlock()
+	if ch != nil {
+		<-ch
+	}
+}
+
+// freeze stops every byte through the proxy, both ways, keeping every connection open, until
+// thaw.
+func (p *outageProxy) freeze() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.frozen == nil && !p.closed {
+		p.frozen = make(chan struct{})
+	}
+}
+
+// thaw ends a freeze: what was held is passed on.
+func (p *outageProxy) thaw() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.frozen != nil {
+		close(p.frozen)
+		p.frozen = nil
+	}
+}
+
+// freezeFor freezes the proxy for down (or until ctx ends).
+func (p *outageProxy) freezeFor(ctx context.Context, down time.Duration) error {
+	p.freeze()
+	defer p.thaw()
+	return sleepCtx(ctx, down)
+}
+
+// cutFor resets every connection and resets new ones at once for down (or until ctx ends);
+// the listener stays open.
+func (p *outageProxy) cutFor(ctx context.Context, down time.Duration) error {
+	p.mu.Lock()
+	p.resetNew = true
+	p.resetAllLocked()
+	p.mu.Unlock()
+	err := sleepCtx(ctx, down)
+	p.mu.Lock()
+	p.resetNew = false
+	p.mu.Unlock()
+	return err
+}
+
+// resetAllLocked resets every open connection (both sides of each pipe).
+func (p *outageProxy) resetAllLocked() {
+	for c := range p.conns {
+		resetConn(c)
+	}
+}
+
+// resetConn closes c with an RST (SO_LINGER 0) instead of a FIN.
+func resetConn(c net.Conn) {
+	if tc, ok := c.(*net.TCPConn); ok {
+		_ = tc.SetLinger(0)
+	}
+	_ = c.Close()
 }
 
 // outage cuts every connection, refuses new ones for down, and listens again on the same
@@ -129,8 +235,12 @@ func (p *outageProxy) cut() {
 	}
 }
 
-// close ends the proxy and waits for its goroutines.
+// close ends the proxy (a freeze included) and waits for its goroutines.
 func (p *outageProxy) close() {
+	p.mu.Lock()
+	p.closed = true
+	p.mu.Unlock()
+	p.thaw()
 	p.cut()
 	p.wg.Wait()
 }
