@@ -2,8 +2,8 @@ package couch
 
 import (
 	"context"
+	"io"
 	"net/http"
-	"net/url"
 	"sync"
 	"testing"
 	"time"
@@ -14,10 +14,32 @@ import (
 	"github.com/spiegel-nats/spiegel/pkg/couchtest"
 )
 
-// TestMaxConnsCapsRequestsNotFeeds: with Config.MaxConns 2, 12 requests that each hold their
-// connection for 300 ms (longpoll _changes that time out) go over at most 2 connections, while a
-// continuous feed opened before them keeps its own connection and still delivers a change.
-// Without the cap each request would open a connection of its own.
+// heldRequests starts n POSTs of an empty _bulk_docs to db whose bodies are written only when
+// release is closed: each holds its connection until then. wait returns their errors.
+func heldRequests(ctx context.Context, c *Client, db string, n int, release <-chan struct{}) (wait func() []error) {
+	var wg sync.WaitGroup
+	errs := make([]error, n)
+	for i := range n {
+		pr, pw := io.Pipe()
+		go func() {
+			<-release
+			_, _ = pw.Write([]byte(`{"docs":[]}`))
+			_ = pw.Close()
+		}()
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			errs[i] = c.Do(ctx, http.MethodPost, c.DBPath(db)+"/_bulk_docs", nil, pr, nil)
+		}()
+	}
+	return func() []error { wg.Wait(); return errs }
+}
+
+// TestMaxConnsCapsRequestsNotFeeds: with Config.MaxConns 2, 12 requests that hold their
+// connections (their bodies not yet sent) get two connections between them, while a continuous
+// feed opened before them keeps its own and still delivers a change; once released, every
+// request succeeds. Without the cap each request holds a connection of its own (see
+// TestMaxConnsZeroIsUncapped).
 func TestMaxConnsCapsRequestsNotFeeds(t *testing.T) {
 	srv := couchtest.Get(t)
 	db := srv.NewDB(t, "maxconns")
@@ -44,35 +66,28 @@ func TestMaxConnsCapsRequestsNotFeeds(t *testing.T) {
 		t.Fatal("the continuous feed did not connect")
 	}
 
-	const requests = 12
-	var wg sync.WaitGroup
-	errs := make(chan error, requests)
-	for range requests {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			q := url.Values{"feed": {"longpoll"}, "timeout": {"300"}, "since": {"now"}}
-			errs <- c.Do(ctx, http.MethodGet, c.DBPath(db)+"/_changes", q, nil, nil)
-		}()
+	release := make(chan struct{})
+	wait := heldRequests(ctx, c, db, 12, release)
+	require.Eventually(t, func() bool { return proxy.Open() >= 3 }, 20*time.Second, 10*time.Millisecond,
+		"two held requests and the feed")
+	assert.Never(t, func() bool { return proxy.Open() > 3 }, 500*time.Millisecond, 10*time.Millisecond,
+		"a third request got a connection of its own")
+	srv.Put(t, db, "while-held", map[string]any{"n": 1})
+	select {
+	case ch := <-changes:
+		assert.Equal(t, "while-held", ch.ID)
+	case <-ctx.Done():
+		t.Fatal("the feed delivered no change while requests held every capped connection")
 	}
-	wg.Wait()
-	close(errs)
-	for err := range errs {
+	close(release)
+	for _, err := range wait() {
 		require.NoError(t, err)
 	}
 	assert.LessOrEqual(t, proxy.Peak(), 3, "2 connections for requests and 1 for the feed")
-
-	srv.Put(t, db, "after", map[string]any{"n": 1})
-	select {
-	case ch := <-changes:
-		assert.Equal(t, "after", ch.ID)
-	case <-ctx.Done():
-		t.Fatal("the feed delivered no change while requests were capped")
-	}
 }
 
-// TestMaxConnsZeroIsUncapped: the same requests without a cap open more connections than the
-// capped client's two (the control of the test above).
+// TestMaxConnsZeroIsUncapped: the same held requests without a cap open a connection each (the
+// control of the test above).
 func TestMaxConnsZeroIsUncapped(t *testing.T) {
 	srv := couchtest.Get(t)
 	db := srv.NewDB(t, "maxconns0")
@@ -82,15 +97,11 @@ func TestMaxConnsZeroIsUncapped(t *testing.T) {
 	require.NoError(t, err)
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	var wg sync.WaitGroup
-	for range 12 {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			q := url.Values{"feed": {"longpoll"}, "timeout": {"1000"}, "since": {"now"}}
-			assert.NoError(t, c.Do(ctx, http.MethodGet, c.DBPath(db)+"/_changes", q, nil, nil))
-		}()
+	release := make(chan struct{})
+	wait := heldRequests(ctx, c, db, 12, release)
+	assert.Eventually(t, func() bool { return proxy.Open() >= 12 }, 20*time.Second, 10*time.Millisecond)
+	close(release)
+	for _, err := range wait() {
+		require.NoError(t, err)
 	}
-	wg.Wait()
-	assert.Greater(t, proxy.Peak(), 2)
 }

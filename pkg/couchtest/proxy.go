@@ -92,6 +92,13 @@ func (p *Proxy) pipe(c net.Conn) {
 	p.mu.Unlock()
 }
 
+// Open returns the client connections the proxy pipes now.
+func (p *Proxy) Open() int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.open
+}
+
 // Peak returns the most client connections the proxy piped at once.
 func (p *Proxy) Peak() int {
 	p.mu.Lock()
