@@ -17,6 +17,7 @@ import (
 	"github.com/spiegel-nats/spiegel/pkg/health"
 	"github.com/spiegel-nats/spiegel/pkg/metrics"
 	"github.com/spiegel-nats/spiegel/pkg/natsjs"
+	"github.com/spiegel-nats/spiegel/pkg/reconcile"
 	"github.com/spiegel-nats/spiegel/pkg/rulefeed"
 	"github.com/spiegel-nats/spiegel/pkg/rules"
 )
@@ -86,6 +87,13 @@ func runProducer(ctx context.Context, cfg *config.Producer, log *logrus.Logger) 
 	}); err != nil {
 		return err
 	}
+	var doneKV jetstream.KeyValue
+	if err := natsjs.AwaitInstalled(ctx, nlog, func(ctx context.Context) (err error) {
+		doneKV, err = natsjs.DoneBucket(ctx, d.js, d.topo)
+		return err
+	}); err != nil {
+		return err
+	}
 
 	reg := metrics.NewRegistry("producer")
 	pm := metrics.NewProducer(reg)
@@ -109,6 +117,9 @@ func runProducer(ctx context.Context, cfg *config.Producer, log *logrus.Logger) 
 		return err
 	}
 	p.deleted = newDeletedDBs(dropper, p.metrics, plog)
+	records := reconcile.New(d.js, doneKV)
+	p.done = &doneRecords{records: records, ensure: func(ctx context.Context) error { return natsjs.EnsureDoneBucket(ctx, d.js, d.topo) }}
+	p.undone = newDeletedDBs(records, producerMetrics{}, plog.WithField("records", "done"))
 	p.pub = newPublisher(natsjs.NewJobs(d.js, d.topo.Subjects), cfg.MaxInflight, p.metrics, plog)
 	if cfg.HotFeeds > 0 {
 		p.hot = newHotFeeds(d.couch, p.pub, func(db string) []events.Group { return p.rules.Groups(db).Groups() },
@@ -155,8 +166,9 @@ func runProducer(ctx context.Context, cfg *config.Producer, log *logrus.Logger) 
 		feedWG.Add(1)
 		go func() { defer feedWG.Done(); p.hot.Run(ctx) }()
 	}
-	feedWG.Add(5)
+	feedWG.Add(6)
 	go func() { defer feedWG.Done(); p.deleted.Run(ctx) }()
+	go func() { defer feedWG.Done(); p.undone.Run(ctx) }()
 	go func() {
 		defer feedWG.Done()
 		// Rules changed while no producer ran: enqueue their existing dbs, then follow live.
