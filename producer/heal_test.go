@@ -244,3 +244,34 @@ func TestSweepSkipsDoneDBs(t *testing.T) {
 	sweep(prev)
 	assert.Equal(t, map[string]uint64{work(rep, behind): 1}, e.Pending(t), "only the db whose change is unprocessed")
 }
+
+// A deleted db's completion records, of every group, are purged (a db recreated under its name
+// must not match its predecessor's record: PouchDB Server's seqs start over); other dbs' stay.
+func TestDeletedDBDropsRecords(t *testing.T) {
+	e := newEnv(t, couchtest.AlwaysSynthesize())
+	gone, stays := e.Prefix+"gone", e.Prefix+"stays"
+	e.Couch.CreateDB(t, gone)
+	e.Couch.CreateDB(t, stays)
+	e.putRule(t, "rep", map[string]any{"type": "replicator", "db_name": "^" + e.Prefix + "(gone|stays)$", "source": "$db_name", "target": e.Prefix + "all"})
+	records := e.records(t)
+	for _, k := range []struct {
+		g  events.Group
+		db string
+	}{{rep, gone}, {onc, gone}, {rep, stays}} {
+		require.NoError(t, records.Put(t.Context(), k.g, k.db, "1"))
+	}
+	e.startProducer(t)
+	e.waitRulesCaughtUp(t)
+	require.NoError(t, e.Couch.Do(t, http.MethodDelete, "/"+couchtest.PathDB(gone), nil, nil))
+	e.updates.Flush()
+	require.Eventually(t, func() bool {
+		done, err := records.Read(t.Context())
+		require.NoError(t, err)
+		_, a := done[reconcile.Key(rep, gone)]
+		_, b := done[reconcile.Key(onc, gone)]
+		return !a && !b
+	}, 20*time.Second, 20*time.Millisecond, "the deleted db's records were never dropped")
+	done, err := records.Read(t.Context())
+	require.NoError(t, err)
+	assert.Equal(t, "1", done[reconcile.Key(rep, stays)], "another db's record stays")
+}
