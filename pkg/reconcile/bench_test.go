@@ -4,6 +4,7 @@ import (
 	"context"
 	"net/http"
 	"os"
+	"strconv"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -15,6 +16,7 @@ import (
 	"github.com/spiegel-nats/spiegel/pkg/couchtest"
 	"github.com/spiegel-nats/spiegel/pkg/events"
 	"github.com/spiegel-nats/spiegel/pkg/natsjs"
+	"github.com/spiegel-nats/spiegel/pkg/natstest"
 	"github.com/spiegel-nats/spiegel/pkg/spiegeltest"
 	"github.com/spiegel-nats/spiegel/pkg/worker"
 )
@@ -97,4 +99,37 @@ func (f observerFunc) JobDone(events.Group, string, time.Duration) { f() }
 func isPull(subject string) bool {
 	const next = "$JS.API.CONSUMER.MSG.NEXT."
 	return len(subject) >= len(next) && subject[:len(next)] == next
+}
+
+// BenchmarkRead reads a bucket of 20,000 records (10,000 dbs, two groups), as every sweep does,
+// and reports the time and the records read per second.
+func BenchmarkRead(b *testing.B) {
+	const dbs = 10_000
+	_, js := natstest.Start(b).Connect(b)
+	topo := natsjs.DefaultTopology("")
+	require.NoError(b, natsjs.EnsureDoneBucket(b.Context(), js, topo))
+	kv, err := natsjs.DoneBucket(b.Context(), js, topo)
+	require.NoError(b, err)
+	r := New(js, kv)
+	seq := "12345-g1AAAACbeJzLYWBgYMpgTmEQTM4vTc5ISXIwNDLXMwBCwxyQVCJDUv3___-zMpgTuXOBAuzJySkpFhbG2DTgMSaPBUgyNACp_1DT2CCmWZqam6eaY9OXBQBBFyij"
+	for i := range dbs {
+		for _, g := range events.Groups {
+			_, err := js.PublishAsync("$KV."+kv.Bucket()+"."+Key(g, "user_"+strconv.Itoa(i)), []byte(seq))
+			require.NoError(b, err)
+		}
+		if i%500 == 499 {
+			select {
+			case <-js.PublishAsyncComplete():
+			case <-time.After(time.Minute):
+				b.Fatal("records not stored")
+			}
+		}
+	}
+	b.ResetTimer()
+	for range b.N {
+		done, err := r.Read(b.Context())
+		require.NoError(b, err)
+		require.Len(b, done, dbs*len(events.Groups))
+	}
+	b.ReportMetric(float64(dbs*len(events.Groups)*b.N)/b.Elapsed().Seconds(), "records/s")
 }
