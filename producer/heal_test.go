@@ -3,6 +3,9 @@ package main
 import (
 	"context"
 	"net/http"
+	"os"
+	"path/filepath"
+	"slices"
 	"sync"
 	"testing"
 	"time"
@@ -274,4 +277,47 @@ func TestDeletedDBDropsRecords(t *testing.T) {
 	done, err := records.Read(t.Context())
 	require.NoError(t, err)
 	assert.Equal(t, "1", done[reconcile.Key(rep, stays)], "another db's record stays")
+}
+
+// NATS restarted from a copy of its store taken before a job was stored — what a power failure
+// with lazy fsync leaves — lost a job it had acknowledged (and the consumer state and records
+// with it): the sweep heals it from CouchDB, and the job runs.
+func TestSweepHealsStoreRollback(t *testing.T) {
+	e := newEnv(t, couchtest.AlwaysSynthesize())
+	db := e.Prefix + "rollback"
+	e.Couch.CreateDB(t, db)
+	e.Couch.Put(t, db, "d1", map[string]any{"x": 1})
+	e.putRule(t, "rep", map[string]any{"type": "replicator", "source": db, "target": db + "_copy"})
+	e.cfg.SweepInterval = 300 * time.Millisecond
+	e.startProducer(t)
+	_, stopConsumer := e.startConsumer(t, rep)
+	e.waitDone(t, rep, db)
+	require.Eventually(t, func() bool { return len(e.Pending(t)) == 0 }, 20*time.Second, 20*time.Millisecond)
+	e.waitRulesCaughtUp(t)
+	stopConsumer()
+
+	// The copy of the store, taken while NATS is down.
+	store := e.NATS.StoreDir()
+	saved := filepath.Join(t.TempDir(), "store")
+	e.NATS.Stop()
+	require.NoError(t, os.CopyFS(saved, os.DirFS(store)))
+	e.NATS.StartAgain(t)
+
+	// A write whose job JetStream acknowledges, and sweeps that find it pending.
+	mark := e.updatesMark(t)
+	e.Couch.Put(t, db, "d2", map[string]any{"x": 2})
+	e.waitJob(t, rep, db, 30*time.Second)
+	e.waitSettled(t, db, mark)
+	e.waitSweeps(t, 2)
+
+	// The power failure: the store comes back as the copy has it, without the job.
+	e.NATS.Stop()
+	require.NoError(t, os.RemoveAll(store))
+	require.NoError(t, os.CopyFS(store, os.DirFS(saved)))
+	e.NATS.StartAgain(t)
+
+	got, _ := e.startConsumer(t, rep)
+	require.Eventually(t, func() bool { return slices.Contains(got.of(db), events.ReasonSweep) }, 30*time.Second, 20*time.Millisecond,
+		"the job lost with the store never ran")
+	e.waitDone(t, rep, db)
 }
