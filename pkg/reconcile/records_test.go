@@ -51,7 +51,7 @@ func TestKeyRoundTrip(t *testing.T) {
 	}
 }
 
-func FuzzKey(f *testing.F) {
+func FuzzRecordKey(f *testing.F) {
 	f.Add("replicate", "user_1")
 	f.Add("onchange", "a/b.c")
 	f.Fuzz(func(t *testing.T, g, db string) {
