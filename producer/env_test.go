@@ -47,6 +47,9 @@ type env struct {
 type syncBuffer = logtest.Buffer
 
 // newEnv installs a fresh environment with `producer install`; opts tune its updates proxy.
+// The reconciliation sweep is off: no consumer records jobs done here, so its first sweep would
+// enqueue every matched db and hide what a test looks at (positions, resyncs, catch-ups). The
+// sweep's tests turn it on.
 func newEnv(t *testing.T, opts ...couchtest.UpdatesProxyOption) *env {
 	t.Helper()
 	direct := couchtest.Get(t)
@@ -55,7 +58,7 @@ func newEnv(t *testing.T, opts ...couchtest.UpdatesProxyOption) *env {
 	e.cfg = config.Producer{
 		CouchDB: e.CouchDBConfig(), NATS: e.NATSConfig(60 * time.Second), Log: e.LogConfig(),
 		Source: "auto", Start: "beginning", FeedHeartbeat: 2 * time.Second, PollInterval: 200 * time.Millisecond,
-		SweepInterval: 10 * time.Minute, PositionSaveInterval: 200 * time.Millisecond, MaxInflight: 256,
+		SweepInterval: 0, PositionSaveInterval: 200 * time.Millisecond, MaxInflight: 256,
 		ShutdownGrace: 5 * time.Second,
 	}
 	out := e.run(t, "install")

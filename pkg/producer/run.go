@@ -30,6 +30,7 @@ import (
 	"github.com/spiegel-nats/spiegel/pkg/metrics"
 	"github.com/spiegel-nats/spiegel/pkg/natsjs"
 	"github.com/spiegel-nats/spiegel/pkg/publisher"
+	"github.com/spiegel-nats/spiegel/pkg/reconcile"
 	"github.com/spiegel-nats/spiegel/pkg/rulefeed"
 	"github.com/spiegel-nats/spiegel/pkg/rules"
 )
@@ -102,6 +103,13 @@ func Run(ctx context.Context, cfg *config.Producer, log *logrus.Logger) error {
 	}); err != nil {
 		return err
 	}
+	var doneKV jetstream.KeyValue
+	if err := natsjs.AwaitInstalled(ctx, nlog, func(ctx context.Context) (err error) {
+		doneKV, err = natsjs.DoneBucket(ctx, d.JS, d.Topo)
+		return err
+	}); err != nil {
+		return err
+	}
 
 	reg := metrics.NewRegistry("producer")
 	pm := metrics.NewProducer(reg)
@@ -125,6 +133,9 @@ func Run(ctx context.Context, cfg *config.Producer, log *logrus.Logger) error {
 		return err
 	}
 	p.deleted = newDeletedDBs(dropper, p.metrics, plog)
+	records := reconcile.New(d.JS, doneKV)
+	p.done = &doneRecords{records: records, ensure: func(ctx context.Context) error { return natsjs.EnsureDoneBucket(ctx, d.JS, d.Topo) }}
+	p.undone = newDeletedDBs(records, producerMetrics{}, plog.WithField("records", "done"))
 	p.pub = publisher.New(natsjs.NewJobs(d.JS, d.Topo.Subjects), cfg.MaxInflight, pm, plog)
 	if cfg.HotFeeds > 0 {
 		p.hot = publisher.NewHotFeeds(d.Couch, p.pub, func(db string) []events.Group { return p.rules.Groups(db).Groups() },
@@ -171,8 +182,9 @@ func Run(ctx context.Context, cfg *config.Producer, log *logrus.Logger) error {
 		feedWG.Add(1)
 		go func() { defer feedWG.Done(); p.hot.Run(ctx) }()
 	}
-	feedWG.Add(5)
+	feedWG.Add(6)
 	go func() { defer feedWG.Done(); p.deleted.Run(ctx) }()
+	go func() { defer feedWG.Done(); p.undone.Run(ctx) }()
 	go func() {
 		defer feedWG.Done()
 		// Rules changed while no producer ran: enqueue their existing dbs, then follow live.
