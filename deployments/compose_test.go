@@ -65,7 +65,13 @@ func TestCompose(t *testing.T) { // not parallel: checkEnv sets the environment
 	}
 	assert.Equal(t, types.ServiceConditionHealthy, p.Services["couchdb-init"].DependsOn["couchdb"].Condition)
 
-	// A three-node JetStream cluster: unique names, JetStream on with a volume, routes to the others.
+	// A three-node JetStream cluster: unique names, JetStream on with a volume and storage sync
+	// "always" (an acknowledged write survives a power failure), routes to the others.
+	conf, ok := p.Configs["nats-jetstream"]
+	require.True(t, ok, "the nats-jetstream config")
+	confText, err := os.ReadFile(conf.File)
+	require.NoError(t, err)
+	assert.Regexp(t, `(?m)^\s*sync_interval:\s*always\s*$`, string(confText))
 	natsNames := []string{"nats-1", "nats-2", "nats-3"}
 	for _, name := range natsNames {
 		s := p.Services[name]
@@ -75,6 +81,11 @@ func TestCompose(t *testing.T) { // not parallel: checkEnv sets the environment
 		assert.Contains(t, cmd, "--server_name "+name, name)
 		assert.Contains(t, cmd, "--cluster_name spiegel", name)
 		assert.Contains(t, cmd, "--store_dir /data", name)
+		// Storage sync for production: the mounted config file sets it.
+		assert.Contains(t, cmd, "-c /etc/nats/jetstream.conf", name)
+		require.Len(t, s.Configs, 1, name)
+		assert.Equal(t, "nats-jetstream", s.Configs[0].Source, name)
+		assert.Equal(t, "/etc/nats/jetstream.conf", s.Configs[0].Target, name)
 		for _, other := range natsNames {
 			if other != name {
 				assert.Contains(t, cmd, "nats://"+other+":6222", "%s routes to %s", name, other)

@@ -42,7 +42,7 @@ type catalogue struct {
 	family map[string]string
 }
 
-// productCatalogue registers the collectors of the three binaries, as producer/run.go and
+// productCatalogue registers the collectors of the three binaries, as pkg/producer/run.go and
 // pkg/consumer/app.go do, and reads their descriptors.
 func productCatalogue(t *testing.T) catalogue {
 	t.Helper()

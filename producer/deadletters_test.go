@@ -11,6 +11,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/spiegel-nats/spiegel/pkg/admin"
 	"github.com/spiegel-nats/spiegel/pkg/events"
 	"github.com/spiegel-nats/spiegel/pkg/rules"
 	"github.com/spiegel-nats/spiegel/pkg/worker"
@@ -28,16 +29,7 @@ func TestParseAge(t *testing.T) {
 	}
 }
 
-func TestSeqAfter(t *testing.T) {
-	assert.True(t, seqAfter("12", "3"), "PouchDB seqs are numbers")
-	assert.False(t, seqAfter("3", "12"))
-	assert.False(t, seqAfter("7", "7"))
-	assert.True(t, seqAfter("12-g1AAAAB5eJzLYWBgYMpgTmHgz8tPSTV0MDQy", "9-g1AAAACbeJzLYWBgYMpgTmHgz8tPST"), "CouchDB's lead with their sum")
-	assert.False(t, seqAfter("9-g1AAAACbeJzLYWBgYMpgTmHgz8tPST", "12-g1AAAAB5eJzLYWBgYMpgTmHgz8tPSTV0MDQy"))
-	assert.True(t, seqAfter("now", "3"), "without a number: after (move back rather than skip)")
-	assert.True(t, seqAfter("3", "opaque"))
-}
-
+// PlanRedrives decides per (group, rule, db) what retry does, and the question retry asks says so.
 func TestPlanRedrives(t *testing.T) {
 	set := rules.NewSet()
 	for id, doc := range map[string]string{
@@ -49,11 +41,11 @@ func TestPlanRedrives(t *testing.T) {
 		_, err := set.Apply(id, []byte(doc), false)
 		require.NoError(t, err, id)
 	}
-	rec := func(id uint64, g events.Group, rule, db, seq, since string) deadLetter {
-		return deadLetter{ID: id, DeadLetter: worker.DeadLetter{Group: g, Rule: rule, DB: db, Seq: seq, Since: since}}
+	rec := func(id uint64, g events.Group, rule, db, seq, since string) admin.Record {
+		return admin.Record{ID: id, DeadLetter: worker.DeadLetter{Group: g, Rule: rule, DB: db, Seq: seq, Since: since}}
 	}
 	// newest first, as read
-	recs := []deadLetter{
+	recs := []admin.Record{
 		rec(9, events.GroupOnChange, "hook", "user1", "15-x", "14-x"),
 		rec(8, events.GroupOnChange, "hook", "user1", "5-x", "4-x"),
 		rec(7, events.GroupReplicate, "copy", "user1", "", ""),
@@ -64,25 +56,25 @@ func TestPlanRedrives(t *testing.T) {
 		rec(2, events.GroupReplicate, "hook", "user3", "", ""),
 		rec(1, events.GroupOnChange, "hook", "user4", "", ""),
 	}
-	plans := planRedrives(recs, set)
-	got := map[string]*redrive{}
+	plans := admin.PlanRedrives(recs, set)
+	got := map[string]*admin.Redrive{}
 	for _, p := range plans {
-		got[string(p.group)+"/"+p.rule+"/"+p.db] = p
+		got[string(p.Group)+"/"+p.Rule+"/"+p.DB] = p
 	}
 	require.Len(t, got, 8)
 	p := got["onchange/hook/user1"]
-	assert.Equal(t, "4-x", p.since, "the earliest resume point")
-	assert.Empty(t, p.skip)
-	assert.Equal(t, []uint64{8, 9}, []uint64{p.recs[0].ID, p.recs[1].ID}, "oldest first")
-	assert.Empty(t, got["replicate/copy/user1"].skip)
-	assert.Empty(t, got["replicate/copy/user1"].since)
-	assert.Contains(t, got["onchange/hook/user2"].skip, "without a resume point: use producer replay --rule hook --db '^user2$' --since")
-	assert.Contains(t, got["onchange/off/user1"].skip, `rule "off" no longer exists, is invalid or is disabled`)
-	assert.Contains(t, got["onchange/gone/user1"].skip, `rule "gone" no longer exists`)
-	assert.Contains(t, got["onchange/other/user1"].skip, "no longer matches the db")
-	assert.Contains(t, got["replicate/hook/user3"].skip, `rule "hook" is now of kind on_change`)
-	assert.Empty(t, got["onchange/hook/user4"].skip, "a record without a seq (unusable subject) only enqueues")
-	assert.Empty(t, got["onchange/hook/user4"].since)
+	assert.Equal(t, "4-x", p.Since, "the earliest resume point")
+	assert.Empty(t, p.Skip)
+	assert.Equal(t, []uint64{8, 9}, []uint64{p.Recs[0].ID, p.Recs[1].ID}, "oldest first")
+	assert.Empty(t, got["replicate/copy/user1"].Skip)
+	assert.Empty(t, got["replicate/copy/user1"].Since)
+	assert.Contains(t, got["onchange/hook/user2"].Skip, "without a resume point: use producer replay --rule hook --db '^user2$' --since")
+	assert.Contains(t, got["onchange/off/user1"].Skip, `rule "off" no longer exists, is invalid or is disabled`)
+	assert.Contains(t, got["onchange/gone/user1"].Skip, `rule "gone" no longer exists`)
+	assert.Contains(t, got["onchange/other/user1"].Skip, "no longer matches the db")
+	assert.Contains(t, got["replicate/hook/user3"].Skip, `rule "hook" is now of kind on_change`)
+	assert.Empty(t, got["onchange/hook/user4"].Skip, "a record without a seq (unusable subject) only enqueues")
+	assert.Empty(t, got["onchange/hook/user4"].Since)
 	assert.True(t, strings.HasPrefix(describePlans(plans), "This re-drives 4 dead letters and deletes them:"))
 }
 
@@ -91,7 +83,7 @@ func TestPlanRedrives(t *testing.T) {
 func TestDeadLettersListPages(t *testing.T) {
 	e := newEnv(t)
 	subj := events.NewSubjects("")
-	const n = 2*dlSpan + 150
+	const n = 2*admin.DeadLetterSpan + 150
 	var futures []jetstream.PubAckFuture
 	for i := 1; i <= n; i++ {
 		g := events.GroupReplicate
@@ -113,14 +105,14 @@ func TestDeadLettersListPages(t *testing.T) {
 			t.Fatal("no answer to a publish")
 		}
 	}
-	list := func(args ...string) []deadLetter {
+	list := func(args ...string) []admin.Record {
 		t.Helper()
-		var recs []deadLetter
+		var recs []admin.Record
 		out := e.run(t, "deadletters", append([]string{"list", "--json"}, args...)...)
 		require.NoError(t, json.Unmarshal([]byte(out), &recs), out)
 		return recs
 	}
-	ids := func(recs []deadLetter) []uint64 {
+	ids := func(recs []admin.Record) []uint64 {
 		var out []uint64
 		for _, r := range recs {
 			out = append(out, r.ID)

@@ -16,6 +16,7 @@ import (
 	"github.com/spiegel-nats/spiegel/pkg/couchtest"
 	"github.com/spiegel-nats/spiegel/pkg/events"
 	"github.com/spiegel-nats/spiegel/pkg/logtest"
+	"github.com/spiegel-nats/spiegel/pkg/producer"
 	"github.com/spiegel-nats/spiegel/pkg/spiegeltest"
 )
 
@@ -46,6 +47,9 @@ type env struct {
 type syncBuffer = logtest.Buffer
 
 // newEnv installs a fresh environment with `producer install`; opts tune its updates proxy.
+// The reconciliation sweep is off: no consumer records jobs done here, so its first sweep would
+// enqueue every matched db and hide what a test looks at (positions, resyncs, catch-ups). The
+// sweep's tests turn it on.
 func newEnv(t *testing.T, opts ...couchtest.UpdatesProxyOption) *env {
 	t.Helper()
 	direct := couchtest.Get(t)
@@ -54,7 +58,7 @@ func newEnv(t *testing.T, opts ...couchtest.UpdatesProxyOption) *env {
 	e.cfg = config.Producer{
 		CouchDB: e.CouchDBConfig(), NATS: e.NATSConfig(60 * time.Second), Log: e.LogConfig(),
 		Source: "auto", Start: "beginning", FeedHeartbeat: 2 * time.Second, PollInterval: 200 * time.Millisecond,
-		SweepInterval: 10 * time.Minute, PositionSaveInterval: 200 * time.Millisecond, MaxInflight: 256,
+		SweepInterval: 0, PositionSaveInterval: 200 * time.Millisecond, MaxInflight: 256,
 		ShutdownGrace: 5 * time.Second,
 	}
 	out := e.run(t, "install")
@@ -81,7 +85,7 @@ func (e *env) startProducer(t *testing.T) (stop func()) {
 	done := make(chan error, 1)
 	cfg := e.cfg
 	log := e.Logger()
-	go func() { done <- runProducer(ctx, &cfg, log) }()
+	go func() { done <- producer.Run(ctx, &cfg, log) }()
 	var once sync.Once
 	stop = func() {
 		once.Do(func() {

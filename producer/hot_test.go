@@ -12,12 +12,14 @@ import (
 	"github.com/spiegel-nats/spiegel/pkg/couchtest"
 	"github.com/spiegel-nats/spiegel/pkg/events"
 	"github.com/spiegel-nats/spiegel/pkg/healthtest"
+	"github.com/spiegel-nats/spiegel/pkg/publisher"
 )
 
 // Hot feeds against a real CouchDB: the proxy serves its own _db_updates feed
 // (couchtest.AlwaysSynthesize) on both servers, so that a test can hold it back and see what the
 // hot feeds do alone. The tests read what happened from the producer's metrics, not its logs.
-// hotfeeds_test.go drives the same logic with a fake feed, in an order the test decides.
+// pkg/publisher/hotfeeds_test.go drives the same logic with a fake feed, in an order the test
+// decides.
 
 // newHotEnv is an env whose in-process producers keep up to feeds hot feeds (idle: 1 min) and
 // serve their metrics on e.cfg.HTTPAddr.
@@ -196,10 +198,10 @@ func TestHotFeedIdleClosesQuietly(t *testing.T) {
 	e.quiet(t, rep, db)
 	closedIdle := func() float64 {
 		s := healthtest.Scrape(t, e.cfg.HTTPAddr)
-		return s.Get("spiegel_hot_feeds_closed_total", "reason", closeIdle, "then", closeThenChecked) +
-			s.Get("spiegel_hot_feeds_closed_total", "reason", closeIdle, "then", closeThenNone)
+		return s.Get("spiegel_hot_feeds_closed_total", "reason", publisher.CloseIdle, "then", publisher.CloseThenChecked) +
+			s.Get("spiegel_hot_feeds_closed_total", "reason", publisher.CloseIdle, "then", publisher.CloseThenNone)
 	}
 	require.Eventually(t, func() bool { return closedIdle() == 1 }, 20*time.Second, 50*time.Millisecond, "the feed was not closed as idle")
-	assert.Zero(t, metric(t, e.cfg.HTTPAddr, "spiegel_hot_feeds_closed_total", "reason", closeIdle, "then", closeThenPublished))
+	assert.Zero(t, metric(t, e.cfg.HTTPAddr, "spiegel_hot_feeds_closed_total", "reason", publisher.CloseIdle, "then", publisher.CloseThenPublished))
 	e.noJobFor(t, rep, db, 500*time.Millisecond)
 }

@@ -2,148 +2,28 @@ package main
 
 import (
 	"context"
-	_ "embed"
-	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"
-	"net/http"
 	"strings"
 
 	"github.com/sirupsen/logrus"
 
-	"github.com/spiegel-nats/spiegel/pkg/checkpoint"
+	"github.com/spiegel-nats/spiegel/pkg/admin"
 	"github.com/spiegel-nats/spiegel/pkg/config"
-	"github.com/spiegel-nats/spiegel/pkg/couch"
-	"github.com/spiegel-nats/spiegel/pkg/natsjs"
-	"github.com/spiegel-nats/spiegel/pkg/rulefeed"
-	"github.com/spiegel-nats/spiegel/pkg/rules"
 )
 
-//go:embed validate.js
-var validateDocUpdate string
-
-// designDocID holds the spiegel db's validate_doc_update.
-const designDocID = "_design/spiegel"
-
-// runInstall creates or updates everything Spiegel needs. Every step tolerates "already there",
-// so it is idempotent and safe to run from several processes at once.
+// runInstall creates or updates everything Spiegel needs (admin.Install).
 func runInstall(ctx context.Context, cfg *config.Producer, log *logrus.Logger, cio cmdIO) error {
 	if len(cio.args) > 0 {
 		return usageError{fmt.Errorf("unexpected arguments %q", cio.args)}
 	}
-	d, err := connectAdmin(ctx, cfg, log, 256)
+	d, err := admin.Connect(ctx, cfg, log, 256)
 	if err != nil {
 		return err
 	}
-	defer d.nc.Close()
-	out := cio.stdout
-	if err := ensureDB(ctx, d.couch, cfg.DBName); err != nil {
-		return err
-	}
-	fmt.Fprintf(out, "spiegel db %q: present\n", cfg.DBName)
-	sec := map[string]any{
-		"admins":  map[string]any{"names": []string{}, "roles": []string{"_admin"}},
-		"members": map[string]any{"names": []string{}, "roles": []string{"_admin"}},
-	}
-	if err := ensureSecurity(ctx, d.couch, cfg.DBName, sec); err != nil {
-		return err
-	}
-	fmt.Fprintln(out, "security: admins only")
-	if err := ensureDesignDoc(ctx, d.couch, cfg.DBName); err != nil {
-		return err
-	}
-	fmt.Fprintf(out, "%s: validate_doc_update installed\n", designDocID)
-	info, err := d.couch.Server(ctx)
-	if err != nil {
-		return fmt.Errorf("read server info: %w", err)
-	}
-	if info.CouchDB && info.Major >= 2 {
-		if err := ensureDB(ctx, d.couch, "_global_changes"); err != nil {
-			return err
-		}
-		fmt.Fprintln(out, "_global_changes: present")
-	}
-	if err := natsjs.Ensure(ctx, d.js, d.topo); err != nil {
-		return err
-	}
-	fmt.Fprintf(out, "streams %s, %s, %s and consumers replicator, onchange: present\n",
-		d.topo.Subjects.WorkStream(), d.topo.Subjects.DeadLetterStream(), d.topo.Subjects.ChangesStream())
-	fmt.Fprintln(out, "install complete")
-	return nil
-}
-
-// ensureDB creates db unless it exists.
-func ensureDB(ctx context.Context, c *couch.Client, db string) error {
-	if _, err := c.DBInfo(ctx, db); err == nil {
-		return nil
-	} else if !errors.Is(err, couch.ErrNotFound) {
-		return fmt.Errorf("look up db %s: %w", db, err)
-	}
-	err := c.Do(ctx, http.MethodPut, c.DBPath(db), nil, nil, nil)
-	var herr *couch.HTTPError
-	if err != nil && !(errors.As(err, &herr) && herr.Status == http.StatusPreconditionFailed) {
-		return fmt.Errorf("create db %s: %w", db, err)
-	}
-	return nil
-}
-
-// ensureSecurity sets the db's security object unless it already says the same; a concurrent
-// install's conflicting write is retried.
-func ensureSecurity(ctx context.Context, c *couch.Client, db string, sec map[string]any) error {
-	path := c.DBPath(db) + "/_security"
-	want, _ := json.Marshal(sec)
-	var err error
-	for attempt := 0; attempt < 5; attempt++ {
-		var cur map[string]any
-		if gerr := c.Do(ctx, http.MethodGet, path, nil, nil, &cur); gerr == nil {
-			delete(cur, "_id")
-			delete(cur, "_rev")
-			if got, _ := json.Marshal(cur); string(got) == string(want) {
-				return nil
-			}
-		}
-		err = c.Do(ctx, http.MethodPut, path, nil, sec, nil)
-		var herr *couch.HTTPError
-		if err == nil || !(errors.As(err, &herr) && herr.Status == http.StatusConflict) {
-			break
-		}
-	}
-	if err != nil {
-		return fmt.Errorf("set security of %s: %w", db, err)
-	}
-	return nil
-}
-
-// ensureDesignDoc writes the validation design doc unless the current one is identical.
-func ensureDesignDoc(ctx context.Context, c *couch.Client, db string) error {
-	path := c.DBPath(db) + "/" + designDocID
-	for attempt := 0; attempt < 5; attempt++ {
-		var cur struct {
-			Rev      string `json:"_rev"`
-			Validate string `json:"validate_doc_update"`
-		}
-		err := c.Do(ctx, http.MethodGet, path, nil, nil, &cur)
-		if err != nil && !errors.Is(err, couch.ErrNotFound) {
-			return fmt.Errorf("read %s: %w", designDocID, err)
-		}
-		if cur.Validate == validateDocUpdate {
-			return nil
-		}
-		doc := map[string]any{"language": "javascript", "validate_doc_update": validateDocUpdate}
-		if cur.Rev != "" {
-			doc["_rev"] = cur.Rev
-		}
-		err = c.Do(ctx, http.MethodPut, path, nil, doc, nil)
-		var herr *couch.HTTPError
-		if err == nil {
-			return nil
-		}
-		if !(errors.As(err, &herr) && herr.Status == http.StatusConflict) {
-			return fmt.Errorf("write %s: %w", designDocID, err)
-		}
-	}
-	return fmt.Errorf("write %s: conflicts persisted", designDocID)
+	defer d.NC.Close()
+	return admin.Install(ctx, d, cio.stdout)
 }
 
 // runUninstall removes the streams and consumers, and the spiegel db unless --keep-db.
@@ -162,61 +42,10 @@ func runUninstall(ctx context.Context, cfg *config.Producer, log *logrus.Logger,
 	if !*yes && !confirm(cio, "This deletes "+what+".") {
 		return usageError{errors.New("not confirmed; nothing was deleted (use --yes to skip the question)")}
 	}
-	d, err := connectAdmin(ctx, cfg, log, 256)
+	d, err := admin.Connect(ctx, cfg, log, 256)
 	if err != nil {
 		return err
 	}
-	defer d.nc.Close()
-	n, err := removeCheckpoints(ctx, d, log)
-	if err != nil {
-		return err
-	}
-	fmt.Fprintf(cio.stdout, "on_change checkpoints (_local docs in the watched dbs): %d removed\n", n)
-	if err := natsjs.Remove(ctx, d.js, d.topo); err != nil {
-		return err
-	}
-	fmt.Fprintln(cio.stdout, "streams and consumers: removed")
-	if !*keep {
-		err := d.couch.Do(ctx, http.MethodDelete, d.couch.DBPath(cfg.DBName), nil, nil, nil)
-		if err != nil && !errors.Is(err, couch.ErrNotFound) {
-			return fmt.Errorf("delete db %s: %w", cfg.DBName, err)
-		}
-		fmt.Fprintf(cio.stdout, "spiegel db %q: removed\n", cfg.DBName)
-	}
-	return nil
-}
-
-// removeCheckpoints deletes the _local checkpoint docs of every on_change rule in every db it
-// matches, and returns how many it deleted. Without the spiegel db there are no rules, and so
-// nothing to find.
-func removeCheckpoints(ctx context.Context, d *deps, log *logrus.Logger) (int, error) {
-	set := rules.NewSet()
-	rf := &rulefeed.Follower{Couch: d.couch, DB: d.cfg.DBName, Set: set, Log: log.WithField("component", "rules")}
-	if _, err := rf.Load(ctx); err != nil {
-		if errors.Is(err, couch.ErrNotFound) || strings.Contains(err.Error(), "does not exist") {
-			return 0, nil
-		}
-		return 0, err
-	}
-	store := checkpoint.NewOnChangeStore(d.couch, nil)
-	n := 0
-	err := d.couch.EachDB(ctx, func(db string) error {
-		if db == d.cfg.DBName || systemDBs[db] {
-			return nil
-		}
-		for _, r := range set.All() {
-			if r.Kind() != rules.KindOnChange || !r.MatchesDB(db) {
-				continue
-			}
-			found, err := store.DeleteIfAny(ctx, r.ID(), db)
-			if err != nil {
-				return err
-			}
-			if found {
-				n++
-			}
-		}
-		return nil
-	})
-	return n, err
+	defer d.NC.Close()
+	return admin.Uninstall(ctx, d, log, *keep, cio.stdout)
 }

@@ -16,10 +16,12 @@ import (
 
 	"github.com/sirupsen/logrus"
 
+	"github.com/spiegel-nats/spiegel/pkg/admin"
 	"github.com/spiegel-nats/spiegel/pkg/config"
 	"github.com/spiegel-nats/spiegel/pkg/health"
 	"github.com/spiegel-nats/spiegel/pkg/logging"
 	"github.com/spiegel-nats/spiegel/pkg/natsjs"
+	"github.com/spiegel-nats/spiegel/pkg/producer"
 )
 
 const usage = `producer — Spiegel for NATS: CouchDB db updates → deduplicated JetStream jobs
@@ -112,7 +114,7 @@ func realMain(ctx context.Context, args []string, stdin io.Reader, stdout, stder
 		return 1
 	}
 	// An admin command's failure is for the person who ran it: one plain line per problem.
-	var problems serverProblems
+	var problems admin.ServerProblems
 	if errors.As(err, &problems) {
 		for _, p := range problems {
 			fmt.Fprintf(stderr, "producer %s: %s\n", cmd, logging.RedactText(p))
@@ -164,7 +166,7 @@ var commands = map[string]command{
 		if len(io.args) > 0 {
 			return usageError{fmt.Errorf("unexpected arguments %q", io.args)}
 		}
-		return runProducer(ctx, cfg, log)
+		return producer.Run(ctx, cfg, log)
 	},
 	"install":   runInstall,
 	"uninstall": runUninstall,
@@ -220,4 +222,14 @@ func printHelp(w io.Writer, cmd string, cfg *config.Producer) {
 		text = h
 	}
 	config.PrintHelp(w, text, cfg)
+}
+
+// isTerminal reports whether w is a terminal: admin commands then speak text, not JSON.
+func isTerminal(w io.Writer) bool {
+	f, ok := w.(*os.File)
+	if !ok {
+		return false
+	}
+	st, err := f.Stat()
+	return err == nil && st.Mode()&os.ModeCharDevice != 0
 }

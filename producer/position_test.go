@@ -28,7 +28,7 @@ import (
 // startProcess starts the test binary as a producer process of e (its config as SPIEGEL_*
 // variables, then extra, which win) and kills it when the test ends. Hot feeds are off unless
 // extra turns them on: they hold the saved position behind the events they cover (hot_test.go),
-// and the position tests want it exact.
+// and the position tests want it exact. The sweep is off, as in newEnv.
 func (e *env) startProcess(t *testing.T, extra ...string) *exec.Cmd {
 	t.Helper()
 	cmd := exec.Command(os.Args[0])
@@ -42,6 +42,7 @@ func (e *env) startProcess(t *testing.T, extra ...string) *exec.Cmd {
 		"SPIEGEL_POSITION_SAVE_INTERVAL=100ms",
 		"SPIEGEL_HTTP_ADDR=127.0.0.1:0",
 		"SPIEGEL_HOT_FEEDS=0",
+		"SPIEGEL_SWEEP_INTERVAL=0", // as in newEnv
 	)
 	cmd.Env = append(cmd.Env, extra...)
 	cmd.Stdout, cmd.Stderr = e.Logs, e.Logs

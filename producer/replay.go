@@ -4,35 +4,28 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
-	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"
 	"regexp"
 	"sort"
-	"strings"
 	"sync"
 	"text/tabwriter"
 	"time"
 
-	"github.com/nats-io/nats.go"
-	"github.com/nats-io/nats.go/jetstream"
 	"github.com/sirupsen/logrus"
 
+	"github.com/spiegel-nats/spiegel/pkg/admin"
 	"github.com/spiegel-nats/spiegel/pkg/checkpoint"
 	"github.com/spiegel-nats/spiegel/pkg/config"
 	"github.com/spiegel-nats/spiegel/pkg/events"
 	"github.com/spiegel-nats/spiegel/pkg/natsjs"
+	"github.com/spiegel-nats/spiegel/pkg/producer"
 	"github.com/spiegel-nats/spiegel/pkg/rules"
 )
 
-const (
-	// defaultReplayWait is how long `producer replay` waits for the consumers to finish.
-	defaultReplayWait = 10 * time.Minute
-	// replayPoll is how often `producer replay` reads the checkpoints while it waits (liveness
-	// only: a replay is done when its checkpoint says so).
-	replayPoll = 500 * time.Millisecond
-)
+// defaultReplayWait is how long `producer replay` waits for the consumers to finish.
+const defaultReplayWait = 10 * time.Minute
 
 // replayIDPattern is what a replay id may look like: it is part of message ids and subjects'
 // headers, and of the checkpoint's replay mark (space-separated).
@@ -83,26 +76,26 @@ func runReplay(ctx context.Context, cfg *config.Producer, log *logrus.Logger, ci
 	if err != nil {
 		return err
 	}
-	d, set, err := openAdmin(ctx, cfg, log, 1024)
+	d, set, err := admin.Open(ctx, cfg, log, 1024)
 	if err != nil {
 		return err
 	}
-	defer func() { _ = d.nc.Drain() }()
+	defer func() { _ = d.NC.Drain() }()
 	r, ok := set.Rule(*ruleID)
 	oc, isOnChange := r.(*rules.OnChange)
 	if !ok || !isOnChange {
 		return fmt.Errorf("replay: no valid on_change rule %q in %s", *ruleID, cfg.DBName)
 	}
-	kv, err := natsjs.OnChangeBucket(ctx, d.js, d.topo)
+	kv, err := natsjs.OnChangeBucket(ctx, d.JS, d.Topo)
 	if err != nil {
 		return err
 	}
-	store := checkpoint.NewOnChangeStore(d.couch, kv)
+	store := checkpoint.NewOnChangeStore(d.Couch, kv)
 	store.ReplayID = *id
 
-	var counter *replayCounter
+	var counter *admin.ReplayCounter
 	if oc.Subject != "" && *wait > 0 {
-		if counter, err = newReplayCounter(ctx, d.js, oc, *id, resumed); err != nil {
+		if counter, err = admin.NewReplayCounter(ctx, d.JS, oc, *id, resumed); err != nil {
 			return err
 		}
 	}
@@ -112,10 +105,10 @@ func runReplay(ctx context.Context, cfg *config.Producer, log *logrus.Logger, ci
 	var dbs, failed []string
 	var pr progress
 	err = enqueueDBs(ctx, d, func(db string) []events.Group {
-		if db == cfg.DBName || systemDBs[db] || !oc.MatchesDB(db) || re != nil && !re.MatchString(db) {
+		if db == cfg.DBName || producer.IsSystemDB(db) || !oc.MatchesDB(db) || re != nil && !re.MatchString(db) {
 			return nil
 		}
-		if err := resetForReplay(ctx, store, oc.ID(), db, *since); err != nil {
+		if err := admin.ResetForReplay(ctx, store, oc.ID(), db, *since); err != nil {
 			log.WithFields(logrus.Fields{"rule": oc.ID(), "db": db}).WithError(err).Warn("reset checkpoint")
 			mu.Lock()
 			failed = append(failed, db)
@@ -135,82 +128,16 @@ func runReplay(ctx context.Context, cfg *config.Producer, log *logrus.Logger, ci
 		return err
 	}
 	sort.Strings(dbs)
-	states := waitReplay(ctx, store, oc.ID(), *id, dbs, *wait, cio)
+	states := admin.WaitReplay(ctx, store, oc.ID(), *id, dbs, *wait, func(done, total int) {
+		fmt.Fprintf(cio.stderr, "replay: %d of %d dbs done\n", done, total)
+	})
 	var counts map[string]int
 	if counter != nil {
-		if counts, err = counter.count(ctx); err != nil {
+		if counts, err = counter.Count(ctx); err != nil {
 			return err
 		}
 	}
 	return printReplay(cio, *id, dbs, states, counts, counter != nil, *wait)
-}
-
-// resetForReplay resets rule's checkpoint in db, trying again a few times: two commands
-// resetting one checkpoint at once (a replay run twice) make one of the writes conflict.
-func resetForReplay(ctx context.Context, store *checkpoint.OnChangeStore, rule, db, since string) error {
-	var err error
-	for attempt := 0; attempt < 5; attempt++ {
-		if err = store.Reset(ctx, rule, db, since); err == nil || ctx.Err() != nil {
-			return err
-		}
-	}
-	return err
-}
-
-// Where a db's part of a replay stands.
-const (
-	replayRunning    = "running"
-	replayDone       = "done"
-	replaySuperseded = "superseded" // another replay reset the checkpoint since
-	replayGone       = "gone"       // the checkpoint is gone: the db was deleted
-)
-
-// waitReplay waits, for at most wait, until every db's checkpoint says that the replay reached
-// the end of its feed (or that it cannot: another replay reset it, the db is gone). It returns
-// each db's state.
-func waitReplay(ctx context.Context, store *checkpoint.OnChangeStore, rule, id string, dbs []string, wait time.Duration, cio cmdIO) map[string]string {
-	states := make(map[string]string, len(dbs))
-	ctx, cancel := context.WithTimeout(ctx, wait)
-	defer cancel()
-	ticker := time.NewTicker(replayPoll)
-	defer ticker.Stop()
-	last := time.Now()
-	for {
-		running := 0
-		for _, db := range dbs {
-			if s := states[db]; s != "" && s != replayRunning {
-				continue
-			}
-			p, err := store.Load(ctx, rule, db)
-			switch got, active := p.Replay(); {
-			case err != nil:
-				states[db] = replayRunning // asked again next time
-			case !p.Found:
-				states[db] = replayGone
-			case got != id:
-				states[db] = replaySuperseded
-			case active:
-				states[db] = replayRunning
-			default:
-				states[db] = replayDone
-			}
-			if states[db] == replayRunning {
-				running++
-			}
-		}
-		if running == 0 {
-			return states
-		}
-		if time.Since(last) >= 5*time.Second {
-			last = time.Now()
-			fmt.Fprintf(cio.stderr, "replay: %d of %d dbs done\n", len(dbs)-running, len(dbs))
-		}
-		select {
-		case <-ctx.Done():
-			return states
-		case <-ticker.C:
-		}
-	}
 }
 
 // printReplay prints each db's state and, for a subject rule, how many changes the replay stored;
@@ -225,7 +152,7 @@ func printReplay(cio cmdIO, id string, dbs []string, states map[string]string, c
 			n = fmt.Sprint(counts[db])
 			total += counts[db]
 		}
-		if states[db] == replayRunning {
+		if states[db] == admin.ReplayRunning {
 			running++
 		}
 		fmt.Fprintf(w, "%s\t%s\t%s\n", db, states[db], n)
@@ -241,102 +168,4 @@ func printReplay(cio cmdIO, id string, dbs []string, states map[string]string, c
 			id, running, len(dbs), wait, id)
 	}
 	return nil
-}
-
-// replayCounter counts the messages a replay stored in the stream of a subject rule.
-type replayCounter struct {
-	js     jetstream.JetStream
-	stream string
-	filter string // "" = the whole stream
-	id     string
-	start  jetstream.ConsumerConfig
-}
-
-// newReplayCounter notes where the replay's messages start in the rule's stream: after the
-// stream's last message now, or, for a replay resumed by id, within the stream's duplicate
-// window (older messages cannot hold back the replay's publishes anyway).
-func newReplayCounter(ctx context.Context, js jetstream.JetStream, rule *rules.OnChange, id string, resumed bool) (*replayCounter, error) {
-	c := &replayCounter{js: js, id: id, filter: subjectFilter(rule.Subject)}
-	probe := c.filter
-	if probe == "" {
-		probe = rules.Interpolate(rule.Subject, rules.Vars{DBName: "x"}, false)
-	}
-	name, err := js.StreamNameBySubject(ctx, probe)
-	if err != nil {
-		return nil, fmt.Errorf("replay: find the stream of subject %s: %w", probe, err)
-	}
-	st, err := js.Stream(ctx, name)
-	if err != nil {
-		return nil, fmt.Errorf("replay: read stream %s: %w", name, err)
-	}
-	info := st.CachedInfo()
-	c.stream = name
-	c.start = jetstream.ConsumerConfig{DeliverPolicy: jetstream.DeliverByStartSequencePolicy, OptStartSeq: info.State.LastSeq + 1}
-	if resumed {
-		from := time.Now().Add(-info.Config.Duplicates)
-		c.start = jetstream.ConsumerConfig{DeliverPolicy: jetstream.DeliverByStartTimePolicy, OptStartTime: &from}
-	}
-	return c, nil
-}
-
-// subjectFilter is the filter of every subject of template: ${db_name} as the wildcard "*"; ""
-// when ${db_name} is only part of a token (no filter can say that).
-func subjectFilter(template string) string {
-	f := rules.Interpolate(template, rules.Vars{DBName: "*"}, false)
-	for _, tok := range strings.Split(f, ".") {
-		if strings.Contains(tok, "*") && tok != "*" {
-			return ""
-		}
-	}
-	return f
-}
-
-// count reads the rule's messages stored since the start noted and counts, per db, those of the
-// replay.
-func (c *replayCounter) count(ctx context.Context) (map[string]int, error) {
-	st, err := c.js.Stream(ctx, c.stream)
-	if err != nil {
-		return nil, fmt.Errorf("replay: read stream %s: %w", c.stream, err)
-	}
-	last := st.CachedInfo().State.LastSeq
-	counts := map[string]int{}
-	if st.CachedInfo().State.Msgs == 0 || c.start.DeliverPolicy == jetstream.DeliverByStartSequencePolicy && c.start.OptStartSeq > last {
-		return counts, nil
-	}
-	occ := jetstream.OrderedConsumerConfig{DeliverPolicy: c.start.DeliverPolicy, OptStartSeq: c.start.OptStartSeq, OptStartTime: c.start.OptStartTime}
-	if c.filter != "" {
-		occ.FilterSubjects = []string{c.filter}
-	}
-	cons, err := st.OrderedConsumer(ctx, occ)
-	if err != nil {
-		return nil, fmt.Errorf("replay: read stream %s: %w", c.stream, err)
-	}
-	for {
-		batch, err := cons.Fetch(256, jetstream.FetchMaxWait(time.Second))
-		if err != nil {
-			return nil, fmt.Errorf("replay: read stream %s: %w", c.stream, err)
-		}
-		n, done := 0, false
-		for m := range batch.Messages() {
-			n++
-			if md, err := m.Metadata(); err == nil && md.Sequence.Stream >= last {
-				done = true
-			}
-			if m.Headers().Get(events.ReplayHeader) != c.id {
-				continue
-			}
-			var body struct {
-				DB string `json:"db"`
-			}
-			if json.Unmarshal(m.Data(), &body) == nil {
-				counts[body.DB]++
-			}
-		}
-		if err := batch.Error(); err != nil && !errors.Is(err, nats.ErrTimeout) {
-			return nil, fmt.Errorf("replay: read stream %s: %w", c.stream, err)
-		}
-		if done || n == 0 { // n == 0: no message of the filter after the last one read
-			return counts, nil
-		}
-	}
 }

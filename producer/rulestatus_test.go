@@ -11,6 +11,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/spiegel-nats/spiegel/pkg/admin"
 	"github.com/spiegel-nats/spiegel/pkg/checkpoint"
 	"github.com/spiegel-nats/spiegel/pkg/couch"
 	"github.com/spiegel-nats/spiegel/pkg/events"
@@ -20,15 +21,15 @@ import (
 )
 
 // statusJSON runs `producer status --json args...` and decodes it.
-func (e *env) statusJSON(t *testing.T, args ...string) statusReport {
+func (e *env) statusJSON(t *testing.T, args ...string) admin.StatusReport {
 	t.Helper()
 	out := e.run(t, "status", append([]string{"--json"}, args...)...)
-	var rep statusReport
+	var rep admin.StatusReport
 	require.NoError(t, json.Unmarshal([]byte(out), &rep), out)
 	return rep
 }
 
-func ruleByID(t *testing.T, rep statusReport, id string) ruleStatus {
+func ruleByID(t *testing.T, rep admin.StatusReport, id string) admin.RuleStatus {
 	t.Helper()
 	for _, r := range rep.PerRule {
 		if r.ID == id {
@@ -36,7 +37,7 @@ func ruleByID(t *testing.T, rep statusReport, id string) ruleStatus {
 		}
 	}
 	t.Fatalf("rule %s not in the status: %+v", id, rep.PerRule)
-	return ruleStatus{}
+	return admin.RuleStatus{}
 }
 
 // `producer status` reports every rule from a known state: dbs matched, on_change dbs behind

@@ -7,12 +7,9 @@ import (
 	"text/tabwriter"
 	"time"
 
+	"github.com/spiegel-nats/spiegel/pkg/admin"
 	"github.com/spiegel-nats/spiegel/pkg/status"
 )
-
-// collectWait bounds how long `producer status` waits for the running processes' answers
-// (status.Collect returns earlier once they stop coming).
-const collectWait = 2 * time.Second
 
 // printProcesses prints one line per running process, as its NATS service answered.
 func printProcesses(out io.Writer, procs []status.Report) {
@@ -43,7 +40,7 @@ func printProcesses(out io.Writer, procs []status.Report) {
 }
 
 // printPerRule prints the per-rule table, then each rule's last error.
-func printPerRule(out io.Writer, rs []ruleStatus, incomplete string) {
+func printPerRule(out io.Writer, rs []admin.RuleStatus, incomplete string) {
 	fmt.Fprintf(out, "\nrules (%d)\n", len(rs))
 	w := tabwriter.NewWriter(out, 2, 4, 2, ' ', 0)
 	fmt.Fprintln(w, "  RULE\tKIND\tPATTERN\tENGINE\tENABLED\tDBS\tBEHIND\tOLDEST UNPROCESSED\tLAST RUN\tRESULT\tFAILURES 1H\tDEAD LETTERS")

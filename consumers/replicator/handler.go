@@ -12,6 +12,7 @@ import (
 	"github.com/spiegel-nats/spiegel/pkg/couch"
 	"github.com/spiegel-nats/spiegel/pkg/events"
 	"github.com/spiegel-nats/spiegel/pkg/metrics"
+	"github.com/spiegel-nats/spiegel/pkg/reconcile"
 	"github.com/spiegel-nats/spiegel/pkg/rules"
 	"github.com/spiegel-nats/spiegel/pkg/status"
 	"github.com/spiegel-nats/spiegel/pkg/worker"
@@ -98,8 +99,12 @@ func (h *replicator) handle(ctx context.Context, job *worker.Job) error {
 	if h.needsSourceCheck(rs) {
 		// The couchdb engine asks the server's _replicate, which on PouchDB Server silently
 		// creates a missing source: check first. The native engine tells a missing source
-		// itself, without this request.
-		_, err := h.dbs.DBInfo(ctx, job.DB)
+		// itself, without this request. The info the completion recorder read before the run
+		// serves (reconcile.StartInfo): no second request.
+		_, ok, err := reconcile.StartInfo(ctx)
+		if !ok {
+			_, err = h.dbs.DBInfo(ctx, job.DB)
+		}
 		if errors.Is(err, couch.ErrNotFound) {
 			h.missingSource(rs, log)
 			return nil

@@ -52,7 +52,7 @@ func newHandler(app consumer.Deps, cfg *config.Replicator) *replicator {
 		log: app.Log.WithField("component", "replicator"), base: app.Couch.BaseURL(), passwords: app.Passwords,
 		engines: map[string]engine{
 			rules.EngineCouchDB: couchEngine{server: app.Couch},
-			rules.EngineNative: nativeEngine{hc: app.Couch.HTTPClient(), log: app.Log.WithField("component", "replicate"),
+			rules.EngineNative: nativeEngine{hc: app.Couch.HTTPClient(), shc: app.Couch.StreamHTTPClient(), log: app.Log.WithField("component", "replicate"),
 				checkpointDefer: nativeCheckpointDefer, checkpoints: replicate.NewCheckpointCache(nativeCheckpointCacheAge, nativeCheckpointCacheSize),
 				fence: &kvFence{js: app.JS, topo: natsjs.DefaultTopology(cfg.SubjectPrefix)}},
 		},

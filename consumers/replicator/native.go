@@ -20,6 +20,7 @@ import (
 // docs costs a handful of requests, and a killed run resumes from its last checkpoint.
 type nativeEngine struct {
 	hc  *http.Client // shared by every run, so connections are reused
+	shc *http.Client // attachment reads, outside hc's cap on connections (see replicate.Options)
 	log logrus.FieldLogger
 	// checkpoints caches the replications' checkpoints between runs (nil: none)
 	checkpoints *replicate.CheckpointCache
@@ -163,7 +164,7 @@ func (e nativeEngine) Replicate(ctx context.Context, body map[string]any, secret
 	if err != nil {
 		return result{}, err
 	}
-	opt.HTTPClient, opt.CheckpointDefer, opt.Checkpoints, opt.Fence = e.hc, e.checkpointDefer, e.checkpoints, e.fence
+	opt.HTTPClient, opt.StreamHTTPClient, opt.CheckpointDefer, opt.Checkpoints, opt.Fence = e.hc, e.shc, e.checkpointDefer, e.checkpoints, e.fence
 	res, err := replicate.Run(ctx, opt, e.log)
 	if err == nil {
 		return result{DocsWritten: res.DocsWritten, DocWriteFailures: res.DocWriteFailures,

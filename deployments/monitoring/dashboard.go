@@ -101,7 +101,7 @@ func Dashboard() (dashboard.Dashboard, error) {
 		query{fmt.Sprintf("sum by (group) (%s)", rate("spiegel_jobs_published_total")), "published {{group}}"},
 		query{fmt.Sprintf("sum by (group) (%s)", rate("spiegel_jobs_deduplicated_total")), "deduplicated {{group}}"}))
 	p.add(graph("Feed events and sweep", "Db-update events read from the feed by type, and dbs the reconciliation "+
-		"sweep found changed (events _db_updates dropped).",
+		"sweep enqueued: not recorded done at their update_seq (events _db_updates dropped, jobs NATS lost).",
 		"ops",
 		query{fmt.Sprintf("sum by (type) (%s)", rate("spiegel_feed_events_total")), "{{type}}"},
 		query{fmt.Sprintf("sum(%s)", rate("spiegel_sweep_dbs_total")), "sweep"}))

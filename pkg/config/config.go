@@ -16,11 +16,12 @@ var Version = "dev"
 
 // CouchDB says how to reach the watched server and where the rules live.
 type CouchDB struct {
-	CouchDBURL         string        `envconfig:"SPIEGEL_COUCHDB_URL" required:"true" desc:"the watched CouchDB, with admin credentials (http://user:password@host:5984)"`
+	CouchDBURL         string        `envconfig:"SPIEGEL_COUCHDB_URL" required:"true" desc:"the watched CouchDB, with admin credentials (http://user:password@host:5984); the nodes of one cluster may be listed, comma-separated: the first is used until it cannot be reached, then the next"`
 	DBName             string        `envconfig:"SPIEGEL_DB_NAME" default:"spiegel" desc:"the spiegel db: rules and checkpoints"`
 	CouchDBCAFile      string        `envconfig:"SPIEGEL_COUCHDB_CA_FILE" desc:"PEM file of CAs to trust for an https CouchDB (default: system roots)"`
 	CouchDBInsecureTLS bool          `envconfig:"SPIEGEL_COUCHDB_INSECURE_SKIP_VERIFY" default:"false" desc:"skip TLS certificate verification of CouchDB (testing only)"`
 	CouchDBTimeout     time.Duration `envconfig:"SPIEGEL_COUCHDB_TIMEOUT" default:"30s" desc:"timeout of one CouchDB request (feeds excepted)"`
+	CouchDBMaxConns    int           `envconfig:"SPIEGEL_COUCHDB_MAX_CONNECTIONS" default:"8" desc:"most connections one process opens to a CouchDB host for requests; more requests at once wait for one. Continuous feeds come on top (0: no cap)"`
 }
 
 // NATS says how to reach NATS and how the JetStream topology is named.
@@ -55,7 +56,7 @@ type Producer struct {
 	Start                string        `envconfig:"SPIEGEL_START" default:"beginning" desc:"where a producer with no saved position starts: beginning|now"`
 	FeedHeartbeat        time.Duration `envconfig:"SPIEGEL_FEED_HEARTBEAT" default:"10s" desc:"heartbeat asked of continuous feeds; no byte for twice this reopens the feed"`
 	PollInterval         time.Duration `envconfig:"SPIEGEL_POLL_INTERVAL" default:"2s" desc:"how often the poll source lists dbs and their update_seq"`
-	SweepInterval        time.Duration `envconfig:"SPIEGEL_SWEEP_INTERVAL" default:"10m" desc:"reconciliation sweep period for db_updates/global_changes (0: off)"`
+	SweepInterval        time.Duration `envconfig:"SPIEGEL_SWEEP_INTERVAL" default:"10m" desc:"reconciliation sweep period, the first at start: enqueues every matched db not recorded done at its update_seq (0: off)"`
 	PositionSaveInterval time.Duration `envconfig:"SPIEGEL_POSITION_SAVE_INTERVAL" default:"2s" desc:"how often the feed position is saved"`
 	MaxInflight          int           `envconfig:"SPIEGEL_PUBLISH_MAX_INFLIGHT" default:"4096" desc:"job publishes awaiting JetStream's ack at once"`
 	HotFeeds             int           `envconfig:"SPIEGEL_HOT_FEEDS" default:"32" desc:"most continuous _changes feeds kept open on busy dbs, whose jobs are published the moment they change (0: off)"`
@@ -111,6 +112,9 @@ func (c *CouchDB) validate() error {
 		}
 	}
 	errs = append(errs, positive("SPIEGEL_COUCHDB_TIMEOUT", c.CouchDBTimeout))
+	if c.CouchDBMaxConns < 0 || c.CouchDBMaxConns > 10000 {
+		errs = append(errs, fmt.Errorf("SPIEGEL_COUCHDB_MAX_CONNECTIONS=%d: want 0 (no cap) to 10000", c.CouchDBMaxConns))
+	}
 	return errors.Join(errs...)
 }
 

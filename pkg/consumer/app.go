@@ -27,6 +27,7 @@ import (
 	"github.com/spiegel-nats/spiegel/pkg/metrics"
 	"github.com/spiegel-nats/spiegel/pkg/natsjs"
 	"github.com/spiegel-nats/spiegel/pkg/passwords"
+	"github.com/spiegel-nats/spiegel/pkg/reconcile"
 	"github.com/spiegel-nats/spiegel/pkg/rulefeed"
 	"github.com/spiegel-nats/spiegel/pkg/rules"
 	"github.com/spiegel-nats/spiegel/pkg/status"
@@ -52,6 +53,7 @@ type App struct {
 	group     events.Group
 	follower  *rulefeed.Follower
 	rulesSeq  string
+	done      *reconcile.Recorder // records each successful job for the producer's sweep
 
 	// StatusExtra, when set before Run, adds the binary's own parts to the process's status
 	// answers (see status.Config.Report).
@@ -91,6 +93,7 @@ func OpenWith(ctx context.Context, cfg *config.Consumer, group events.Group, log
 	o.Rules.SubjectPrefix = cfg.SubjectPrefix
 	cc, err := couch.New(couch.Config{
 		URL: cfg.CouchDBURL, CAFile: cfg.CouchDBCAFile, InsecureSkipVerify: cfg.CouchDBInsecureTLS, RequestTimeout: cfg.CouchDBTimeout,
+		MaxConns: cfg.CouchDBMaxConns,
 	}, log.WithField("component", "couch"))
 	if err != nil {
 		return nil, err
@@ -124,6 +127,13 @@ func OpenWith(ctx context.Context, cfg *config.Consumer, group events.Group, log
 	if _, err := cc.DBInfo(ctx, cfg.DBName); errors.Is(err, couch.ErrNotFound) {
 		return fail(fmt.Errorf("the spiegel db %q does not exist: %w", cfg.DBName, natsjs.ErrNotInstalled))
 	}
+	var doneKV jetstream.KeyValue
+	if err := natsjs.AwaitInstalled(ctx, nlog, func(ctx context.Context) (err error) {
+		doneKV, err = natsjs.DoneBucket(ctx, js, topo)
+		return err
+	}); err != nil {
+		return fail(err)
+	}
 	reg := metrics.NewRegistry(group.ConsumerName())
 	m := metrics.NewConsumer(reg)
 	metrics.RegisterJobGauges(reg, js, topo.Subjects.WorkStream())
@@ -152,6 +162,7 @@ func OpenWith(ctx context.Context, cfg *config.Consumer, group events.Group, log
 			DeadLetters: worker.NewDeadLetters(js, topo.Subjects), Metrics: m, JS: js, Status: status.NewRecorder(),
 		},
 		log: log, nc: nc, topology: topo, registry: reg, spiegelDB: cfg.DBName, cfg: cfg, group: group,
+		done: reconcile.NewRecorder(cc, reconcile.New(js, doneKV), log.WithField("component", "reconcile")),
 	}
 	a.follower = &rulefeed.Follower{Couch: cc, DB: cfg.DBName, Set: a.Rules, Log: log.WithField("component", "rules"), Metrics: m}
 	if a.rulesSeq, err = a.loadRules(ctx); err != nil {
@@ -165,8 +176,11 @@ func OpenWith(ctx context.Context, cfg *config.Consumer, group events.Group, log
 // Run follows the rules, serves health and metrics on httpAddr, reloads the passwords file on
 // SIGHUP, registers the process's NATS service (status.Register: spiegel-replicator or
 // spiegel-onchange), and runs h on the group's jobs until ctx ends; then it lets running jobs
-// finish within the grace period, naks the rest, stops the service and drains NATS.
+// finish within the grace period, naks the rest, stops the service and drains NATS. Each job
+// reads its db's update_seq first and records it after a success, for the producer's
+// reconciliation sweep (reconcile.Recorder.Wrap).
 func (a *App) Run(ctx context.Context, httpAddr string, h worker.Handler) error {
+	h = a.done.Wrap(h)
 	defer func() { _ = a.nc.Drain() }()
 	var wg sync.WaitGroup
 	defer wg.Wait()

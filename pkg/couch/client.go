@@ -15,6 +15,7 @@
 package couch
 
 import (
+	"cmp"
 	"context"
 	"crypto/tls"
 	"crypto/x509"
@@ -47,7 +48,9 @@ const DefaultRequestTimeout = 30 * time.Second
 // Config of the watched server.
 type Config struct {
 	// URL is the base URL with admin credentials, e.g. http://admin:pw@127.0.0.1:5984. It may
-	// have a path prefix (a reverse proxy). Never log it: use Client.Redacted.
+	// have a path prefix (a reverse proxy). It may list the nodes of one cluster, comma-separated
+	// (see SplitURLs): requests go to the first node until it cannot be reached, then to the
+	// next (see failover). Never log it: use Client.Redacted.
 	URL string
 	// CAFile is an optional PEM CA bundle trusted for https, in addition to the system roots.
 	CAFile string
@@ -55,14 +58,24 @@ type Config struct {
 	InsecureSkipVerify bool
 	// RequestTimeout bounds each non-feed request made through Do; 0 means 30s.
 	RequestTimeout time.Duration
+	// MaxConns caps the connections a transport of the client's own opens to one host for
+	// requests: more requests at once wait for a free connection. Continuous feeds and streams
+	// (SendStream) go over a second, uncapped transport: each holds its connection for as long
+	// as it runs, and their number is bounded by design (SPEC §7.3). 0 means no cap. Ignored
+	// when Transport is set.
+	MaxConns int
 	// Transport, when set, carries every request instead of a transport of the client's own
 	// (CAFile and InsecureSkipVerify are then the transport's business): clients of many
 	// servers or dbs can share one connection pool. It must not compress (see NewTransport).
 	Transport http.RoundTripper
+	// StreamTransport, when set with Transport, carries the continuous feeds and SendStream's
+	// requests (see MaxConns); by default Transport does.
+	StreamTransport http.RoundTripper
 }
 
-// NewTransport returns the transport New makes for cfg: compression off (gzip stalls PouchDB
-// Server's continuous feeds), cfg's TLS settings, a pool of 64 idle connections per host.
+// NewTransport returns the transport New makes for cfg's requests: compression off (gzip stalls
+// PouchDB Server's continuous feeds), cfg's TLS settings, a pool of 64 idle connections per host,
+// at most cfg.MaxConns connections per host (0: no cap).
 func NewTransport(cfg Config) (*http.Transport, error) {
 	tlsConf, err := tlsConfig(cfg)
 	if err != nil {
@@ -76,6 +89,7 @@ func NewTransport(cfg Config) (*http.Transport, error) {
 		DisableCompression:    true,
 		MaxIdleConns:          256,
 		MaxIdleConnsPerHost:   64,
+		MaxConnsPerHost:       max(cfg.MaxConns, 0),
 		IdleConnTimeout:       90 * time.Second,
 		ExpectContinueTimeout: time.Second,
 	}, nil
@@ -85,12 +99,14 @@ func NewTransport(cfg Config) (*http.Transport, error) {
 // traffic, kivik's included, shares one connection pool.
 type Client struct {
 	log      logrus.FieldLogger
-	base     *url.URL // without user info, no trailing slash
+	base     *url.URL // without user info, no trailing slash; of the first node
 	user     *url.Userinfo
+	nodes    *failover // nil: one node
 	redacted string
 	timeout  time.Duration
 	tr       http.RoundTripper // under http's PlusSafe wrapper
-	http     *http.Client      // no overall timeout: feeds
+	http     *http.Client      // requests; no overall timeout (Do sets one per request)
+	streams  *http.Client      // continuous feeds and SendStream: uncapped when requests are capped
 	kivik    *kivik.Client
 	retry    backoff.Policy // reconnect policy of the feeds
 
@@ -109,15 +125,39 @@ func New(cfg Config, log logrus.FieldLogger) (*Client, error) {
 		l.SetOutput(io.Discard)
 		log = l
 	}
-	base, user, err := parseBaseURL(cfg.URL)
+	urls := SplitURLs(cfg.URL)
+	base, user, err := parseBaseURL(urls[0])
 	if err != nil {
 		return nil, err
 	}
-	var tr http.RoundTripper = cfg.Transport
-	if tr == nil {
-		if tr, err = NewTransport(cfg); err != nil {
+	var nodes []node
+	if len(urls) > 1 {
+		if nodes, err = parseNodes(base, user, urls[1:]); err != nil {
 			return nil, err
 		}
+	}
+	var tr, streamTr http.RoundTripper = cfg.Transport, cmp.Or(cfg.StreamTransport, cfg.Transport)
+	if tr == nil {
+		own, err := NewTransport(cfg)
+		if err != nil {
+			return nil, err
+		}
+		tr, streamTr = own, own
+		if own.MaxConnsPerHost > 0 {
+			// A feed holds its connection for as long as it runs: under the cap, feeds would
+			// starve requests (and requests a reconnecting feed).
+			st := own.Clone()
+			st.MaxConnsPerHost = 0
+			streamTr = st
+		}
+	}
+	var fo *failover
+	if len(nodes) > 1 {
+		cur := new(atomic.Int32)
+		flog := log.WithField("component", "couch")
+		fo = &failover{base: tr, primary: base.Host, nodes: nodes, cur: cur, log: flog}
+		tr = fo
+		streamTr = &failover{base: streamTr, primary: base.Host, nodes: nodes, cur: cur, log: flog}
 	}
 	timeout := cfg.RequestTimeout
 	if timeout <= 0 {
@@ -128,10 +168,12 @@ func New(cfg Config, log logrus.FieldLogger) (*Client, error) {
 		log:      log.WithField("component", "couch"),
 		base:     base,
 		user:     user,
-		redacted: logging.RedactURL(cfg.URL),
+		nodes:    fo,
+		redacted: redactURLs(urls),
 		timeout:  timeout,
 		tr:       tr,
 		http:     &http.Client{Transport: rt},
+		streams:  &http.Client{Transport: couchpath.PlusSafe(streamTr)},
 		retry:    backoff.Default,
 	}
 	// kivik gets its own http.Client over the same transport: its auth option wraps the
@@ -218,10 +260,14 @@ func (c *Client) RequestTimeout() time.Duration { return c.timeout }
 // their own: give them a context deadline.
 func (c *Client) Kivik() *kivik.Client { return c.kivik }
 
-// HTTPClient returns the plain HTTP client over the shared transport, with no overall timeout
-// (feeds use it). Requests to URLs built from BaseURL carry its credentials; NewRequest does the
+// HTTPClient returns the plain HTTP client over the shared transport of requests (capped by
+// Config.MaxConns), with no overall timeout. Requests to URLs built from BaseURL carry its credentials; NewRequest does the
 // same without putting them in the URL.
 func (c *Client) HTTPClient() *http.Client { return c.http }
+
+// StreamHTTPClient returns the HTTP client of continuous feeds and SendStream: outside the cap of
+// Config.MaxConns, with no overall timeout.
+func (c *Client) StreamHTTPClient() *http.Client { return c.streams }
 
 // BaseURL returns a copy of the server URL with its credentials. Never log it.
 func (c *Client) BaseURL() *url.URL {
@@ -302,4 +348,13 @@ func (c *Client) Server(ctx context.Context) (ServerInfo, error) {
 	info.Major, _ = strconv.Atoi(major)
 	c.server = &info
 	return info, nil
+}
+
+// redactURLs returns the URLs, passwords replaced, comma-separated.
+func redactURLs(urls []string) string {
+	out := make([]string, len(urls))
+	for i, u := range urls {
+		out[i] = logging.RedactURL(u)
+	}
+	return strings.Join(out, ",")
 }

@@ -84,7 +84,8 @@ type stream struct {
 }
 
 // openStream sends the request built by build with a context derived from ctx and returns the
-// stream once the answer is a success. A status >= 300 returns an *HTTPError.
+// stream once the answer is a success. A status >= 300 returns an *HTTPError. Streams go over
+// the feeds' transport, outside the cap on requests.
 func (c *Client) openStream(ctx context.Context, window time.Duration, path string,
 	build func(ctx context.Context) (*http.Request, error)) (*stream, error) {
 	sctx, cancel := context.WithCancelCause(ctx)
@@ -95,7 +96,7 @@ func (c *Client) openStream(ctx context.Context, window time.Duration, path stri
 		s.stop()
 		return nil, err
 	}
-	resp, err := c.Send(req)
+	resp, err := c.send(c.streams, req)
 	if err != nil {
 		s.stop()
 		if errors.Is(context.Cause(sctx), errStalled) && ctx.Err() == nil {

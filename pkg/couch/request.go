@@ -30,11 +30,23 @@ type ResponseDecoder interface {
 // closing the body. On success the caller owns resp.Body. It adds no timeout: req's context
 // bounds it (streams of any length, such as attachments, go through it). Every error is redacted.
 func (c *Client) Send(req *http.Request) (*http.Response, error) {
+	return c.send(c.http, req)
+}
+
+// SendStream is Send for a request that may wait, while its connection is held, for another
+// request to the same host (an attachment read feeding a multipart write): it goes outside the
+// cap of Config.MaxConns, which could otherwise deadlock the two.
+func (c *Client) SendStream(req *http.Request) (*http.Response, error) {
+	return c.send(c.streams, req)
+}
+
+// send is Send over hc: the client's requests or its streams.
+func (c *Client) send(hc *http.Client, req *http.Request) (*http.Response, error) {
 	path := req.URL.EscapedPath()
 	if p := c.base.EscapedPath(); p != "" {
 		path = path[min(len(p), len(path)):]
 	}
-	resp, err := c.http.Do(req)
+	resp, err := hc.Do(req)
 	if err != nil {
 		var ue *url.Error
 		if errors.As(err, &ue) {
@@ -129,14 +141,16 @@ const maxReplicateAnswer = 4 << 20
 
 // Replicate sends body (a _replicate request, which holds credentials: it is never logged) to
 // POST /_replicate and returns the server's answer. Only ctx bounds it: a one-shot replication
-// takes as long as it takes (the caller sets the deadline). A refusal is an *HTTPError (see
-// Classify); no error holds the body.
+// takes as long as it takes (the caller sets the deadline), holding its connection all along:
+// it goes over the streams' transport (SendStream), so long replications do not take the
+// capped connections of short requests; their number is the caller's concurrency. A refusal is
+// an *HTTPError (see Classify); no error holds the body.
 func (c *Client) Replicate(ctx context.Context, body []byte) ([]byte, error) {
 	req, err := c.NewRequest(ctx, http.MethodPost, "/_replicate", nil, bytes.NewReader(body))
 	if err != nil {
 		return nil, err
 	}
-	resp, err := c.Send(req)
+	resp, err := c.SendStream(req)
 	if err != nil {
 		return nil, err
 	}

@@ -14,9 +14,10 @@ type Proxy struct {
 	target string
 	addr   string
 
-	mu    sync.Mutex
-	ln    net.Listener
-	conns map[net.Conn]struct{}
+	mu         sync.Mutex
+	ln         net.Listener
+	conns      map[net.Conn]struct{}
+	open, peak int // client connections piped now, and the most at once
 }
 
 // NewProxy starts a proxy to the server and returns it; URL() is the server URL through it.
@@ -73,6 +74,8 @@ func (p *Proxy) pipe(c net.Conn) {
 		return
 	}
 	p.conns[c], p.conns[up] = struct{}{}, struct{}{}
+	p.open++
+	p.peak = max(p.peak, p.open)
 	p.mu.Unlock()
 	done := make(chan struct{}, 2)
 	go func() { _, _ = io.Copy(up, c); done <- struct{}{} }()
@@ -81,9 +84,26 @@ func (p *Proxy) pipe(c net.Conn) {
 	c.Close()
 	up.Close()
 	p.mu.Lock()
+	if _, ok := p.conns[c]; ok {
+		p.open--
+	}
 	delete(p.conns, c)
 	delete(p.conns, up)
 	p.mu.Unlock()
+}
+
+// Open returns the client connections the proxy pipes now.
+func (p *Proxy) Open() int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.open
+}
+
+// Peak returns the most client connections the proxy piped at once.
+func (p *Proxy) Peak() int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.peak
 }
 
 // Cut closes the listener and every open connection: clients see refused connections.
@@ -98,6 +118,7 @@ func (p *Proxy) Cut() {
 		c.Close()
 	}
 	p.conns = map[net.Conn]struct{}{}
+	p.open = 0
 }
 
 // Restore listens again on the same address.

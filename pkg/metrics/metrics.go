@@ -70,7 +70,7 @@ func NewProducer(reg prometheus.Registerer) *Producer {
 			Name: "spiegel_rules_rejected", Help: "Rule docs currently rejected as invalid.",
 		}),
 		SweepEnqueued: prometheus.NewCounter(prometheus.CounterOpts{
-			Name: "spiegel_sweep_dbs_total", Help: "Dbs the reconciliation sweep found changed and enqueued.",
+			Name: "spiegel_sweep_dbs_total", Help: "Dbs the reconciliation sweep enqueued: not recorded done at their update_seq.",
 		}),
 		HotFeeds: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "spiegel_hot_feeds", Help: "Continuous _changes feeds open on busy dbs (at most SPIEGEL_HOT_FEEDS).",

@@ -164,6 +164,9 @@ func Ensure(ctx context.Context, js jetstream.JetStream, t Topology) error {
 	if err := ensureBucket(ctx, js, t.OnChangeBucketConfig()); err != nil {
 		return err
 	}
+	if err := EnsureDoneBucket(ctx, js, t); err != nil {
+		return err
+	}
 	for _, g := range events.Groups {
 		cfg := t.ConsumerConfig(g)
 		var err error
@@ -264,15 +267,17 @@ func CheckInstalled(ctx context.Context, js jetstream.JetStream, t Topology, gro
 }
 
 // Remove deletes the work, wakeup and dead-letter streams (and so their consumers), the changes
-// stream and the checkpoint cache. Missing ones are not an error.
+// stream, the checkpoint cache and the completion records. Missing ones are not an error.
 func Remove(ctx context.Context, js jetstream.JetStream, t Topology) error {
 	for _, name := range []string{t.Subjects.WorkStream(), t.Subjects.WakeupStream(), t.Subjects.DeadLetterStream(), t.Subjects.ChangesStream()} {
 		if err := js.DeleteStream(ctx, name); err != nil && !errors.Is(err, jetstream.ErrStreamNotFound) {
 			return fmt.Errorf("delete stream %s: %w", name, err)
 		}
 	}
-	if err := js.DeleteKeyValue(ctx, t.Subjects.OnChangeBucket()); err != nil && !errors.Is(err, jetstream.ErrBucketNotFound) {
-		return fmt.Errorf("delete key-value bucket %s: %w", t.Subjects.OnChangeBucket(), err)
+	for _, b := range []string{t.Subjects.OnChangeBucket(), t.Subjects.DoneBucket()} {
+		if err := js.DeleteKeyValue(ctx, b); err != nil && !errors.Is(err, jetstream.ErrBucketNotFound) {
+			return fmt.Errorf("delete key-value bucket %s: %w", b, err)
+		}
 	}
 	return nil
 }

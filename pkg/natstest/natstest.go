@@ -2,7 +2,9 @@
 package natstest
 
 import (
+	"fmt"
 	"net"
+	"os"
 	"testing"
 	"time"
 
@@ -18,6 +20,27 @@ type Server struct {
 	opts *server.Options
 }
 
+// SyncEnv names the variable that sets the JetStream storage sync of every server Start starts,
+// to measure its cost with the benchmarks: "always" (fsync after every write) or a duration (the
+// flush interval, nats-server's sync_interval); unset, the server's default (2 minutes).
+const SyncEnv = "SPIEGEL_TEST_NATS_SYNC"
+
+// storageSync sets opts' storage sync from v (see SyncEnv).
+func storageSync(opts *server.Options, v string) error {
+	switch v {
+	case "":
+	case "always":
+		opts.SyncAlways = true
+	default:
+		d, err := time.ParseDuration(v)
+		if err != nil || d <= 0 {
+			return fmt.Errorf("%s=%q: want \"always\" or a positive duration", SyncEnv, v)
+		}
+		opts.SyncInterval = d
+	}
+	return nil
+}
+
 // Start starts a server for t. Options may adjust the server options before start.
 func Start(t testing.TB, options ...func(*server.Options)) *Server {
 	t.Helper()
@@ -28,6 +51,9 @@ func Start(t testing.TB, options ...func(*server.Options)) *Server {
 		StoreDir:  t.TempDir(),
 		NoLog:     true,
 		NoSigs:    true,
+	}
+	if err := storageSync(opts, os.Getenv(SyncEnv)); err != nil {
+		t.Fatalf("natstest: %v", err)
 	}
 	for _, o := range options {
 		o(opts)

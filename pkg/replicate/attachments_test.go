@@ -1,6 +1,7 @@
 package replicate
 
 import (
+	"context"
 	"crypto/rand"
 	"crypto/sha256"
 	"encoding/base64"
@@ -11,10 +12,12 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/spiegel-nats/spiegel/pkg/couch"
 	"github.com/spiegel-nats/spiegel/pkg/couchtest"
 )
 
@@ -156,4 +159,25 @@ func TestAncestorPos(t *testing.T) {
 	assert.True(t, streamable([]string{"a.bin", "dir/x y.txt"}))
 	assert.False(t, streamable([]string{`q"uote`}))
 	assert.False(t, streamable([]string{"ünï"}))
+}
+
+// TestLargeAttachmentUnderOneConnection: with the watched server's client capped to one
+// connection for requests (couch.Config.MaxConns), a multipart PUT, which holds that connection
+// while its body streams, still gets its attachment from the source over the client's stream
+// transport. Reading the attachment over the capped transport would wait for the PUT's
+// connection forever.
+func TestLargeAttachmentUnderOneConnection(t *testing.T) {
+	s := couchtest.Get(t)
+	source, target := s.NewDB(t, "la1src_"), s.NewDB(t, "la1tgt_")
+	big := randomBytes(t, 1<<20)
+	s.Put(t, source, "big", map[string]any{"_attachments": map[string]any{"blob.bin": inlineAttachment(big)}})
+	c, err := couch.New(couch.Config{URL: s.URL, MaxConns: 1}, nil)
+	require.NoError(t, err)
+	opt := Options{Source: dbURL(s, source), Target: dbURL(s, target), HTTPClient: c.HTTPClient(), StreamHTTPClient: c.StreamHTTPClient()}
+	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+	defer cancel()
+	res, err := Run(ctx, opt, testLog(t))
+	require.NoError(t, err)
+	assert.EqualValues(t, 1, res.DocsWritten)
+	assert.Equal(t, sha256.Sum256(big), attachmentSum(t, s, target, "big", "blob.bin"))
 }

@@ -38,8 +38,9 @@ type endpoint struct {
 }
 
 // newEndpoint parses a db URL ("http://user:pw@host:5984/prefix/db"): the last path segment,
-// URL-decoded, is the db name; what precedes it is the server, reached over tr.
-func newEndpoint(raw string, tr http.RoundTripper) (*endpoint, error) {
+// URL-decoded, is the db name; what precedes it is the server, reached over tr (streams over
+// streamTr, see couch.Config.StreamTransport).
+func newEndpoint(raw string, tr, streamTr http.RoundTripper) (*endpoint, error) {
 	shown := logging.RedactURL(raw)
 	u, err := url.Parse(strings.TrimRight(raw, "/"))
 	if err != nil {
@@ -64,7 +65,7 @@ func newEndpoint(raw string, tr http.RoundTripper) (*endpoint, error) {
 	if server.Path, err = url.PathUnescape(escaped[:i]); err != nil {
 		return nil, fmt.Errorf("db url %q: bad path", shown)
 	}
-	c, err := couch.New(couch.Config{URL: server.String(), Transport: tr, RequestTimeout: requestTimeout}, nil)
+	c, err := couch.New(couch.Config{URL: server.String(), Transport: tr, StreamTransport: streamTr, RequestTimeout: requestTimeout}, nil)
 	if err != nil {
 		return nil, fmt.Errorf("db url %q: %w", shown, err)
 	}

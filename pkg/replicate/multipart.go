@@ -164,8 +164,8 @@ func (r *run) copyAttachment(ctx context.Context, w io.Writer, doc fetchedDoc, n
 	if err != nil {
 		return &sourceError{err: fmt.Errorf("build attachment request: %w", err)}
 	}
-	req.Header.Del("Accept") // the attachment's own type
-	resp, err := r.src.c.Send(req)
+	req.Header.Del("Accept")             // the attachment's own type
+	resp, err := r.src.c.SendStream(req) // while the multipart PUT holds a connection of the target
 	if err != nil {
 		class := couch.Classify(err)
 		return &sourceError{

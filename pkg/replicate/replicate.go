@@ -114,6 +114,11 @@ type Options struct {
 	// connections; keep compression off for PouchDB Server). Its transport is wrapped, not
 	// modified, to count requests.
 	HTTPClient *http.Client
+	// StreamHTTPClient carries the attachment reads that run while a multipart write to the
+	// target holds its connection (couch.Client.SendStream). When HTTPClient caps its
+	// connections per host, this one must not, or attachments could deadlock the two; default
+	// HTTPClient.
+	StreamHTTPClient *http.Client
 }
 
 func (o Options) withDefaults() Options {
@@ -201,11 +206,15 @@ func Run(ctx context.Context, opt Options, log logrus.FieldLogger) (Result, erro
 		return Result{}, fmt.Errorf("replicate: %w", err)
 	}
 	defer release()
-	src, err := newEndpoint(opt.Source, tr)
+	streamTr := tr
+	if opt.StreamHTTPClient != nil && opt.StreamHTTPClient.Transport != nil {
+		streamTr = countingTransport{base: opt.StreamHTTPClient.Transport, n: &requests}
+	}
+	src, err := newEndpoint(opt.Source, tr, streamTr)
 	if err != nil {
 		return Result{}, fmt.Errorf("replicate: source: %w", err)
 	}
-	tgt, err := newEndpoint(opt.Target, tr)
+	tgt, err := newEndpoint(opt.Target, tr, streamTr)
 	if err != nil {
 		return Result{}, fmt.Errorf("replicate: target: %w", err)
 	}

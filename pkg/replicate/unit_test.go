@@ -198,7 +198,7 @@ func TestReplicationID(t *testing.T) {
 
 func TestNewEndpoint(t *testing.T) {
 	t.Parallel()
-	e, err := newEndpoint("http://u:pw@Example.com:5984/prefix/my%2Fdb%2Bx/", http.DefaultTransport)
+	e, err := newEndpoint("http://u:pw@Example.com:5984/prefix/my%2Fdb%2Bx/", http.DefaultTransport, http.DefaultTransport)
 	require.NoError(t, err)
 	assert.Equal(t, "my/db+x", e.db)
 	assert.Equal(t, "/my%2Fdb%2Bx", e.dbPath)
@@ -207,7 +207,7 @@ func TestNewEndpoint(t *testing.T) {
 	assert.Equal(t, "/my%2Fdb%2Bx/_design/a%20b", e.docPath("_design/a b"))
 
 	for _, bad := range []string{"", "ftp://h/db", "http://h", "http://h/", "http://u:pw@h/db?x=1"} {
-		_, err := newEndpoint(bad, http.DefaultTransport)
+		_, err := newEndpoint(bad, http.DefaultTransport, http.DefaultTransport)
 		if assert.Error(t, err, bad) {
 			assert.NotContains(t, err.Error(), "pw")
 		}

@@ -22,6 +22,7 @@ type Result struct {
 
 	WriterDone, WriterSkipped map[string]int
 	WriterRetries             int
+	WriterDBsLost             int // dbs the server lost after acknowledging their creation
 	WriterFailed              []string
 	Faults                    []faultRecord
 
@@ -159,6 +160,9 @@ func (res *Result) write(w io.Writer) {
 		recreate, res.Cfg.OpsPerS, res.Cfg.Lanes, 100*res.Cfg.SinkFail, 100*res.Cfg.SinkStall)
 	p("server:      %s; NATS: 3-node JetStream cluster, streams with 3 replicas; AckWait %s", res.Server, res.Cfg.AckWait)
 	p("writer:      applied %s, skipped %s, %d retried attempts, %d given up", counts(res.WriterDone), counts(res.WriterSkipped), res.WriterRetries, len(res.WriterFailed))
+	if res.WriterDBsLost > 0 {
+		p("             the server lost %d db(s) after acknowledging their creation (a restart right after it): created again", res.WriterDBsLost)
+	}
 	ran, skipped := map[string]int{}, map[string]int{}
 	failedFaults, skippedFaults := 0, 0
 	for _, f := range res.Faults {

@@ -116,6 +116,7 @@ func execute(ctx context.Context, cfg Config, out io.Writer) *Result {
 		}
 	}
 	res.WriterDone, res.WriterSkipped, res.WriterRetries, res.WriterFailed = w.stats()
+	res.WriterDBsLost = w.lostDBs()
 	var v *verdict
 	checks := 0
 	err = waitUntil(ctx, cfg.QuiesceTimeout, 2*time.Second, "convergence", func() bool {

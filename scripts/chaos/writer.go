@@ -27,6 +27,10 @@ type writer struct {
 	skipped map[string]int // ops whose doc was not in the planned state (e.g. no conflict left)
 	retries int
 	failed  []string // ops given up: ctx ended, or 5 answers the writer did not expect
+	// dbsLost counts source dbs the server answered 404 for after acknowledging their
+	// creation (PouchDB Server, SIGTERMed right after a PUT /db, can come back without the db):
+	// the writer creates them again. A server fault, not the pipeline's: reported, not failed.
+	dbsLost int
 
 	dbDeleted map[string][]time.Duration // when the writer deleted each source db (run clock)
 }
@@ -110,11 +114,7 @@ func (l *lane) try(ctx context.Context, op Op) (skipped bool, err error) {
 		if err := l.deleteDBs(ctx, db); err != nil {
 			return false, err
 		}
-		path := "/" + db
-		if !c.isPouch && l.w.r.cfg.Q > 0 {
-			path += fmt.Sprintf("?q=%d", l.w.r.cfg.Q)
-		}
-		return false, expect(c.do(ctx, http.MethodPut, path, nil, nil))(http.StatusCreated, http.StatusAccepted, http.StatusPreconditionFailed)
+		return false, l.createDB(ctx, db)
 	case OpDeleteDB:
 		return false, l.deleteDBs(ctx, db)
 	case OpPut:
@@ -187,6 +187,16 @@ func (l *lane) try(ctx context.Context, op Op) (skipped bool, err error) {
 	return false, fmt.Errorf("unknown op %d", op.Kind)
 }
 
+// createDB creates the source db (with the run's q on CouchDB); one that exists is fine.
+func (l *lane) createDB(ctx context.Context, db string) error {
+	c := l.w.r.couch
+	path := "/" + db
+	if !c.isPouch && l.w.r.cfg.Q > 0 {
+		path += fmt.Sprintf("?q=%d", l.w.r.cfg.Q)
+	}
+	return expect(c.do(ctx, http.MethodPut, path, nil, nil))(http.StatusCreated, http.StatusAccepted, http.StatusPreconditionFailed)
+}
+
 // deleteDBs deletes the source db and then its target; a missing one is fine.
 func (l *lane) deleteDBs(ctx context.Context, db string) error {
 	delete(l.revs, db)
@@ -225,6 +235,18 @@ func (l *lane) put(ctx context.Context, db string, docs []int, op Op) error {
 			ID, Rev, Error string
 		}
 		status, err := c.do(ctx, http.MethodPost, "/"+db+"/_bulk_docs", map[string]any{"docs": batch}, &res)
+		if status == http.StatusNotFound {
+			// The plan has the db live (a lane's ops on a db run in plan order, after its
+			// create_db): the server lost it. Create it again and retry.
+			l.w.journal.printf("  %s: 404 on a db the server acknowledged creating: creating it again", db)
+			if err := l.createDB(ctx, db); err != nil {
+				return err
+			}
+			l.w.mu.Lock()
+			l.w.dbsLost++
+			l.w.mu.Unlock()
+			return errRetry
+		}
 		if err := expect(status, err)(http.StatusCreated, http.StatusAccepted); err != nil {
 			return err
 		}
@@ -327,4 +349,11 @@ func (w *writer) stats() (done, skipped map[string]int, retries int, failed []st
 	defer w.mu.Unlock()
 	// Copies: the lanes go on counting while the caller reads them (reportProgress).
 	return maps.Clone(w.done), maps.Clone(w.skipped), w.retries, append([]string(nil), w.failed...)
+}
+
+// lostDBs returns how often the server lost a db it had acknowledged creating.
+func (w *writer) lostDBs() int {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.dbsLost
 }

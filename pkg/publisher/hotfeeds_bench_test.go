@@ -1,4 +1,4 @@
-package main
+package publisher
 
 import (
 	"context"
@@ -18,7 +18,7 @@ import (
 	"github.com/spiegel-nats/spiegel/pkg/metrics"
 )
 
-// quietChanges is a dbChanges whose feeds deliver nothing until closed.
+// quietChanges is a DBChanges whose feeds deliver nothing until closed.
 type quietChanges struct{}
 
 func (quietChanges) WatchChanges(ctx context.Context, _ string, _ couch.ChangesOptions, _ func(), _ func(couch.Change) error) error {
@@ -30,7 +30,7 @@ func (quietChanges) Changes(context.Context, string, couch.ChangesOptions) (couc
 	return couch.ChangesPage{}, nil
 }
 
-// BenchmarkHotFeedsEarned runs the rule that decides which dbs earn a hot feed (hotFeeds.Seen,
+// BenchmarkHotFeedsEarned runs the rule that decides which dbs earn a hot feed (HotFeeds.Seen,
 // with the defaults: 32 feeds, 20 s) on the workload of bench-e2e, on a simulated clock: N dbs,
 // 10 % active, 10 docs/s into random active dbs for 120 s, _db_updates announcing each db at most
 // once per 500 ms batch. It reports feeds opened per written doc, the most feeds open at once,
@@ -53,8 +53,8 @@ func simulateHotFeeds(b *testing.B, n, maxFeeds int, idle time.Duration) (opened
 	log := logrus.New()
 	log.SetOutput(io.Discard)
 	m := metrics.NewProducer(prometheus.NewRegistry())
-	h := newHotFeeds(quietChanges{}, nil, func(string) []events.Group { return []events.Group{events.GroupReplicate} },
-		maxFeeds, idle, 10*time.Second, producerMetrics{m: m}, log)
+	h := NewHotFeeds(quietChanges{}, nil, func(string) []events.Group { return []events.Group{events.GroupReplicate} },
+		maxFeeds, idle, 10*time.Second, m, log)
 	var mu sync.Mutex
 	now := time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
 	h.now = func() time.Time { mu.Lock(); defer mu.Unlock(); return now }
@@ -66,7 +66,7 @@ func simulateHotFeeds(b *testing.B, n, maxFeeds int, idle time.Duration) (opened
 		cancel()
 		h.mu.Lock()
 		for _, f := range h.feeds {
-			h.closeLocked(f, closeStopped)
+			h.closeLocked(f, CloseStopped)
 		}
 		h.mu.Unlock()
 		h.wg.Wait()

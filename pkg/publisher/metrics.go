@@ -1,11 +1,12 @@
-package main
+package publisher
 
 import (
 	"github.com/spiegel-nats/spiegel/pkg/events"
 	"github.com/spiegel-nats/spiegel/pkg/metrics"
 )
 
-// producerMetrics adapts metrics.Producer; its zero value records nothing (admin commands).
+// producerMetrics adapts the publishing and hot-feed metrics of metrics.Producer; its zero value
+// records nothing.
 type producerMetrics struct{ m *metrics.Producer }
 
 func (p producerMetrics) published(g events.Group) {
@@ -35,25 +36,7 @@ func (p producerMetrics) publishError(g events.Group) {
 	}
 }
 
-func (p producerMetrics) feedEvent(typ string) {
-	if p.m != nil {
-		p.m.FeedEvents.WithLabelValues(typ).Inc()
-	}
-}
-
-func (p producerMetrics) feedError() {
-	if p.m != nil {
-		p.m.FeedReconnects.Inc()
-	}
-}
-
-func (p producerMetrics) sweepEnqueued() {
-	if p.m != nil {
-		p.m.SweepEnqueued.Inc()
-	}
-}
-
-func (p producerMetrics) hotFeeds(n int) {
+func (p producerMetrics) feedsOpen(n int) {
 	if p.m != nil {
 		p.m.HotFeeds.Set(float64(n))
 	}
@@ -65,19 +48,13 @@ func (p producerMetrics) hotFeedJob() {
 	}
 }
 
-func (p producerMetrics) eventCovered() {
-	if p.m != nil {
-		p.m.EventsCovered.Inc()
-	}
-}
-
 func (p producerMetrics) hotFeedOpened() {
 	if p.m != nil {
 		p.m.HotFeedsOpened.Inc()
 	}
 }
 
-// hotFeedClosed counts a closed feed by why it closed and what its close cost (closeThen*).
+// hotFeedClosed counts a closed feed by why it closed and what its close cost (CloseThen*).
 func (p producerMetrics) hotFeedClosed(why, then string) {
 	if p.m != nil {
 		p.m.HotFeedsClosed.WithLabelValues(why, then).Inc()
@@ -87,11 +64,5 @@ func (p producerMetrics) hotFeedClosed(why, then string) {
 func (p producerMetrics) hotFeedRefused() {
 	if p.m != nil {
 		p.m.HotFeedsRefused.Inc()
-	}
-}
-
-func (p producerMetrics) checkpointsDropped() {
-	if p.m != nil {
-		p.m.CheckpointsDropped.Inc()
 	}
 }

@@ -1,4 +1,8 @@
-package main
+// Package admin is what the producer binary's admin commands do to an installation (producer/
+// parses their flags and prints their results): connect to CouchDB and NATS with a clear word
+// per problem, install and uninstall, enqueue matched dbs, read and re-drive dead letters, reset
+// checkpoints for a replay and count what it stored, and gather the status report.
+package admin
 
 import (
 	"context"
@@ -6,7 +10,6 @@ import (
 	"fmt"
 	"io"
 	"net/http"
-	"os"
 	"strings"
 	"sync"
 	"time"
@@ -19,27 +22,29 @@ import (
 	"github.com/spiegel-nats/spiegel/pkg/couch"
 	"github.com/spiegel-nats/spiegel/pkg/logging"
 	"github.com/spiegel-nats/spiegel/pkg/natsjs"
+	"github.com/spiegel-nats/spiegel/pkg/producer"
 )
 
 // defaultAdminTimeout bounds the admin commands' wait for CouchDB and NATS when the
 // configuration does not say (SPIEGEL_ADMIN_TIMEOUT, --timeout).
 const defaultAdminTimeout = 15 * time.Second
 
-// serverProblems are the problems an admin command found with its servers, one sentence each.
-type serverProblems []string
+// ServerProblems are the problems an admin command found with its servers, one sentence each
+// (Connect).
+type ServerProblems []string
 
-func (p serverProblems) Error() string { return strings.Join(p, "\n") }
+func (p ServerProblems) Error() string { return strings.Join(p, "\n") }
 
-// connectAdmin is connect for the admin commands: unlike the daemon, which waits for its servers
-// for as long as it takes (and says so on /readyz), an admin command checks CouchDB and NATS at
-// once, for at most cfg.AdminTimeout, and fails with one sentence per problem it found — which
-// server, at which URL (without its password), what it answered.
-func connectAdmin(ctx context.Context, cfg *config.Producer, log *logrus.Logger, maxPending int) (*deps, error) {
+// Connect connects an admin command to CouchDB and NATS: unlike the daemon, which waits for its
+// servers for as long as it takes (and says so on /readyz), an admin command checks CouchDB and
+// NATS at once, for at most cfg.AdminTimeout, and fails with one sentence per problem it found
+// (ServerProblems) — which server, at which URL (without its password), what it answered.
+func Connect(ctx context.Context, cfg *config.Producer, log *logrus.Logger, maxPending int) (*producer.Conns, error) {
 	timeout := cfg.AdminTimeout
 	if timeout <= 0 {
 		timeout = defaultAdminTimeout
 	}
-	cc, err := newCouch(cfg, log)
+	cc, err := producer.NewCouch(cfg, log)
 	if err != nil {
 		return nil, err
 	}
@@ -51,7 +56,7 @@ func connectAdmin(ctx context.Context, cfg *config.Producer, log *logrus.Logger,
 	wg.Go(func() { couchProblem = checkCouch(pctx, cc, cfg.CouchDBURL, timeout) })
 	wg.Go(func() { nc, natsProblem = checkNATS(pctx, cfg, timeout) })
 	wg.Wait()
-	var problems serverProblems
+	var problems ServerProblems
 	for _, p := range []string{couchProblem, natsProblem} {
 		if p != "" {
 			problems = append(problems, p)
@@ -69,12 +74,12 @@ func connectAdmin(ctx context.Context, cfg *config.Producer, log *logrus.Logger,
 		}
 		return nil, problems
 	}
-	return newDeps(cfg, log, cc, nc, maxPending)
+	return producer.NewConns(cfg, log, cc, nc, maxPending)
 }
 
 // checkCouch returns what is wrong with the CouchDB at rawURL ("" when it answers as it should).
 func checkCouch(ctx context.Context, cc *couch.Client, rawURL string, timeout time.Duration) string {
-	where := "CouchDB at " + logging.RedactURL(rawURL)
+	where := "CouchDB at " + cc.Redacted()
 	_, err := cc.Server(ctx)
 	if err == nil {
 		return ""
@@ -154,14 +159,4 @@ func rootCause(err error) error {
 		}
 		err = next
 	}
-}
-
-// isTerminal reports whether w is a terminal: admin commands then speak text, not JSON.
-func isTerminal(w io.Writer) bool {
-	f, ok := w.(*os.File)
-	if !ok {
-		return false
-	}
-	st, err := f.Stat()
-	return err == nil && st.Mode()&os.ModeCharDevice != 0
 }

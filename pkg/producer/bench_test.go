@@ -1,4 +1,4 @@
-package main
+package producer
 
 import (
 	"context"
@@ -7,6 +7,7 @@ import (
 	"net/http/httptest"
 	"os"
 	"runtime"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -20,6 +21,7 @@ import (
 	"github.com/spiegel-nats/spiegel/pkg/events"
 	"github.com/spiegel-nats/spiegel/pkg/natsjs"
 	"github.com/spiegel-nats/spiegel/pkg/natstest"
+	"github.com/spiegel-nats/spiegel/pkg/publisher"
 	"github.com/spiegel-nats/spiegel/pkg/rules"
 )
 
@@ -55,9 +57,15 @@ func quietLogger() *logrus.Logger {
 // BenchmarkProducerThroughput measures the producer's pipeline — feed parsing, rule matching,
 // async publish, in-order settling of the position — against raw JetStream async publishing of
 // the same number of jobs, in the same run, into an embedded NATS server. It reports both rates
-// and their ratio.
+// and their ratio. SPIEGEL_BENCH_EVENTS sets the events per run (default 100,000), e.g. to
+// measure a storage sync (natstest.SyncEnv) that makes every publish slower.
 func BenchmarkProducerThroughput(b *testing.B) {
-	const n = 100_000
+	n := 100_000
+	if v := os.Getenv("SPIEGEL_BENCH_EVENTS"); v != "" {
+		var err error
+		n, err = strconv.Atoi(v)
+		require.NoError(b, err, "SPIEGEL_BENCH_EVENTS")
+	}
 	ns := natstest.Start(b)
 	js, err := jetstream.New(mustConn(b, ns), jetstream.WithPublishAsyncMaxPending(4096))
 	require.NoError(b, err)
@@ -93,7 +101,7 @@ func BenchmarkProducerThroughput(b *testing.B) {
 		cc, err := couch.New(couch.Config{URL: feedSrv.URL}, quietLogger())
 		require.NoError(b, err)
 		p := &producer{cfg: producerSettings{SpiegelDB: "spiegel"}, couch: cc, rules: set, log: quietLogger()}
-		p.pub = newPublisher(jobs, 2048, producerMetrics{}, p.log)
+		p.pub = publisher.New(jobs, 2048, nil, p.log)
 		ctx, cancel := context.WithCancel(context.Background())
 		go p.pub.Run(ctx, time.Second)
 		feed, err := cc.NewUpdatesFeed(ctx, couch.SourceDBUpdates, couch.FeedOptions{Heartbeat: 10 * time.Second})

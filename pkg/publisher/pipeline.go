@@ -1,4 +1,10 @@
-package main
+// Package publisher turns "this db changed" into jobs stored in the JetStream work queue, for the
+// producer (pkg/producer). Its Pipeline publishes the jobs of each db-updates feed position
+// asynchronously and settles the answers in feed order, so that the position it calls safe never
+// passes a job JetStream has not acknowledged (SPEC §4.5). Its HotFeeds keep _changes feeds open
+// on busy dbs and publish their jobs ahead of the db-updates feed, holding the saved position
+// before the events they stand for until their own jobs are acknowledged.
+package publisher
 
 import (
 	"context"
@@ -14,6 +20,7 @@ import (
 
 	"github.com/spiegel-nats/spiegel/pkg/backoff"
 	"github.com/spiegel-nats/spiegel/pkg/events"
+	"github.com/spiegel-nats/spiegel/pkg/metrics"
 	"github.com/spiegel-nats/spiegel/pkg/natsjs"
 )
 
@@ -21,20 +28,20 @@ import (
 // without an answer by then is published again (a duplicate is harmless).
 const ackTimeout = 30 * time.Second
 
-// jobPublisher publishes jobs to the work stream (*natsjs.Jobs): asynchronously, then, when the
+// Jobs publishes jobs to the work stream (*natsjs.Jobs): asynchronously, then, when the
 // answer says a job is pending, or when the publish failed, with the wakeup marker (Offer).
-type jobPublisher interface {
+type Jobs interface {
 	PublishAsync(g events.Group, job events.Job) (jetstream.PubAckFuture, error)
 	MarkAndRetry(ctx context.Context, g events.Group, job events.Job) (deduplicated bool, err error)
 	Offer(ctx context.Context, g events.Group, job events.Job) (deduplicated bool, err error)
 }
 
-// publisher is the producer's publish pipeline. Enqueue publishes a position's jobs
+// Pipeline is the producer's publish pipeline. Enqueue publishes a position's jobs
 // asynchronously (many in flight); a single settling goroutine reads the answers in enqueue
 // order, republishes what failed until it succeeds, and only then advances the safe position.
 // So Safe() never passes a seq whose jobs are not all acknowledged by JetStream (SPEC §4.5).
-type publisher struct {
-	jobs       jobPublisher
+type Pipeline struct {
+	jobs       Jobs
 	log        logrus.FieldLogger
 	metrics    producerMetrics
 	pending    chan *batch
@@ -59,7 +66,7 @@ type publisher struct {
 // of the event's db, published after the event was read, is settled — acknowledged by
 // JetStream, or stood for by a pending job and its wakeup marker. No clock releases it: a
 // producer that stops first leaves the position before the event, and its successor reads the
-// event again. Its fields are guarded by publisher.mu.
+// event again. Its fields are guarded by Pipeline.mu.
 type Hold struct {
 	released bool
 	placed   bool   // the covered event settled while the hold was not released yet
@@ -84,11 +91,13 @@ type pendingJob struct {
 	err    error // from PublishAsync itself
 }
 
-func newPublisher(jobs jobPublisher, maxInflight int, m producerMetrics, log logrus.FieldLogger) *publisher {
-	return &publisher{
+// New returns a pipeline publishing through jobs (*natsjs.Jobs) with at most maxInflight feed
+// positions unsettled; m (nil: none) counts its publishes.
+func New(jobs Jobs, maxInflight int, m *metrics.Producer, log logrus.FieldLogger) *Pipeline {
+	return &Pipeline{
 		jobs:       jobs,
 		log:        log,
-		metrics:    m,
+		metrics:    producerMetrics{m: m},
 		pending:    make(chan *batch, maxInflight),
 		ackTimeout: ackTimeout,
 		done:       make(chan struct{}),
@@ -99,30 +108,30 @@ func newPublisher(jobs jobPublisher, maxInflight int, m producerMetrics, log log
 // acknowledged. It blocks when maxInflight batches are unsettled (back-pressure on the feed).
 // saveDue says whether reaching seq is worth a save of the position: events of the spiegel db
 // itself are not (saving the position writes to it, which would be an event again).
-func (p *publisher) Enqueue(ctx context.Context, seq string, saveDue bool, db, reason string, groups []events.Group) error {
+func (p *Pipeline) Enqueue(ctx context.Context, seq string, saveDue bool, db, reason string, groups []events.Group) error {
 	b := &batch{seq: seq, hasSeq: true, saveDue: saveDue}
 	p.publish(b, db, reason, seq, groups)
 	return p.push(ctx, b)
 }
 
 // EnqueueNoSeq publishes one job per group for db, not tied to a feed position (sweeps, rules).
-func (p *publisher) EnqueueNoSeq(ctx context.Context, db, reason string, groups []events.Group) error {
+func (p *Pipeline) EnqueueNoSeq(ctx context.Context, db, reason string, groups []events.Group) error {
 	b := &batch{}
 	p.publish(b, db, reason, "", groups)
 	return p.push(ctx, b)
 }
 
 // Covered records seq as reached without publishing anything: a hot feed of the event's db stands
-// for it (see hotFeeds). Saves of the position stay before it until h is released
+// for it (see HotFeeds). Saves of the position stay before it until h is released
 // (SaveCandidate): should the process die before a job published after the event is settled,
 // the next producer reads the event again from the feed.
-func (p *publisher) Covered(ctx context.Context, seq string, h *Hold) error {
+func (p *Pipeline) Covered(ctx context.Context, seq string, h *Hold) error {
 	return p.push(ctx, &batch{seq: seq, hasSeq: true, saveDue: true, hold: h})
 }
 
 // Release releases holds: a job of their db, published after their events were read, is
 // settled. The saved position may then pass their events.
-func (p *publisher) Release(holds []*Hold) {
+func (p *Pipeline) Release(holds []*Hold) {
 	if len(holds) == 0 {
 		return
 	}
@@ -134,7 +143,7 @@ func (p *publisher) Release(holds []*Hold) {
 }
 
 // Holds returns the number of holds on the saved position not released yet.
-func (p *publisher) Holds() int {
+func (p *Pipeline) Holds() int {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	p.compactLocked()
@@ -142,24 +151,24 @@ func (p *publisher) Holds() int {
 }
 
 // compactLocked drops the released holds.
-func (p *publisher) compactLocked() {
+func (p *Pipeline) compactLocked() {
 	p.holds = slices.DeleteFunc(p.holds, func(h *Hold) bool { return h.released })
 }
 
 // EnqueueThen publishes one job per group for db, not tied to a feed position, and calls after
 // once they are settled (in the settling goroutine: after must not block).
-func (p *publisher) EnqueueThen(ctx context.Context, db, reason string, groups []events.Group, after func()) error {
+func (p *Pipeline) EnqueueThen(ctx context.Context, db, reason string, groups []events.Group, after func()) error {
 	b := &batch{after: after}
 	p.publish(b, db, reason, "", groups)
 	return p.push(ctx, b)
 }
 
 // Flush waits until everything enqueued before it is settled.
-func (p *publisher) Flush(ctx context.Context) error {
+func (p *Pipeline) Flush(ctx context.Context) error {
 	return p.EnqueueWait(ctx, "", "", nil)
 }
 
-func (p *publisher) publish(b *batch, db, reason, seq string, groups []events.Group) {
+func (p *Pipeline) publish(b *batch, db, reason, seq string, groups []events.Group) {
 	if len(groups) > 0 {
 		now := time.Now().UTC()
 		b.jobs = make([]pendingJob, len(groups))
@@ -172,7 +181,7 @@ func (p *publisher) publish(b *batch, db, reason, seq string, groups []events.Gr
 }
 
 // EnqueueWait is Enqueue that waits until the jobs are settled.
-func (p *publisher) EnqueueWait(ctx context.Context, db, reason string, groups []events.Group) error {
+func (p *Pipeline) EnqueueWait(ctx context.Context, db, reason string, groups []events.Group) error {
 	b := &batch{settled: make(chan struct{})}
 	now := time.Now().UTC()
 	for _, g := range groups {
@@ -191,7 +200,7 @@ func (p *publisher) EnqueueWait(ctx context.Context, db, reason string, groups [
 	}
 }
 
-func (p *publisher) push(ctx context.Context, b *batch) error {
+func (p *Pipeline) push(ctx context.Context, b *batch) error {
 	p.enqueued.Add(1)
 	select {
 	case p.pending <- b:
@@ -203,7 +212,7 @@ func (p *publisher) push(ctx context.Context, b *batch) error {
 }
 
 // Safe returns the newest seq whose jobs, and all jobs before them, are acknowledged.
-func (p *publisher) Safe() string {
+func (p *Pipeline) Safe() string {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	return p.safe
@@ -211,7 +220,7 @@ func (p *publisher) Safe() string {
 
 // SafeDue returns Safe and how many positions that make a save due have been reached so far: a
 // save is due when the count differs from the one at the last save.
-func (p *publisher) SafeDue() (string, uint64) {
+func (p *Pipeline) SafeDue() (string, uint64) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	return p.safe, p.due
@@ -220,7 +229,7 @@ func (p *publisher) SafeDue() (string, uint64) {
 // SaveCandidate returns the position a save may write: Safe, unless a covered event's hold is
 // not released yet, then the safe position before the oldest such event (held true). It also
 // returns the due count (see SafeDue).
-func (p *publisher) SaveCandidate() (seq string, due uint64, held bool) {
+func (p *Pipeline) SaveCandidate() (seq string, due uint64, held bool) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	p.compactLocked()
@@ -231,21 +240,21 @@ func (p *publisher) SaveCandidate() (seq string, due uint64, held bool) {
 }
 
 // SetSafe sets the starting position (the saved one) before Run.
-func (p *publisher) SetSafe(seq string) {
+func (p *Pipeline) SetSafe(seq string) {
 	p.mu.Lock()
 	p.safe = seq
 	p.mu.Unlock()
 }
 
 // InFlight returns the number of enqueued feed positions whose jobs are not all settled yet.
-func (p *publisher) InFlight() int { return int(p.enqueued.Load() - p.settled.Load()) }
+func (p *Pipeline) InFlight() int { return int(p.enqueued.Load() - p.settled.Load()) }
 
 // Idle reports whether every enqueued batch is settled.
-func (p *publisher) Idle() bool { return p.settled.Load() == p.enqueued.Load() }
+func (p *Pipeline) Idle() bool { return p.settled.Load() == p.enqueued.Load() }
 
 // Run settles batches in order until ctx ends and the queue is empty. After ctx ends it keeps
 // settling what was enqueued, for up to grace, so a shutdown saves as far as it can.
-func (p *publisher) Run(ctx context.Context, grace time.Duration) {
+func (p *Pipeline) Run(ctx context.Context, grace time.Duration) {
 	defer close(p.done)
 	// settleCtx outlives ctx by grace, so in-flight publishes get their answers on shutdown.
 	settleCtx, cancel := context.WithCancel(context.WithoutCancel(ctx))
@@ -283,7 +292,7 @@ func (p *publisher) Run(ctx context.Context, grace time.Duration) {
 
 // settle waits for every job of b, republishing failures with backoff. It returns false when
 // settleCtx ended first (b is then not settled and the position does not move past it).
-func (p *publisher) settle(ctx context.Context, b *batch) bool {
+func (p *Pipeline) settle(ctx context.Context, b *batch) bool {
 	for i := range b.jobs {
 		if !p.settleJob(ctx, &b.jobs[i]) {
 			return false
@@ -311,7 +320,7 @@ func (p *publisher) settle(ctx context.Context, b *batch) bool {
 	return true
 }
 
-func (p *publisher) settleJob(ctx context.Context, j *pendingJob) bool {
+func (p *Pipeline) settleJob(ctx context.Context, j *pendingJob) bool {
 	err := j.err
 	if err == nil && j.future != nil {
 		timer := time.NewTimer(p.ackTimeout)
@@ -361,4 +370,4 @@ func (p *publisher) settleJob(ctx context.Context, j *pendingJob) bool {
 }
 
 // Wait blocks until Run has returned.
-func (p *publisher) Wait() { <-p.done }
+func (p *Pipeline) Wait() { <-p.done }

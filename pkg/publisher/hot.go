@@ -1,4 +1,4 @@
-package main
+package publisher
 
 import (
 	"context"
@@ -10,9 +10,10 @@ import (
 
 	"github.com/spiegel-nats/spiegel/pkg/couch"
 	"github.com/spiegel-nats/spiegel/pkg/events"
+	"github.com/spiegel-nats/spiegel/pkg/metrics"
 )
 
-// hotFeeds keeps continuous _changes feeds open on busy dbs and publishes a db's jobs the moment
+// HotFeeds keeps continuous _changes feeds open on busy dbs and publishes a db's jobs the moment
 // a change arrives on its feed, instead of the ~0.3–0.5 s later the db-updates feed reports it
 // (CouchDB batches _db_updates: [global_changes] max_write_delay).
 //
@@ -30,7 +31,7 @@ import (
 //
 // Once a feed has delivered a change and that change's jobs are settled, the feed "covers" its
 // db: every later db-updates event of the db is redundant and is passed over (Cover,
-// publisher.Covered), which keeps a hot db at one run per change. The saved position stays
+// Pipeline.Covered), which keeps a hot db at one run per change. The saved position stays
 // before each passed-over event until a job that stands for the event's change is settled —
 // acknowledged by JetStream (Hold), never by a clock:
 //   - a job of the db published after the event was read stands for it: the change was made
@@ -41,9 +42,9 @@ import (
 //     published once more, and the holds released when they are settled;
 //   - a producer that stops (or dies) first leaves the saved position before the events: the
 //     next one reads them again. A deleted db, or one no rule matches any more, wants no job.
-type hotFeeds struct {
-	couch     dbChanges
-	pub       *publisher
+type HotFeeds struct {
+	couch     DBChanges
+	pub       *Pipeline
 	groups    func(db string) []events.Group
 	log       logrus.FieldLogger
 	metrics   producerMetrics
@@ -80,13 +81,13 @@ type streak struct {
 	n    int
 }
 
-// dbChanges is what hot feeds read of CouchDB (*couch.Client).
-type dbChanges interface {
+// DBChanges is what hot feeds read of CouchDB (*couch.Client).
+type DBChanges interface {
 	WatchChanges(ctx context.Context, db string, opt couch.ChangesOptions, connected func(), emit func(couch.Change) error) error
 	Changes(ctx context.Context, db string, opt couch.ChangesOptions) (couch.ChangesPage, error)
 }
 
-// hotFeed is one db's open feed. Its fields are guarded by hotFeeds.mu.
+// hotFeed is one db's open feed. Its fields are guarded by HotFeeds.mu.
 type hotFeed struct {
 	db     string
 	cancel context.CancelFunc
@@ -108,29 +109,32 @@ type hotFeed struct {
 
 // Reasons a hot feed is closed (the reason label of spiegel_hot_feeds_closed_total).
 const (
-	closeIdle    = "idle"
-	closeDeleted = "db_deleted"
-	closeNoRule  = "no_rule"
-	closeStopped = "stopping"
-	closeFailed  = "failed"
+	CloseIdle    = "idle"
+	CloseDeleted = "db_deleted"
+	CloseNoRule  = "no_rule"
+	CloseStopped = "stopping"
+	CloseFailed  = "failed"
 )
 
 // What closing a feed cost (the then label of spiegel_hot_feeds_closed_total).
 const (
-	closeThenNone      = "none"      // nothing passed over since the last publish, or no job wanted (db deleted, no rule)
-	closeThenChecked   = "checked"   // one _changes request: the feed had delivered everything
-	closeThenPublished = "published" // the db's jobs were published once more
-	closeThenHeld      = "held"      // stopping: the saved position stays before the events
+	CloseThenNone      = "none"      // nothing passed over since the last publish, or no job wanted (db deleted, no rule)
+	CloseThenChecked   = "checked"   // one _changes request: the feed had delivered everything
+	CloseThenPublished = "published" // the db's jobs were published once more
+	CloseThenHeld      = "held"      // stopping: the saved position stays before the events
 )
 
-func newHotFeeds(c dbChanges, pub *publisher, groups func(string) []events.Group, max int, idle, heartbeat time.Duration,
-	m producerMetrics, log logrus.FieldLogger) *hotFeeds {
-	return &hotFeeds{couch: c, pub: pub, groups: groups, max: max, idle: idle, heartbeat: heartbeat, retryAfter: time.Minute,
-		metrics: m, log: log, now: time.Now, feeds: map[string]*hotFeed{}, events: hotEvents, recent: map[string]streak{}, failed: map[string]time.Time{}}
+// NewHotFeeds returns hot feeds on the dbs of c that publish through pub the jobs of the groups
+// whose rules match a db (groups), at most max feeds open, each closed once idle for idle; m
+// (nil: none) counts them. Run runs them.
+func NewHotFeeds(c DBChanges, pub *Pipeline, groups func(string) []events.Group, max int, idle, heartbeat time.Duration,
+	m *metrics.Producer, log logrus.FieldLogger) *HotFeeds {
+	return &HotFeeds{couch: c, pub: pub, groups: groups, max: max, idle: idle, heartbeat: heartbeat, retryAfter: time.Minute,
+		metrics: producerMetrics{m: m}, log: log, now: time.Now, feeds: map[string]*hotFeed{}, events: hotEvents, recent: map[string]streak{}, failed: map[string]time.Time{}}
 }
 
 // Run closes idle feeds until ctx ends, then closes every feed and waits for them.
-func (h *hotFeeds) Run(ctx context.Context) {
+func (h *HotFeeds) Run(ctx context.Context) {
 	h.mu.Lock()
 	h.ctx = ctx
 	h.mu.Unlock()
@@ -141,7 +145,7 @@ func (h *hotFeeds) Run(ctx context.Context) {
 		case <-ctx.Done():
 			h.mu.Lock()
 			for _, f := range h.feeds {
-				h.closeLocked(f, closeStopped)
+				h.closeLocked(f, CloseStopped)
 			}
 			h.mu.Unlock()
 			h.wg.Wait()
@@ -153,13 +157,13 @@ func (h *hotFeeds) Run(ctx context.Context) {
 }
 
 // tidy closes the feeds idle for h.idle and forgets what is older than that.
-func (h *hotFeeds) tidy() {
+func (h *HotFeeds) tidy() {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	now := h.now()
 	for _, f := range h.feeds {
 		if now.Sub(f.changed) >= h.idle {
-			h.closeLocked(f, closeIdle)
+			h.closeLocked(f, CloseIdle)
 		}
 	}
 	for db, st := range h.recent {
@@ -175,7 +179,7 @@ func (h *hotFeeds) tidy() {
 }
 
 // Count returns the number of feeds open.
-func (h *hotFeeds) Count() int {
+func (h *HotFeeds) Count() int {
 	if h == nil {
 		return 0
 	}
@@ -185,9 +189,9 @@ func (h *hotFeeds) Count() int {
 }
 
 // Cover returns a hold when a db-updates event of db is redundant because db's feed covers it;
-// the caller then passes over the event with the hold (publisher.Covered). It returns nil when
+// the caller then passes over the event with the hold (Pipeline.Covered). It returns nil when
 // the event must take the db-updates path.
-func (h *hotFeeds) Cover(db string) *Hold {
+func (h *HotFeeds) Cover(db string) *Hold {
 	if h == nil {
 		return nil
 	}
@@ -205,7 +209,7 @@ func (h *hotFeeds) Cover(db string) *Hold {
 // Seen notes a db-updates event of db, which rules match, whose jobs were enqueued; it opens a
 // feed on db when the event is the db's h.events-th in a row each within h.idle of the one
 // before, unless one is open, max are open, the db's feed failed lately, or Run is not running.
-func (h *hotFeeds) Seen(db string) {
+func (h *HotFeeds) Seen(db string) {
 	if h == nil || h.max <= 0 {
 		return
 	}
@@ -240,7 +244,7 @@ func (h *hotFeeds) Seen(db string) {
 	ctx, cancel := context.WithCancel(h.ctx)
 	f := &hotFeed{db: db, cancel: cancel, changed: now, kick: make(chan struct{}, 1)}
 	h.feeds[db] = f
-	h.metrics.hotFeeds(len(h.feeds))
+	h.metrics.feedsOpen(len(h.feeds))
 	h.metrics.hotFeedOpened()
 	h.wg.Add(1)
 	go func() {
@@ -249,8 +253,8 @@ func (h *hotFeeds) Seen(db string) {
 	}()
 }
 
-// Close closes db's feed, if any, because of why (closeDeleted, closeNoRule), and forgets db.
-func (h *hotFeeds) Close(db, why string) {
+// Close closes db's feed, if any, because of why (CloseDeleted, CloseNoRule), and forgets db.
+func (h *HotFeeds) Close(db, why string) {
 	if h == nil {
 		return
 	}
@@ -264,20 +268,20 @@ func (h *hotFeeds) Close(db, why string) {
 
 // closeLocked stops f from covering its db at once and ends its connection; the feed's
 // goroutine finishes the close (follow).
-func (h *hotFeeds) closeLocked(f *hotFeed, why string) {
+func (h *HotFeeds) closeLocked(f *hotFeed, why string) {
 	if f.closing != "" {
 		return
 	}
 	f.closing = why
 	f.covers = false
 	delete(h.feeds, f.db)
-	h.metrics.hotFeeds(len(h.feeds))
+	h.metrics.feedsOpen(len(h.feeds))
 	f.cancel()
 }
 
 // follow runs f's connection until it ends, then settles the holds of the events it passed
-// over (see hotFeeds).
-func (h *hotFeeds) follow(ctx context.Context, f *hotFeed) {
+// over (see HotFeeds).
+func (h *HotFeeds) follow(ctx context.Context, f *hotFeed) {
 	log := h.log.WithField("db", f.db)
 	pubDone := make(chan struct{})
 	go func() { defer close(pubDone); h.publishLoop(ctx, f) }()
@@ -289,9 +293,9 @@ func (h *hotFeeds) follow(ctx context.Context, f *hotFeed) {
 	switch {
 	case f.closing != "":
 	case h.ctx.Err() != nil: // Run is ending (and ended the feed)
-		h.closeLocked(f, closeStopped)
+		h.closeLocked(f, CloseStopped)
 	default: // the connection ended by itself
-		h.closeLocked(f, closeFailed)
+		h.closeLocked(f, CloseFailed)
 		h.failed[f.db] = h.now().Add(h.retryAfter)
 	}
 	h.mu.Unlock()
@@ -300,7 +304,7 @@ func (h *hotFeeds) follow(ctx context.Context, f *hotFeed) {
 	why, holds := f.closing, f.holds
 	f.holds = nil
 	h.mu.Unlock()
-	if why == closeFailed && !errors.Is(err, couch.ErrNotFound) {
+	if why == CloseFailed && !errors.Is(err, couch.ErrNotFound) {
 		log.WithError(err).Info("hot feed ended: the db's events take the db-updates path again")
 	}
 	then := h.settleHolds(f, why, holds)
@@ -309,16 +313,16 @@ func (h *hotFeeds) follow(ctx context.Context, f *hotFeed) {
 }
 
 // settleHolds releases, or leaves, the holds of a closed feed and says what it cost.
-func (h *hotFeeds) settleHolds(f *hotFeed, why string, holds []*Hold) string {
+func (h *HotFeeds) settleHolds(f *hotFeed, why string, holds []*Hold) string {
 	if len(holds) == 0 {
-		return closeThenNone
+		return CloseThenNone
 	}
 	switch why {
-	case closeStopped:
-		return closeThenHeld
-	case closeDeleted, closeNoRule:
+	case CloseStopped:
+		return CloseThenHeld
+	case CloseDeleted, CloseNoRule:
 		h.pub.Release(holds)
-		return closeThenNone
+		return CloseThenNone
 	}
 	ctx := h.runCtx()
 	h.mu.Lock()
@@ -331,26 +335,26 @@ func (h *hotFeeds) settleHolds(f *hotFeed, why string, holds []*Hold) string {
 		page, err := h.couch.Changes(ctx, f.db, couch.ChangesOptions{Since: since, Limit: 1})
 		if err == nil && len(page.Results) == 0 {
 			h.pub.Release(holds)
-			return closeThenChecked
+			return CloseThenChecked
 		}
 		if errors.Is(err, couch.ErrNotFound) {
 			// The db is gone: its deletion event releases nothing, so release here.
 			h.pub.Release(holds)
-			return closeThenNone
+			return CloseThenNone
 		}
 	}
 	groups := h.groups(f.db)
 	if len(groups) == 0 {
 		h.pub.Release(holds)
-		return closeThenNone
+		return CloseThenNone
 	}
 	if err := h.pub.EnqueueThen(ctx, f.db, events.TypeUpdated, groups, func() { h.pub.Release(holds) }); err != nil {
-		return closeThenHeld // stopping: the saved position stays before the events
+		return CloseThenHeld // stopping: the saved position stays before the events
 	}
-	return closeThenPublished
+	return CloseThenPublished
 }
 
-func (h *hotFeeds) runCtx() context.Context {
+func (h *HotFeeds) runCtx() context.Context {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	return h.ctx
@@ -358,7 +362,7 @@ func (h *hotFeeds) runCtx() context.Context {
 
 // changed notes a change f delivered and asks for its db's jobs. A change that comes while they
 // are being published makes them published once more after; more changes meanwhile add nothing.
-func (h *hotFeeds) changed(f *hotFeed, seq string) {
+func (h *HotFeeds) changed(f *hotFeed, seq string) {
 	h.mu.Lock()
 	f.delivered++
 	f.lastSeq = seq
@@ -375,7 +379,7 @@ func (h *hotFeeds) changed(f *hotFeed, seq string) {
 // publishLoop publishes the jobs of f's db for each kick until ctx ends; once a publish is
 // settled, the feed covers its db, and the holds of the events passed over before it began are
 // released.
-func (h *hotFeeds) publishLoop(ctx context.Context, f *hotFeed) {
+func (h *HotFeeds) publishLoop(ctx context.Context, f *hotFeed) {
 	for {
 		select {
 		case <-ctx.Done():
@@ -384,7 +388,7 @@ func (h *hotFeeds) publishLoop(ctx context.Context, f *hotFeed) {
 		}
 		groups := h.groups(f.db)
 		if len(groups) == 0 {
-			h.Close(f.db, closeNoRule)
+			h.Close(f.db, CloseNoRule)
 			return
 		}
 		h.mu.Lock()

@@ -1,4 +1,4 @@
-package main
+package admin
 
 import (
 	"context"
@@ -14,6 +14,7 @@ import (
 	"github.com/spiegel-nats/spiegel/pkg/couch"
 	"github.com/spiegel-nats/spiegel/pkg/events"
 	"github.com/spiegel-nats/spiegel/pkg/natsjs"
+	"github.com/spiegel-nats/spiegel/pkg/producer"
 	"github.com/spiegel-nats/spiegel/pkg/rules"
 	"github.com/spiegel-nats/spiegel/pkg/status"
 	"github.com/spiegel-nats/spiegel/pkg/worker"
@@ -23,8 +24,8 @@ import (
 // checks how far the on_change rules are behind.
 const ruleCheckConcurrency = 16
 
-// ruleStatus is one rule's part of `producer status`.
-type ruleStatus struct {
+// RuleStatus is one rule's part of `producer status` (StatusReport.PerRule).
+type RuleStatus struct {
 	ID         string `json:"id"`
 	Kind       string `json:"kind"`
 	Pattern    string `json:"pattern"`          // the db_name regex; an exact replicator rule's db
@@ -54,7 +55,7 @@ type ruleStatus struct {
 
 // ruleChecker computes the per-rule part of `producer status`. Its work is bounded by ctx.
 type ruleChecker struct {
-	d         *deps
+	d         *producer.Conns
 	spiegelDB string
 	store     *checkpoint.OnChangeStore
 	now       time.Time
@@ -66,9 +67,9 @@ type ruleChecker struct {
 // perRule returns the status of rules, in their order, as the spiegel db, the checkpoints and
 // the dead-letter stream tell it (see withProcesses for the rest). incomplete, when not "", says
 // what could not be done within ctx.
-func (c *ruleChecker) perRule(ctx context.Context, rs []rules.Rule) (out []ruleStatus, incomplete string) {
+func (c *ruleChecker) perRule(ctx context.Context, rs []rules.Rule) (out []RuleStatus, incomplete string) {
 	var notes []string
-	out = make([]ruleStatus, len(rs))
+	out = make([]RuleStatus, len(rs))
 	if len(rs) == 0 {
 		return out, ""
 	}
@@ -82,8 +83,8 @@ func (c *ruleChecker) perRule(ctx context.Context, rs []rules.Rule) (out []ruleS
 		db string
 	}
 	var tasks []task
-	err := c.d.couch.EachDB(ctx, func(db string) error {
-		if db == c.spiegelDB || systemDBs[db] {
+	err := c.d.Couch.EachDB(ctx, func(db string) error {
+		if db == c.spiegelDB || producer.IsSystemDB(db) {
 			return nil
 		}
 		for i, r := range rs {
@@ -109,7 +110,7 @@ func (c *ruleChecker) perRule(ctx context.Context, rs []rules.Rule) (out []ruleS
 	var dl map[string]int
 	var dlErr error
 	var wg sync.WaitGroup
-	wg.Go(func() { dl, dlErr = deadLettersByRule(ctx, c.d.js, c.d.topo.Subjects.DeadLetterStream()) })
+	wg.Go(func() { dl, dlErr = deadLettersByRule(ctx, c.d.JS, c.d.Topo.Subjects.DeadLetterStream()) })
 
 	var mu sync.Mutex
 	unchecked := 0
@@ -171,8 +172,8 @@ func (c *ruleChecker) perRule(ctx context.Context, rs []rules.Rule) (out []ruleS
 }
 
 // describeRule is what the rule itself tells about r.
-func describeRule(r rules.Rule) ruleStatus {
-	rs := ruleStatus{ID: r.ID(), Kind: r.Kind(), Enabled: r.Enabled()}
+func describeRule(r rules.Rule) RuleStatus {
+	rs := RuleStatus{ID: r.ID(), Kind: r.Kind(), Enabled: r.Enabled()}
 	switch x := r.(type) {
 	case *rules.Replicator:
 		rs.Pattern = x.ExactDB
@@ -191,7 +192,7 @@ func describeRule(r rules.Rule) ruleStatus {
 // withProcesses adds to out what the running consumers (procs) say about each rule: the
 // default engine of replicator rules that name none, and the runs summed over the instances
 // that ran the rule (the last run is the latest of theirs).
-func withProcesses(out []ruleStatus, procs []status.Report) {
+func withProcesses(out []RuleStatus, procs []status.Report) {
 	defaultEngine := "default"
 	for _, p := range procs {
 		if p.Component == status.ComponentReplicator && p.DefaultEngine != "" {
@@ -234,7 +235,7 @@ func (c *ruleChecker) behind(ctx context.Context, r *rules.OnChange, db string) 
 	if !cp.Found && r.Since == rules.SinceNow {
 		return false, nil, nil // the rule starts at the db's end on its first run
 	}
-	page, err := c.d.couch.Changes(ctx, db, couch.ChangesOptions{Since: cp.LastSeq, Limit: 1})
+	page, err := c.d.Couch.Changes(ctx, db, couch.ChangesOptions{Since: cp.LastSeq, Limit: 1})
 	if errors.Is(err, couch.ErrNotFound) {
 		return false, nil, nil
 	}
@@ -256,11 +257,11 @@ func (c *ruleChecker) pendingJob(ctx context.Context, db string) (*time.Time, er
 	if ok {
 		return at, nil
 	}
-	s, err := c.d.js.Stream(ctx, c.d.topo.Subjects.WorkStream())
+	s, err := c.d.JS.Stream(ctx, c.d.Topo.Subjects.WorkStream())
 	if err != nil {
 		return nil, err
 	}
-	m, err := s.GetLastMsgForSubject(ctx, c.d.topo.Subjects.Work(events.GroupOnChange, db))
+	m, err := s.GetLastMsgForSubject(ctx, c.d.Topo.Subjects.Work(events.GroupOnChange, db))
 	switch {
 	case errors.Is(err, jetstream.ErrMsgNotFound):
 		at = nil
@@ -320,11 +321,11 @@ func deadLettersByRule(ctx context.Context, js jetstream.JetStream, stream strin
 }
 
 // openRuleChecker returns a checker over d's servers.
-func openRuleChecker(ctx context.Context, d *deps, spiegelDB string) (*ruleChecker, error) {
-	kv, err := natsjs.OnChangeBucket(ctx, d.js, d.topo)
+func openRuleChecker(ctx context.Context, d *producer.Conns, spiegelDB string) (*ruleChecker, error) {
+	kv, err := natsjs.OnChangeBucket(ctx, d.JS, d.Topo)
 	if err != nil {
 		return nil, err
 	}
-	return &ruleChecker{d: d, spiegelDB: spiegelDB, store: checkpoint.NewOnChangeStore(d.couch, kv), now: time.Now(),
+	return &ruleChecker{d: d, spiegelDB: spiegelDB, store: checkpoint.NewOnChangeStore(d.Couch, kv), now: time.Now(),
 		jobs: map[string]*time.Time{}}, nil
 }

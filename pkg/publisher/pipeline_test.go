@@ -1,4 +1,4 @@
-package main
+package publisher
 
 import (
 	"context"
@@ -30,7 +30,7 @@ var (
 	errFull      = &jetstream.APIError{Code: 503, ErrorCode: 10077, Description: "maximum bytes exceeded"}
 )
 
-// fakeJobs is a jobPublisher. Each async publish gets a future the test answers with answer();
+// fakeJobs is a Jobs. Each async publish gets a future the test answers with answer();
 // sync publishes (the pipeline's retries, Offer) take their results from syncResults, in order,
 // then succeed; MarkAndRetry records a wakeup marker.
 type fakeJobs struct {
@@ -114,12 +114,12 @@ func (f *fakeFuture) Err() <-chan error            { return f.err }
 func (f *fakeFuture) Msg() *nats.Msg               { return &nats.Msg{} }
 
 // runPublisher starts a publisher over jobs and returns it with its metrics.
-func runPublisher(t *testing.T, jobs jobPublisher, ackTimeout time.Duration) (*publisher, *metrics.Producer) {
+func runPublisher(t *testing.T, jobs Jobs, ackTimeout time.Duration) (*Pipeline, *metrics.Producer) {
 	t.Helper()
 	m := metrics.NewProducer(prometheus.NewRegistry())
 	log := logrus.New()
 	log.SetOutput(io.Discard)
-	p := newPublisher(jobs, 64, producerMetrics{m: m}, log)
+	p := New(jobs, 64, m, log)
 	p.ackTimeout = ackTimeout
 	p.SetSafe("start")
 	ctx, cancel := context.WithCancel(context.Background())
@@ -129,7 +129,7 @@ func runPublisher(t *testing.T, jobs jobPublisher, ackTimeout time.Duration) (*p
 }
 
 // enqueue hands in position seq with one replicate job for db seq.
-func enqueue(t *testing.T, p *publisher, seqs ...string) {
+func enqueue(t *testing.T, p *Pipeline, seqs ...string) {
 	t.Helper()
 	for _, s := range seqs {
 		require.NoError(t, p.Enqueue(t.Context(), s, true, s, events.TypeUpdated, []events.Group{events.GroupReplicate}))
@@ -137,7 +137,7 @@ func enqueue(t *testing.T, p *publisher, seqs ...string) {
 }
 
 // requireSafe waits until Safe is want; stays reports whether it should not move from it.
-func requireSafe(t *testing.T, p *publisher, want string) {
+func requireSafe(t *testing.T, p *Pipeline, want string) {
 	t.Helper()
 	require.Eventually(t, func() bool { return p.Safe() == want }, 5*time.Second, time.Millisecond, "safe %q, want %q", p.Safe(), want)
 }

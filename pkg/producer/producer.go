@@ -1,4 +1,4 @@
-package main
+package producer
 
 import (
 	"context"
@@ -14,12 +14,17 @@ import (
 	"github.com/spiegel-nats/spiegel/pkg/couch"
 	"github.com/spiegel-nats/spiegel/pkg/events"
 	"github.com/spiegel-nats/spiegel/pkg/logging"
+	"github.com/spiegel-nats/spiegel/pkg/publisher"
 	"github.com/spiegel-nats/spiegel/pkg/rules"
 	"github.com/spiegel-nats/spiegel/pkg/status"
 )
 
 // systemDBs are CouchDB's internal dbs: their updates never produce jobs.
 var systemDBs = map[string]bool{"_dbs": true, "_nodes": true, "_global_changes": true}
+
+// IsSystemDB reports whether db is one of CouchDB's internal dbs, whose updates never produce
+// jobs (nor does the spiegel db itself).
+func IsSystemDB(db string) bool { return systemDBs[db] }
 
 // feedRetry is the backoff between two attempts to open or resume the db-updates feed after
 // it failed as a whole (a permanent error such as refused credentials included: they get
@@ -32,9 +37,11 @@ type producer struct {
 	couch   *couch.Client
 	store   *checkpoint.Store // the producer's position
 	deleted *deletedDBs       // drops the cached on_change checkpoints of deleted dbs (nil: none)
+	done    *doneRecords      // the completion records the sweep compares with (nil: none)
+	undone  *deletedDBs       // drops the completion records of deleted dbs (nil: none)
 	rules   *rules.Set
-	pub     *publisher
-	hot     *hotFeeds // nil: off
+	pub     *publisher.Pipeline
+	hot     *publisher.HotFeeds // nil: off
 	log     logrus.FieldLogger
 	metrics producerMetrics
 
@@ -81,9 +88,12 @@ func (p *producer) handle(ctx context.Context, ev couch.DBEvent) error {
 		return p.pub.Enqueue(ctx, ev.Seq, false, ev.DB, "", nil)
 	}
 	if ev.Type == couch.EventDeleted {
-		p.hot.Close(ev.DB, closeDeleted)
+		p.hot.Close(ev.DB, publisher.CloseDeleted)
 		if p.rules.Groups(ev.DB).Has(events.GroupOnChange) {
 			p.deleted.Add(ev.DB)
+		}
+		if p.rules.Groups(ev.DB) != 0 {
+			p.undone.Add(ev.DB)
 		}
 		return p.pub.Enqueue(ctx, ev.Seq, true, ev.DB, events.TypeDeleted, nil)
 	}
@@ -367,22 +377,20 @@ func (p *producer) save(ctx context.Context, rulesSeq string) {
 	p.log.WithField("seq", next.LastSeq).Debug("saved producer position")
 }
 
-// runSweepIfFeed runs the reconciliation sweep unless the feed is the poll source, which is a
-// sweep already.
+// runSweepIfFeed runs the reconciliation sweep once the feed's source is known, whatever it
+// is: the poll source finds what _db_updates drops, but not what NATS loses.
 func (p *producer) runSweepIfFeed(ctx context.Context) {
 	for p.sourceUnknown() {
 		if backoff.Sleep(ctx, 100*time.Millisecond) != nil {
 			return
 		}
 	}
-	if p.isPoll() {
-		return
-	}
 	p.runSweep(ctx)
 }
 
-// runSweep enqueues every matched db whose update_seq changed since the previous sweep, to
-// catch what _db_updates dropped (SPEC §4.3). The first sweep only takes the baseline.
+// runSweep runs sweepOnce at once and then every SweepInterval until ctx ends: every matched db
+// that a job has not processed up to its update_seq gets one, to catch what _db_updates dropped
+// and what NATS lost (SPEC §3, §4.3).
 func (p *producer) runSweep(ctx context.Context) {
 	if p.cfg.SweepInterval <= 0 {
 		return
@@ -391,25 +399,9 @@ func (p *producer) runSweep(ctx context.Context) {
 	t := time.NewTicker(p.cfg.SweepInterval)
 	defer t.Stop()
 	for {
-		snap, err := p.couch.TakeSnapshot(ctx, func(db string) bool {
-			return !p.skip(db) && p.rules.Groups(db) != 0
-		})
-		if err != nil && ctx.Err() == nil {
+		var err error
+		if prev, err = p.sweepOnce(ctx, prev); err != nil && ctx.Err() == nil {
 			p.log.WithError(err).Warn("reconciliation sweep failed")
-		}
-		if err == nil {
-			if prev != nil {
-				for _, ev := range couch.Diff(prev, snap) {
-					if ev.Type == couch.EventDeleted {
-						continue
-					}
-					p.metrics.sweepEnqueued()
-					if err := p.pub.EnqueueNoSeq(ctx, ev.DB, events.ReasonSweep, p.rules.Groups(ev.DB).Groups()); err != nil {
-						return
-					}
-				}
-			}
-			prev = snap
 		}
 		select {
 		case <-ctx.Done():

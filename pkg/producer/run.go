@@ -1,4 +1,16 @@
-package main
+// Package producer is the producer's engine (SPEC §4): it follows CouchDB's db-updates feed and
+// hands each event's jobs to the publish pipeline (pkg/publisher), saves the position the
+// pipeline calls safe, sweeps for what the feed dropped, and enqueues the existing dbs of new
+// rules. Run wires it with its connections, metrics, NATS service and health listener; the
+// producer binary (producer/) runs it; what its admin commands do is pkg/admin.
+//
+// One db-updates event, top-down: Run starts runFeed (producer.go), which reads the feed
+// (couch.UpdatesFeed) and calls handle for each event; handle asks the rules which groups want
+// the db and enqueues their jobs (publisher.Pipeline.Enqueue), or passes over an event a hot feed
+// stands for (publisher.HotFeeds.Cover, Pipeline.Covered); the pipeline publishes each job to the
+// work stream (natsjs.Jobs) and, once JetStream acknowledged it, moves the safe position that
+// runSaver stores in the spiegel db (checkpoint.Store).
+package producer
 
 import (
 	"context"
@@ -17,22 +29,24 @@ import (
 	"github.com/spiegel-nats/spiegel/pkg/health"
 	"github.com/spiegel-nats/spiegel/pkg/metrics"
 	"github.com/spiegel-nats/spiegel/pkg/natsjs"
+	"github.com/spiegel-nats/spiegel/pkg/publisher"
+	"github.com/spiegel-nats/spiegel/pkg/reconcile"
 	"github.com/spiegel-nats/spiegel/pkg/rulefeed"
 	"github.com/spiegel-nats/spiegel/pkg/rules"
 )
 
-// deps are the connections every command of the producer binary needs.
-type deps struct {
-	cfg   *config.Producer
-	log   *logrus.Logger
-	couch *couch.Client
-	nc    *nats.Conn
-	js    jetstream.JetStream
-	topo  natsjs.Topology
+// Conns are the connections every command of the producer binary needs.
+type Conns struct {
+	Cfg   *config.Producer
+	Log   *logrus.Logger
+	Couch *couch.Client
+	NC    *nats.Conn
+	JS    jetstream.JetStream
+	Topo  natsjs.Topology
 }
 
-func connect(ctx context.Context, cfg *config.Producer, log *logrus.Logger, maxPending int) (*deps, error) {
-	cc, err := newCouch(cfg, log)
+func connect(ctx context.Context, cfg *config.Producer, log *logrus.Logger, maxPending int) (*Conns, error) {
+	cc, err := NewCouch(cfg, log)
 	if err != nil {
 		return nil, err
 	}
@@ -40,17 +54,20 @@ func connect(ctx context.Context, cfg *config.Producer, log *logrus.Logger, maxP
 	if err != nil {
 		return nil, err
 	}
-	return newDeps(cfg, log, cc, nc, maxPending)
+	return NewConns(cfg, log, cc, nc, maxPending)
 }
 
-func newCouch(cfg *config.Producer, log *logrus.Logger) (*couch.Client, error) {
+// NewCouch returns the CouchDB client of cfg.
+func NewCouch(cfg *config.Producer, log *logrus.Logger) (*couch.Client, error) {
 	return couch.New(couch.Config{
 		URL: cfg.CouchDBURL, CAFile: cfg.CouchDBCAFile, InsecureSkipVerify: cfg.CouchDBInsecureTLS, RequestTimeout: cfg.CouchDBTimeout,
+		MaxConns: cfg.CouchDBMaxConns,
 	}, log.WithField("component", "couch"))
 }
 
-// newDeps completes the connections of cfg over cc and nc (closed on error).
-func newDeps(cfg *config.Producer, log *logrus.Logger, cc *couch.Client, nc *nats.Conn, maxPending int) (*deps, error) {
+// NewConns completes the connections of cfg over cc and nc (closed on error), with at most
+// maxPending asynchronous publishes in flight.
+func NewConns(cfg *config.Producer, log *logrus.Logger, cc *couch.Client, nc *nats.Conn, maxPending int) (*Conns, error) {
 	js, err := jetstream.New(nc, jetstream.WithPublishAsyncMaxPending(maxPending))
 	if err != nil {
 		nc.Close()
@@ -59,29 +76,36 @@ func newDeps(cfg *config.Producer, log *logrus.Logger, cc *couch.Client, nc *nat
 	topo := natsjs.DefaultTopology(cfg.SubjectPrefix)
 	topo.Replicas = cfg.StreamReplicas
 	topo.AckWait = cfg.AckWait
-	return &deps{cfg: cfg, log: log, couch: cc, nc: nc, js: js, topo: topo}, nil
+	return &Conns{Cfg: cfg, Log: log, Couch: cc, NC: nc, JS: js, Topo: topo}, nil
 }
 
-// runProducer runs the producer until ctx ends (SPEC §4).
-func runProducer(ctx context.Context, cfg *config.Producer, log *logrus.Logger) error {
+// Run runs the producer until ctx ends (SPEC §4).
+func Run(ctx context.Context, cfg *config.Producer, log *logrus.Logger) error {
 	d, err := connect(ctx, cfg, log, 2*cfg.MaxInflight+64)
 	if err != nil {
 		return err
 	}
-	defer func() { _ = d.nc.Drain() }()
+	defer func() { _ = d.NC.Drain() }()
 	nlog := log.WithField("component", "nats")
 	if err := natsjs.AwaitInstalled(ctx, nlog, func(ctx context.Context) error {
-		return natsjs.CheckInstalled(ctx, d.js, d.topo)
+		return natsjs.CheckInstalled(ctx, d.JS, d.Topo)
 	}); err != nil {
 		return err
 	}
-	if _, err := d.couch.DBInfo(ctx, cfg.DBName); errors.Is(err, couch.ErrNotFound) {
+	if _, err := d.Couch.DBInfo(ctx, cfg.DBName); errors.Is(err, couch.ErrNotFound) {
 		return fmt.Errorf("the spiegel db %q does not exist: %w", cfg.DBName, natsjs.ErrNotInstalled)
 	}
 
 	var kv jetstream.KeyValue
 	if err := natsjs.AwaitInstalled(ctx, nlog, func(ctx context.Context) (err error) {
-		kv, err = natsjs.OnChangeBucket(ctx, d.js, d.topo)
+		kv, err = natsjs.OnChangeBucket(ctx, d.JS, d.Topo)
+		return err
+	}); err != nil {
+		return err
+	}
+	var doneKV jetstream.KeyValue
+	if err := natsjs.AwaitInstalled(ctx, nlog, func(ctx context.Context) (err error) {
+		doneKV, err = natsjs.DoneBucket(ctx, d.JS, d.Topo)
 		return err
 	}); err != nil {
 		return err
@@ -89,7 +113,7 @@ func runProducer(ctx context.Context, cfg *config.Producer, log *logrus.Logger) 
 
 	reg := metrics.NewRegistry("producer")
 	pm := metrics.NewProducer(reg)
-	metrics.RegisterJobGauges(reg, d.js, d.topo.Subjects.WorkStream())
+	metrics.RegisterJobGauges(reg, d.JS, d.Topo.Subjects.WorkStream())
 	plog := log.WithField("component", "producer")
 	p := &producer{
 		cfg: producerSettings{
@@ -97,25 +121,28 @@ func runProducer(ctx context.Context, cfg *config.Producer, log *logrus.Logger) 
 			PollInterval: cfg.PollInterval, SweepInterval: cfg.SweepInterval, SaveInterval: cfg.PositionSaveInterval,
 			Grace: cfg.ShutdownGrace,
 		},
-		couch:   d.couch,
-		store:   checkpoint.NewStore(d.couch, cfg.DBName),
+		couch:   d.Couch,
+		store:   checkpoint.NewStore(d.Couch, cfg.DBName),
 		rules:   rules.NewSet(),
 		log:     plog,
 		metrics: producerMetrics{m: pm},
 		resync:  make(chan struct{}, 1),
 	}
-	dropper, err := checkpoint.NewCacheDropper(ctx, d.js, kv)
+	dropper, err := checkpoint.NewCacheDropper(ctx, d.JS, kv)
 	if err != nil {
 		return err
 	}
 	p.deleted = newDeletedDBs(dropper, p.metrics, plog)
-	p.pub = newPublisher(natsjs.NewJobs(d.js, d.topo.Subjects), cfg.MaxInflight, p.metrics, plog)
+	records := reconcile.New(d.JS, doneKV)
+	p.done = &doneRecords{records: records, ensure: func(ctx context.Context) error { return natsjs.EnsureDoneBucket(ctx, d.JS, d.Topo) }}
+	p.undone = newDeletedDBs(records, producerMetrics{}, plog.WithField("records", "done"))
+	p.pub = publisher.New(natsjs.NewJobs(d.JS, d.Topo.Subjects), cfg.MaxInflight, pm, plog)
 	if cfg.HotFeeds > 0 {
-		p.hot = newHotFeeds(d.couch, p.pub, func(db string) []events.Group { return p.rules.Groups(db).Groups() },
-			cfg.HotFeeds, cfg.HotFeedIdle, cfg.FeedHeartbeat, p.metrics, log.WithField("component", "hot"))
+		p.hot = publisher.NewHotFeeds(d.Couch, p.pub, func(db string) []events.Group { return p.rules.Groups(db).Groups() },
+			cfg.HotFeeds, cfg.HotFeedIdle, cfg.FeedHeartbeat, pm, log.WithField("component", "hot"))
 	}
 
-	svc, err := p.registerService(d.nc, cfg.SubjectPrefix)
+	svc, err := p.registerService(d.NC, cfg.SubjectPrefix)
 	if err != nil {
 		return err
 	}
@@ -141,7 +168,7 @@ func runProducer(ctx context.Context, cfg *config.Producer, log *logrus.Logger) 
 	pubDone := make(chan struct{})
 	go func() { defer close(pubDone); p.pub.Run(ctx, cfg.ShutdownGrace) }()
 
-	rf := &rulefeed.Follower{Couch: d.couch, DB: cfg.DBName, Set: p.rules, Log: plog.WithField("component", "rules"), Metrics: pm,
+	rf := &rulefeed.Follower{Couch: d.Couch, DB: cfg.DBName, Set: p.rules, Log: plog.WithField("component", "rules"), Metrics: pm,
 		OnAdded: p.enqueueMatching}
 	rulesSeq, err := rf.Load(ctx)
 	if err != nil {
@@ -155,8 +182,9 @@ func runProducer(ctx context.Context, cfg *config.Producer, log *logrus.Logger) 
 		feedWG.Add(1)
 		go func() { defer feedWG.Done(); p.hot.Run(ctx) }()
 	}
-	feedWG.Add(5)
+	feedWG.Add(6)
 	go func() { defer feedWG.Done(); p.deleted.Run(ctx) }()
+	go func() { defer feedWG.Done(); p.undone.Run(ctx) }()
 	go func() {
 		defer feedWG.Done()
 		// Rules changed while no producer ran: enqueue their existing dbs, then follow live.
@@ -188,12 +216,12 @@ func runProducer(ctx context.Context, cfg *config.Producer, log *logrus.Logger) 
 }
 
 // readiness checks CouchDB, NATS, the work stream and the db-updates feed.
-func readiness(d *deps, spiegelDB string, feed health.Check) map[string]health.Check {
+func readiness(d *Conns, spiegelDB string, feed health.Check) map[string]health.Check {
 	checks := health.Dependencies(func(ctx context.Context) error {
-		_, err := d.couch.DBInfo(ctx, spiegelDB)
+		_, err := d.Couch.DBInfo(ctx, spiegelDB)
 		return err
-	}, d.nc, "stream", func(ctx context.Context) error {
-		return natsjs.CheckInstalled(ctx, d.js, d.topo, events.Groups...)
+	}, d.NC, "stream", func(ctx context.Context) error {
+		return natsjs.CheckInstalled(ctx, d.JS, d.Topo, events.Groups...)
 	})
 	checks["feed"] = feed
 	return checks

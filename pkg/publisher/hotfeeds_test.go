@@ -1,4 +1,4 @@
-package main
+package publisher
 
 import (
 	"context"
@@ -23,7 +23,7 @@ import (
 // by line (or cuts), and JetStream's answers are the test's (fakeJobs). What these tests check
 // happens in an order the test decides, with no clock in the way.
 
-// fakeChanges is a dbChanges whose continuous feeds the test drives.
+// fakeChanges is a DBChanges whose continuous feeds the test drives.
 type fakeChanges struct {
 	mu     sync.Mutex
 	feeds  map[string]chan fakeLine
@@ -95,8 +95,8 @@ func (f *fakeChanges) oneShots() []string {
 }
 
 type hotRig struct {
-	hot     *hotFeeds
-	pub     *publisher
+	hot     *HotFeeds
+	pub     *Pipeline
 	jobs    *fakeJobs
 	couch   *fakeChanges
 	m       *metrics.Producer
@@ -106,19 +106,19 @@ type hotRig struct {
 }
 
 // newHotRig runs hot feeds (at most maxFeeds, closed after idle) over a fake CouchDB and a
-// publisher over fakeJobs; every db has one rule (replicate).
+// pipeline over fakeJobs; every db has one rule (replicate).
 func newHotRig(t *testing.T, maxFeeds int, idle time.Duration) *hotRig {
 	t.Helper()
 	r := &hotRig{jobs: newFakeJobs(), couch: newFakeChanges(), m: metrics.NewProducer(prometheus.NewRegistry())}
 	log := logrus.New()
 	log.SetOutput(io.Discard)
-	r.pub = newPublisher(r.jobs, 64, producerMetrics{m: r.m}, log)
+	r.pub = New(r.jobs, 64, r.m, log)
 	r.pub.ackTimeout = time.Hour
 	r.pub.SetSafe("0")
 	ctx, cancel := context.WithCancel(context.Background())
 	go r.pub.Run(ctx, time.Second)
-	r.hot = newHotFeeds(r.couch, r.pub, func(string) []events.Group { return []events.Group{events.GroupReplicate} },
-		maxFeeds, idle, time.Second, producerMetrics{m: r.m}, log)
+	r.hot = NewHotFeeds(r.couch, r.pub, func(string) []events.Group { return []events.Group{events.GroupReplicate} },
+		maxFeeds, idle, time.Second, r.m, log)
 	r.stop, r.done = cancel, make(chan struct{})
 	go func() { defer close(r.done); r.hot.Run(ctx) }()
 	require.Eventually(t, func() bool { return r.hot.runCtx() != nil }, 5*time.Second, time.Millisecond)
@@ -281,7 +281,7 @@ func TestHotFeedHoldReleasedByAcknowledgement(t *testing.T) {
 		return []couch.Change{{Seq: "7", ID: "undelivered"}}, nil
 	}
 	r.couch.send(t, "hot", fakeLine{err: errors.New("no byte for twice the heartbeat")})
-	require.Eventually(t, func() bool { return r.closed(closeFailed, closeThenPublished) == 1 }, 10*time.Second, time.Millisecond)
+	require.Eventually(t, func() bool { return r.closed(CloseFailed, CloseThenPublished) == 1 }, 10*time.Second, time.Millisecond)
 	r.waitPublish(t, "hot", 3)
 	assert.Equal(t, []string{"hot 6"}, r.couch.oneShots(), "one _changes request after the last seq delivered")
 	for range 3 {
@@ -304,7 +304,7 @@ func TestHotFeedIdleCloseChecksInsteadOfPublishing(t *testing.T) {
 	r.openFeed(t, "q")
 	r.deliver(t, "q", "3")
 	r.cover(t, "q", "e1")
-	require.Eventually(t, func() bool { return r.closed(closeIdle, closeThenChecked) == 1 }, 10*time.Second, time.Millisecond)
+	require.Eventually(t, func() bool { return r.closed(CloseIdle, CloseThenChecked) == 1 }, 10*time.Second, time.Millisecond)
 	assert.Equal(t, []string{"q 3"}, r.couch.oneShots())
 	_, held := r.candidate()
 	assert.False(t, held)
@@ -318,7 +318,7 @@ func TestHotFeedIdleCloseWithoutHolds(t *testing.T) {
 	r := newHotRig(t, 4, 300*time.Millisecond)
 	r.openFeed(t, "q")
 	r.deliver(t, "q", "3")
-	require.Eventually(t, func() bool { return r.closed(closeIdle, closeThenNone) == 1 }, 10*time.Second, time.Millisecond)
+	require.Eventually(t, func() bool { return r.closed(CloseIdle, CloseThenNone) == 1 }, 10*time.Second, time.Millisecond)
 	assert.Empty(t, r.couch.oneShots())
 }
 
@@ -332,7 +332,7 @@ func TestHotFeedStopKeepsHolds(t *testing.T) {
 	r.cover(t, "s", "e1")
 	r.stop()
 	<-r.done
-	assert.Equal(t, 1.0, r.closed(closeStopped, closeThenHeld))
+	assert.Equal(t, 1.0, r.closed(CloseStopped, CloseThenHeld))
 	seq, held := r.candidate()
 	assert.Equal(t, "0", seq)
 	assert.True(t, held)
@@ -345,8 +345,8 @@ func TestHotFeedDeletedDBReleases(t *testing.T) {
 	r.openFeed(t, "d")
 	r.deliver(t, "d", "3")
 	r.cover(t, "d", "e1")
-	r.hot.Close("d", closeDeleted)
-	require.Eventually(t, func() bool { return r.closed(closeDeleted, closeThenNone) == 1 }, 10*time.Second, time.Millisecond)
+	r.hot.Close("d", CloseDeleted)
+	require.Eventually(t, func() bool { return r.closed(CloseDeleted, CloseThenNone) == 1 }, 10*time.Second, time.Millisecond)
 	_, held := r.candidate()
 	assert.False(t, held)
 	assert.Empty(t, r.couch.oneShots())

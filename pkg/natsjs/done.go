@@ -1,0 +1,43 @@
+package natsjs
+
+import (
+	"context"
+	"errors"
+	"fmt"
+
+	"github.com/nats-io/nats.go/jetstream"
+)
+
+// DoneBucketConfig is the bucket of completion records (package reconcile): one value per
+// (group, db), the db's update_seq that the group's last successful job started from. It is
+// an accelerator like every NATS state of the service: losing it costs one job per matched db,
+// never a change (the producer's sweep enqueues every db whose record is missing).
+func (t Topology) DoneBucketConfig() jetstream.KeyValueConfig {
+	return jetstream.KeyValueConfig{
+		Bucket:      t.Subjects.DoneBucket(),
+		Description: "Spiegel: per (group, db), the update_seq its last successful job started from (the sweep compares it with CouchDB)",
+		History:     1,
+		Storage:     jetstream.FileStorage,
+		Replicas:    t.replicas(),
+	}
+}
+
+// EnsureDoneBucket creates or updates the bucket of completion records. Ensure calls it; the
+// producer's sweep calls it too when the bucket is gone, so that a lost bucket heals itself.
+func EnsureDoneBucket(ctx context.Context, js jetstream.JetStream, t Topology) error {
+	return ensureBucket(ctx, js, t.DoneBucketConfig())
+}
+
+// DoneBucket opens the bucket of completion records; a missing bucket is an error wrapping
+// ErrNotInstalled (an installation made by an older release lacks it: running install again
+// adds it).
+func DoneBucket(ctx context.Context, js jetstream.JetStream, t Topology) (jetstream.KeyValue, error) {
+	kv, err := js.KeyValue(ctx, t.Subjects.DoneBucket())
+	if errors.Is(err, jetstream.ErrBucketNotFound) {
+		return nil, fmt.Errorf("key-value bucket %s is missing: %w", t.Subjects.DoneBucket(), ErrNotInstalled)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("open key-value bucket %s: %w", t.Subjects.DoneBucket(), err)
+	}
+	return kv, nil
+}

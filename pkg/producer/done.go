@@ -1,0 +1,97 @@
+package producer
+
+import (
+	"context"
+	"errors"
+	"slices"
+
+	"github.com/sirupsen/logrus"
+
+	"github.com/spiegel-nats/spiegel/pkg/couch"
+	"github.com/spiegel-nats/spiegel/pkg/events"
+	"github.com/spiegel-nats/spiegel/pkg/reconcile"
+)
+
+// doneReader reads every completion record (*reconcile.Records).
+type doneReader interface {
+	Read(ctx context.Context) (reconcile.Done, error)
+}
+
+// doneRecords is what the sweep needs of the completion records: reading them, and creating
+// their bucket again when it is gone (natsjs.EnsureDoneBucket).
+type doneRecords struct {
+	records doneReader
+	ensure  func(ctx context.Context) error
+}
+
+// readDone reads the completion records for one sweep. A bucket that is gone is created again
+// and read as empty: every matched db gets one job, whose successes fill the new bucket. Any
+// other failure is returned; the sweep then compares with the previous sweep only.
+func (p *producer) readDone(ctx context.Context) (reconcile.Done, error) {
+	if p.done == nil {
+		return nil, errors.New("no completion records")
+	}
+	done, err := p.done.records.Read(ctx)
+	if !errors.Is(err, reconcile.ErrNoBucket) {
+		return done, err
+	}
+	if err := p.done.ensure(ctx); err != nil {
+		return nil, err
+	}
+	p.log.Warn("the bucket of completion records was gone: created again; every matched db is enqueued once")
+	return reconcile.Done{}, nil
+}
+
+// sweepOnce is one reconciliation sweep (SPEC §3 "CouchDB is the truth", §4.3): it reads the
+// update_seq of every matched db (couch.TakeSnapshot: POST /_dbs_info in batches, or GET /{db})
+// and the completion records (reconcile), and enqueues, with reason events.ReasonSweep, each
+// (group, db) whose record is missing or differs from the db's update_seq. That catches both
+// the events _db_updates dropped and whatever NATS lost (jobs, wakeup markers, consumer state,
+// the records themselves), the first sweep after a start included; a db whose last change was
+// processed gets no job. When the records cannot be read, a db is enqueued when its update_seq
+// differs from prev, the previous sweep's snapshot (nil: none), as before there were records.
+// It returns the snapshot for the next sweep (prev when the snapshot failed).
+func (p *producer) sweepOnce(ctx context.Context, prev couch.Snapshot) (couch.Snapshot, error) {
+	snap, err := p.couch.TakeSnapshot(ctx, func(db string) bool {
+		return !p.skip(db) && p.rules.Groups(db) != 0
+	})
+	if err != nil {
+		return prev, err
+	}
+	done, derr := p.readDone(ctx)
+	if derr != nil && ctx.Err() == nil {
+		p.log.WithError(derr).Warn("read the completion records failed: this sweep enqueues the dbs changed since the previous one only")
+	}
+	dbs := make([]string, 0, len(snap))
+	for db := range snap {
+		dbs = append(dbs, db)
+	}
+	slices.Sort(dbs)
+	n := 0
+	for _, db := range dbs {
+		seq := snap[db]
+		groups := p.rules.Groups(db).Groups()
+		var due []events.Group
+		switch {
+		case derr == nil:
+			due = done.Due(db, seq, groups)
+		case prev != nil && prev[db] != seq:
+			due = groups
+		}
+		if len(due) == 0 {
+			continue
+		}
+		n++
+		p.metrics.sweepEnqueued()
+		if err := p.pub.EnqueueNoSeq(ctx, db, events.ReasonSweep, due); err != nil {
+			return snap, err
+		}
+	}
+	log := p.log.WithFields(logrus.Fields{"dbs": len(snap), "enqueued": n})
+	if n > 0 {
+		log.Info("reconciliation sweep enqueued the dbs not recorded done at their update_seq")
+	} else {
+		log.Debug("reconciliation sweep found every matched db done")
+	}
+	return snap, nil
+}

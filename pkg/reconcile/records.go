@@ -1,0 +1,155 @@
+// Package reconcile heals what NATS loses from what CouchDB holds (SPEC §3 "CouchDB is the
+// truth, NATS an accelerator"; §7.7).
+//
+// JetStream may lose messages it acknowledged: a power failure with lazy fsync rolls a store
+// back, a truncated store on a node loses its tail, an operator deletes a stream. A lost job,
+// wakeup marker or consumer state would leave its db's changes unprocessed until the db is
+// written again. So every (group, db) keeps a completion record in a key-value bucket: the db's
+// update_seq as read before the group's last successful job started reading the db. The
+// producer's reconciliation sweep (every SPIEGEL_SWEEP_INTERVAL, the first right after start)
+// reads the update_seq of every matched db from CouchDB and enqueues each (group, db) whose
+// record differs or is missing. Whatever NATS lost, CouchDB still says the db has moved past
+// the record, so the db gets a job within one sweep interval.
+//
+// update_seq values are opaque and compared for equality only. On CouchDB 3 a db's update_seq
+// (GET /{db}, POST /_dbs_info: the same string) differs from the last_seq of its _changes for
+// the same state: the record holds the former, which the sweep reads.
+//
+// Costs: one GET /{db} per job (before the handler runs; the replicator's couchdb engine reuses
+// it for its source check) and one key-value put per successful job; per sweep, one read of the
+// whole bucket (an ordered consumer) beside the snapshot of the dbs' update_seqs. A busy db gets
+// at most one extra, deduplicated, job per sweep. A lost bucket costs one job per matched db,
+// once.
+package reconcile
+
+import (
+	"context"
+	"encoding/base64"
+	"errors"
+	"fmt"
+	"strings"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/spiegel-nats/spiegel/pkg/events"
+)
+
+// ErrNoBucket means the bucket of completion records does not exist (any more).
+var ErrNoBucket = errors.New("the bucket of completion records is missing")
+
+// Records reads and writes the completion records of one installation's bucket. It is safe for
+// concurrent use.
+type Records struct {
+	kv jetstream.KeyValue
+	js jetstream.JetStream
+}
+
+// New returns the records of kv (natsjs.DoneBucket); js purges a deleted db's records (DropDB).
+func New(js jetstream.JetStream, kv jetstream.KeyValue) *Records {
+	return &Records{kv: kv, js: js}
+}
+
+// Key is the key of the record of (g, db): the group, a dot, the db name base64url-encoded, so
+// that any db name makes a valid key and a db's records of every group share one subject
+// pattern.
+func Key(g events.Group, db string) string {
+	return string(g) + "." + base64.RawURLEncoding.EncodeToString([]byte(db))
+}
+
+// ParseKey reverses Key.
+func ParseKey(key string) (events.Group, string, error) {
+	g, enc, ok := strings.Cut(key, ".")
+	if !ok || g == "" || strings.Contains(enc, ".") {
+		return "", "", fmt.Errorf("completion record key %q: want <group>.<base64url db name>", key)
+	}
+	db, err := base64.RawURLEncoding.Strict().DecodeString(enc)
+	if err != nil {
+		return "", "", fmt.Errorf("completion record key %q: db name: %w", key, err)
+	}
+	return events.Group(g), string(db), nil
+}
+
+// Put records that a job of g processed db up to seq, the db's update_seq read before the job
+// read anything of the db. A holder that ran late (its lease lost after the check, a put that
+// overtakes a newer one) may write an older seq over a newer: that costs one job more at the
+// next sweep, never a change, because the sweep only skips a db whose record equals CouchDB's
+// update_seq.
+func (r *Records) Put(ctx context.Context, g events.Group, db, seq string) error {
+	if _, err := r.kv.Put(ctx, Key(g, db), []byte(seq)); err != nil {
+		return fmt.Errorf("record %s done for %s: %w", g, db, err)
+	}
+	return nil
+}
+
+// Done is the records read at one moment, by key (Key).
+type Done map[string]string
+
+// Due returns those of groups whose record of db is missing or differs from seq: the groups
+// that must run db (see the package doc).
+func (d Done) Due(db, seq string, groups []events.Group) []events.Group {
+	var due []events.Group
+	for _, g := range groups {
+		if done, ok := d[Key(g, db)]; !ok || done != seq {
+			due = append(due, g)
+		}
+	}
+	return due
+}
+
+// Read reads every record, with one ordered consumer over the bucket, and never a cached copy:
+// a watch kept between sweeps would not see a store rolled back or purged (no delete markers),
+// and would go on claiming dbs done that NATS no longer says are. A missing bucket is
+// ErrNoBucket.
+func (r *Records) Read(ctx context.Context) (Done, error) {
+	w, err := r.kv.WatchAll(ctx, jetstream.IgnoreDeletes())
+	if err != nil {
+		if missing(err) {
+			return nil, fmt.Errorf("read completion records: %w", ErrNoBucket)
+		}
+		return nil, fmt.Errorf("read completion records: %w", err)
+	}
+	defer func() { _ = w.Stop() }()
+	done := Done{}
+	for {
+		select {
+		case <-ctx.Done():
+			return nil, fmt.Errorf("read completion records: %w", ctx.Err())
+		case e, ok := <-w.Updates():
+			if !ok {
+				return nil, errors.New("read completion records: the watch ended early")
+			}
+			if e == nil { // every current value delivered
+				return done, nil
+			}
+			done[e.Key()] = string(e.Value())
+		}
+	}
+}
+
+// missing reports whether err says the bucket's stream does not exist. The watch of a bucket
+// whose stream is gone reports it with nats.go's own error value.
+func missing(err error) bool {
+	return errors.Is(err, jetstream.ErrBucketNotFound) || errors.Is(err, jetstream.ErrStreamNotFound) ||
+		errors.Is(err, nats.ErrStreamNotFound) || errors.Is(err, nats.ErrBucketNotFound)
+}
+
+// DropDB purges the records of db for every group with one request, for a deleted db: a db
+// recreated later must not find a record of its predecessor (PouchDB Server's integer seqs
+// would make them equal). Unlike a key-value delete, a purge of the subjects leaves nothing
+// behind, whatever the number of dbs deleted over time. Nobody watches the bucket.
+func (r *Records) DropDB(ctx context.Context, db string) error {
+	s, err := r.js.Stream(ctx, "KV_"+r.kv.Bucket())
+	if err != nil {
+		return fmt.Errorf("drop the completion records of %s: %w", db, err)
+	}
+	subject := "$KV." + r.kv.Bucket() + "."
+	if subs := s.CachedInfo().Config.Subjects; len(subs) == 1 && strings.HasSuffix(subs[0], ".>") {
+		subject = strings.TrimSuffix(subs[0], ">") // the stream's own key subjects
+	}
+	_, enc, _ := strings.Cut(Key("", db), ".")
+	if err := s.Purge(ctx, jetstream.WithPurgeSubject(subject+"*."+enc)); err != nil {
+		return fmt.Errorf("drop the completion records of %s: %w", db, err)
+	}
+	return nil
+}

@@ -1,0 +1,265 @@
+package main
+
+import (
+	"context"
+	"net/http"
+	"os"
+	"path/filepath"
+	"slices"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/spiegel-nats/spiegel/pkg/couchtest"
+	"github.com/spiegel-nats/spiegel/pkg/events"
+	"github.com/spiegel-nats/spiegel/pkg/natsjs"
+	"github.com/spiegel-nats/spiegel/pkg/reconcile"
+	"github.com/spiegel-nats/spiegel/pkg/worker"
+)
+
+// The reconciliation sweep heals from CouchDB what NATS lost (SPEC §3, §7.7). A consumer here is
+// the shared worker runner with the completion recorder around a handler that only counts its
+// runs, as the consumer binaries wrap theirs (pkg/consumer).
+
+// runs counts the jobs a test consumer ran, by db and reason.
+type runs struct {
+	mu  sync.Mutex
+	got map[string][]string // db → reasons, in run order
+}
+
+func (r *runs) of(db string) []string {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return append([]string(nil), r.got[db]...)
+}
+
+// startConsumer runs jobs of g until the returned stop is called (also at the end of the test).
+func (e *env) startConsumer(t *testing.T, g events.Group) (*runs, func()) {
+	t.Helper()
+	r := &runs{got: map[string][]string{}}
+	records := e.records(t)
+	rec := reconcile.NewRecorder(couchClient(t, e.cfg.CouchDBURL), records, e.Logger())
+	h := rec.Wrap(func(_ context.Context, job *worker.Job) error {
+		r.mu.Lock()
+		r.got[job.DB] = append(r.got[job.DB], job.Reason)
+		r.mu.Unlock()
+		return nil
+	})
+	runner, err := worker.New(e.JS, events.NewSubjects(""), worker.Config{Group: g, Concurrency: 4}, h, e.Logger())
+	require.NoError(t, err)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { defer close(done); _ = runner.Run(ctx) }()
+	var once sync.Once
+	stop := func() { once.Do(func() { cancel(); <-done }) }
+	t.Cleanup(stop)
+	return r, stop
+}
+
+// records opens the installation's completion records.
+func (e *env) records(t *testing.T) *reconcile.Records {
+	t.Helper()
+	kv, err := natsjs.DoneBucket(t.Context(), e.JS, natsjs.DefaultTopology(""))
+	require.NoError(t, err)
+	return reconcile.New(e.JS, kv)
+}
+
+// sweeps returns how many sweeps have asked for the dbs' update_seqs so far. Sweeps run one
+// after another: once the count is n+2, the sweep counted n+1 has finished, and it started
+// after the count was n.
+func (e *env) sweeps() int { return e.updates.Requests(http.MethodPost, "/_dbs_info") }
+
+// waitSweeps waits until n more sweeps started and the one before the last has finished.
+func (e *env) waitSweeps(t *testing.T, n int) {
+	t.Helper()
+	from := e.sweeps()
+	require.Eventually(t, func() bool { return e.sweeps() >= from+n+1 }, 30*time.Second, 20*time.Millisecond,
+		"%d sweeps did not run", n)
+}
+
+// waitDone waits until the completion record of (g, db) equals the db's update_seq.
+func (e *env) waitDone(t *testing.T, g events.Group, db string) {
+	t.Helper()
+	records := e.records(t)
+	cc := couchClient(t, e.direct.URL)
+	require.Eventually(t, func() bool {
+		info, err := cc.DBInfo(t.Context(), db)
+		require.NoError(t, err)
+		done, err := records.Read(t.Context())
+		require.NoError(t, err)
+		return done[reconcile.Key(g, db)] == info.UpdateSeq
+	}, 30*time.Second, 50*time.Millisecond, "%s never recorded done at the update_seq of %s", g, db)
+}
+
+// A job JetStream acknowledged and then lost (the work stream purged, as a store rolled back
+// after a power failure leaves it) is enqueued again by the next sweep, although the db did
+// not change: no completion record says it was processed.
+func TestSweepHealsLostJob(t *testing.T) {
+	e := newEnv(t, couchtest.AlwaysSynthesize())
+	db := e.Prefix + "lost"
+	mark := e.updatesMark(t)
+	e.Couch.CreateDB(t, db)
+	e.Couch.Put(t, db, "d", map[string]any{"x": 1})
+	e.putRule(t, "rep", map[string]any{"type": "replicator", "source": db, "target": db + "_copy"})
+	e.cfg.SweepInterval = 300 * time.Millisecond
+	e.startProducer(t)
+	e.waitJob(t, rep, db, 20*time.Second)
+	e.waitSettled(t, db, mark)
+	e.waitRulesCaughtUp(t)
+	// Two sweeps that started after the db's last write: one comparing the update_seq with the
+	// previous sweep's would have enqueued it by now, and never again.
+	e.waitSweeps(t, 2)
+	e.Purge(t)
+	e.waitJob(t, rep, db, 20*time.Second)
+	assert.Equal(t, events.ReasonSweep, e.jobReason(t, rep, db), "the job came from the sweep")
+}
+
+// The same right after a restart: the producer's first sweep heals a job lost while it was down
+// (with a sweep interval far beyond the test, only the first sweep can).
+func TestFirstSweepAfterRestartHealsLostJob(t *testing.T) {
+	e := newEnv(t, couchtest.AlwaysSynthesize())
+	db := e.Prefix + "lost"
+	mark := e.updatesMark(t)
+	e.Couch.CreateDB(t, db)
+	e.Couch.Put(t, db, "d", map[string]any{"x": 1})
+	e.putRule(t, "rep", map[string]any{"type": "replicator", "source": db, "target": db + "_copy"})
+	e.cfg.SweepInterval = time.Hour
+	stop := e.startProducer(t)
+	e.waitJob(t, rep, db, 20*time.Second)
+	e.waitSettled(t, db, mark)
+	e.waitRulesCaughtUp(t)
+	stop()
+	e.Purge(t)
+	require.Empty(t, e.Pending(t))
+	e.startProducer(t)
+	e.waitJob(t, rep, db, 20*time.Second)
+	assert.Equal(t, events.ReasonSweep, e.jobReason(t, rep, db), "the job came from the sweep")
+}
+
+// With every job processed, the sweeps enqueue nothing; once the completion records are lost
+// (their bucket's stream purged), the next sweep enqueues every matched db, each runs, records
+// again, and the sweeps are quiet again: nothing lost, no job without end.
+func TestSweepAfterRecordsLost(t *testing.T) {
+	e := newEnv(t, couchtest.AlwaysSynthesize())
+	dbs := []string{e.Prefix + "rec_a", e.Prefix + "rec_b", e.Prefix + "rec_c"}
+	for _, db := range dbs {
+		e.Couch.CreateDB(t, db)
+		e.Couch.Put(t, db, "d", map[string]any{"x": 1})
+	}
+	e.putRule(t, "rep", map[string]any{"type": "replicator", "db_name": "^" + e.Prefix + "rec_", "source": "$db_name", "target": e.Prefix + "all"})
+	e.cfg.SweepInterval = 300 * time.Millisecond
+	e.startProducer(t)
+	got, _ := e.startConsumer(t, rep)
+	for _, db := range dbs {
+		e.waitDone(t, rep, db)
+	}
+	require.Eventually(t, func() bool { return len(e.Pending(t)) == 0 }, 20*time.Second, 20*time.Millisecond)
+	// Settled: sweeps find every db done.
+	e.waitSweeps(t, 1)
+	before := map[string]int{}
+	for _, db := range dbs {
+		before[db] = len(got.of(db))
+	}
+	e.waitSweeps(t, 3)
+	for _, db := range dbs {
+		assert.Len(t, got.of(db), before[db], "%s ran although it was done", db)
+	}
+
+	s, err := e.JS.Stream(t.Context(), "KV_SPIEGEL_DONE")
+	require.NoError(t, err)
+	require.NoError(t, s.Purge(t.Context()))
+	for _, db := range dbs {
+		require.Eventually(t, func() bool { return len(got.of(db)) > before[db] }, 20*time.Second, 20*time.Millisecond,
+			"%s never ran after the records were lost", db)
+		assert.Equal(t, events.ReasonSweep, got.of(db)[before[db]])
+		e.waitDone(t, rep, db)
+	}
+	// And quiet again.
+	require.Eventually(t, func() bool { return len(e.Pending(t)) == 0 }, 20*time.Second, 20*time.Millisecond)
+	e.waitSweeps(t, 1)
+	after := map[string]int{}
+	for _, db := range dbs {
+		after[db] = len(got.of(db))
+	}
+	e.waitSweeps(t, 3)
+	for _, db := range dbs {
+		assert.Len(t, got.of(db), after[db], "%s kept running after its record was back", db)
+	}
+}
+
+// A deleted db's completion records, of every group, are purged (a db recreated under its name
+// must not match its predecessor's record: PouchDB Server's seqs start over); other dbs' stay.
+func TestDeletedDBDropsRecords(t *testing.T) {
+	e := newEnv(t, couchtest.AlwaysSynthesize())
+	gone, stays := e.Prefix+"gone", e.Prefix+"stays"
+	e.Couch.CreateDB(t, gone)
+	e.Couch.CreateDB(t, stays)
+	e.putRule(t, "rep", map[string]any{"type": "replicator", "db_name": "^" + e.Prefix + "(gone|stays)$", "source": "$db_name", "target": e.Prefix + "all"})
+	records := e.records(t)
+	for _, k := range []struct {
+		g  events.Group
+		db string
+	}{{rep, gone}, {onc, gone}, {rep, stays}} {
+		require.NoError(t, records.Put(t.Context(), k.g, k.db, "1"))
+	}
+	e.startProducer(t)
+	e.waitRulesCaughtUp(t)
+	require.NoError(t, e.Couch.Do(t, http.MethodDelete, "/"+couchtest.PathDB(gone), nil, nil))
+	e.updates.Flush()
+	require.Eventually(t, func() bool {
+		done, err := records.Read(t.Context())
+		require.NoError(t, err)
+		_, a := done[reconcile.Key(rep, gone)]
+		_, b := done[reconcile.Key(onc, gone)]
+		return !a && !b
+	}, 20*time.Second, 20*time.Millisecond, "the deleted db's records were never dropped")
+	done, err := records.Read(t.Context())
+	require.NoError(t, err)
+	assert.Equal(t, "1", done[reconcile.Key(rep, stays)], "another db's record stays")
+}
+
+// NATS restarted from a copy of its store taken before a job was stored — what a power failure
+// with lazy fsync leaves — lost a job it had acknowledged (and the consumer state and records
+// with it): the sweep heals it from CouchDB, and the job runs.
+func TestSweepHealsStoreRollback(t *testing.T) {
+	e := newEnv(t, couchtest.AlwaysSynthesize())
+	db := e.Prefix + "rollback"
+	e.Couch.CreateDB(t, db)
+	e.Couch.Put(t, db, "d1", map[string]any{"x": 1})
+	e.putRule(t, "rep", map[string]any{"type": "replicator", "source": db, "target": db + "_copy"})
+	e.cfg.SweepInterval = 300 * time.Millisecond
+	e.startProducer(t)
+	_, stopConsumer := e.startConsumer(t, rep)
+	e.waitDone(t, rep, db)
+	require.Eventually(t, func() bool { return len(e.Pending(t)) == 0 }, 20*time.Second, 20*time.Millisecond)
+	e.waitRulesCaughtUp(t)
+	stopConsumer()
+
+	// The copy of the store, taken while NATS is down.
+	store := e.NATS.StoreDir()
+	saved := filepath.Join(t.TempDir(), "store")
+	e.NATS.Stop()
+	require.NoError(t, os.CopyFS(saved, os.DirFS(store)))
+	e.NATS.StartAgain(t)
+
+	// A write whose job JetStream acknowledges, and sweeps that find it pending.
+	mark := e.updatesMark(t)
+	e.Couch.Put(t, db, "d2", map[string]any{"x": 2})
+	e.waitJob(t, rep, db, 30*time.Second)
+	e.waitSettled(t, db, mark)
+	e.waitSweeps(t, 2)
+
+	// The power failure: the store comes back as the copy has it, without the job.
+	e.NATS.Stop()
+	require.NoError(t, os.RemoveAll(store))
+	require.NoError(t, os.CopyFS(store, os.DirFS(saved)))
+	e.NATS.StartAgain(t)
+
+	got, _ := e.startConsumer(t, rep)
+	require.Eventually(t, func() bool { return slices.Contains(got.of(db), events.ReasonSweep) }, 30*time.Second, 20*time.Millisecond,
+		"the job lost with the store never ran")
+	e.waitDone(t, rep, db)
+}
