@@ -37,9 +37,10 @@ type natsNode struct {
 }
 
 // startCluster writes the three configs into dir and starts the nodes; it returns once every
-// node answers /healthz with 200 and the run's connection has JetStream. The nodes do not
-// advertise their addresses to clients (no_advertise): a client knows only the URLs it was
-// given, so a product process reaches every node through its own proxy (links.go).
+// node answers /healthz with 200 and the run's connection has JetStream. With partitions
+// (CHAOS_PARTITIONS=1) the nodes do not advertise their addresses to clients (no_advertise): a
+// client knows only the URLs it was given, so a product process reaches every node through its
+// own proxy (links.go).
 func startCluster(ctx context.Context, r *run, dir string) (*cluster, error) {
 	ports, err := freePorts(9)
 	if err != nil {
@@ -49,6 +50,10 @@ func startCluster(ctx context.Context, r *run, dir string) (*cluster, error) {
 	for i := range 3 {
 		routes = append(routes, fmt.Sprintf("nats-route://127.0.0.1:%d", ports[6+i]))
 	}
+	noAdvertise := ""
+	if r.cfg.Partitions {
+		noAdvertise = ", no_advertise: true"
+	}
 	c := &cluster{}
 	for i := range 3 {
 		n := &natsNode{name: fmt.Sprintf("n%d", i+1), client: ports[i], monitor: ports[3+i]}
@@ -57,8 +62,8 @@ func startCluster(ctx context.Context, r *run, dir string) (*cluster, error) {
 listen: 127.0.0.1:%d
 http: 127.0.0.1:%d
 jetstream { store_dir: %q }
-cluster { name: chaos, listen: 127.0.0.1:%d, routes: [%s], no_advertise: true }
-`, n.name, n.client, n.monitor, n.store, ports[6+i], strings.Join(routes, ", "))
+cluster { name: chaos, listen: 127.0.0.1:%d, routes: [%s]%s }
+`, n.name, n.client, n.monitor, n.store, ports[6+i], strings.Join(routes, ", "), noAdvertise)
 		path := filepath.Join(dir, n.name+".conf")
 		if err := os.WriteFile(path, []byte(conf), 0o644); err != nil {
 			return nil, err

@@ -70,9 +70,6 @@ func (f *faults) run(ctx context.Context, plan []Fault) {
 func (f *faults) execute(ctx context.Context, ft Fault, mark func()) (what, skipped string, err error) {
 	r := f.r
 	if r.cfg.SkipFaults[ft.Kind.String()] {
-		if (ft.Kind == FaultNATSStoreLoss || ft.Kind == FaultNATSStoreLossAll) && !r.cfg.StoreLoss {
-			return "", "off (CHAOS_STORE_LOSS=1 runs it)", nil
-		}
 		return "", "CHAOS_SKIP_FAULTS", nil
 	}
 	switch ft.Kind {

@@ -98,8 +98,8 @@ func (r *run) install(ctx context.Context) error {
 	return nil
 }
 
-// startPipeline starts the six product processes (procNames), each reaching NATS and CouchDB
-// through its own links (links.go), and waits until each is ready.
+// startPipeline starts the six product processes (procNames), with partitions each reaching
+// NATS and CouchDB through its own links (links.go), and waits until each is ready.
 func (r *run) startPipeline(ctx context.Context) error {
 	ports, err := freePorts(len(procNames))
 	if err != nil {
@@ -131,17 +131,20 @@ func (r *run) startPipeline(ctx context.Context) error {
 			bin = "onchange"
 			env = append(env, consumer...)
 		}
-		// Its own proxies to NATS and CouchDB, which the partition faults freeze or cut.
-		l, err := startLinks(r.nats, r.couch.procURL)
-		if err != nil {
-			return err
+		// With partitions (CHAOS_PARTITIONS=1) its own proxies to NATS and CouchDB, which the
+		// partition faults freeze or cut; without them it connects directly.
+		var l *links
+		if r.cfg.Partitions {
+			if l, err = startLinks(r.nats, r.couch.procURL); err != nil {
+				return err
+			}
+			lenv, err := l.env(r.couch.procURL)
+			if err != nil {
+				l.close()
+				return err
+			}
+			env = append(env, lenv...) // the last value of a variable wins
 		}
-		lenv, err := l.env(r.couch.procURL)
-		if err != nil {
-			l.close()
-			return err
-		}
-		env = append(env, lenv...) // the last value of a variable wins
 		p := &proc{name: name, path: filepath.Join(r.cfg.Root, "bin", bin), env: env, dir: r.cfg.OutDir,
 			logPath: filepath.Join(r.logDir, name+".log"), ready: "http://" + addr + "/readyz", run: r, links: l}
 		if err := p.start(); err != nil {

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"io"
 	"math/rand/v2"
+	"slices"
 	"sort"
 	"strings"
 	"time"
@@ -226,50 +227,84 @@ func dedupe(xs []int) []int {
 }
 
 // requiredFaults is one of every class, with the kinds of process each kill must cover: the
-// first faults of every run are these, in an order the seed shuffles.
-var requiredFaults = []struct {
-	kind    FaultKind
-	targets []int
-}{
+// first faults of every run are these, in an order the seed shuffles. The opt-in classes
+// (partitionFaults, storeLossFaults) are added by requiredFor when the config turns them on.
+var requiredFaults = []requiredFault{
 	{FaultKillProc, []int{0, 1}}, {FaultKillProc, []int{2}}, {FaultKillProc, []int{3}}, {FaultKillProc, []int{4, 5}},
 	{FaultStopProc, []int{4, 5}}, {FaultNATSWorkLdr, nil}, {FaultNATSMetaLdr, nil}, {FaultCouchRestart, nil},
 	{FaultSink500, nil}, {FaultSinkStall, nil}, {FaultRotatePasswords, nil},
-	// An onchange consumer frozen off NATS for longer than AckWait: the lease verdict's case.
-	{FaultPartitionNATS, []int{4, 5}}, {FaultPartitionCouch, []int{0, 1, 2, 3, 4, 5}},
-	{FaultNATSStoreLoss, nil}, {FaultNATSStoreLossAll, nil},
 }
 
-// faultWeights are the odds of each class after the required ones.
+type requiredFault struct {
+	kind    FaultKind
+	targets []int
+}
+
+// partitionFaults are required with Config.Partitions. An onchange consumer frozen off NATS for
+// longer than AckWait: the lease verdict's case.
+var partitionFaults = []requiredFault{{FaultPartitionNATS, []int{4, 5}}, {FaultPartitionCouch, []int{0, 1, 2, 3, 4, 5}}}
+
+// storeLossFaults are required with Config.StoreLoss.
+var storeLossFaults = []requiredFault{{FaultNATSStoreLoss, nil}, {FaultNATSStoreLossAll, nil}}
+
+// requiredFor is the required faults of cfg: requiredFaults, then the opt-in classes it turns on.
+func requiredFor(cfg Config) []requiredFault {
+	req := slices.Clone(requiredFaults)
+	if cfg.Partitions {
+		req = append(req, partitionFaults...)
+	}
+	if cfg.StoreLoss {
+		req = append(req, storeLossFaults...)
+	}
+	return req
+}
+
+// faultWeights are the odds of each class after the required ones; an opt-in class the config
+// does not turn on has none (weightsFor), so that a plan without them draws exactly as before
+// they existed.
 var faultWeights = [numFaultKinds]int{30, 10, 8, 6, 6, 6, 8, 6, 6, 10, 8, 3, 2}
+
+// weightsFor is faultWeights with the opt-in classes cfg does not turn on left out.
+func weightsFor(cfg Config) [numFaultKinds]int {
+	w := faultWeights
+	if !cfg.Partitions {
+		w[FaultPartitionNATS], w[FaultPartitionCouch] = 0, 0
+	}
+	if !cfg.StoreLoss {
+		w[FaultNATSStoreLoss], w[FaultNATSStoreLossAll] = 0, 0
+	}
+	return w
+}
 
 // planFaults plans the faults: max(#required, window/FaultEvery) of them at uniformly random
 // moments between a warm-up of 3s and 2s before the end; the required ones first (shuffled),
-// the rest by faultWeights. Password rotations are kept at least rotationGap apart, so that a
+// the rest by weightsFor(cfg). Password rotations are kept at least rotationGap apart, so that a
 // stopped consumer never misses two (the sink accepts the current and the previous password).
 func planFaults(cfg Config) []Fault {
 	r := rand.New(rand.NewPCG(cfg.Seed, 0x6661756c74))
 	from, to := 3*time.Second, cfg.Duration-2*time.Second
-	n := max(len(requiredFaults), int((to-from)/cfg.FaultEvery))
+	required, weights := requiredFor(cfg), weightsFor(cfg)
+	n := max(len(required), int((to-from)/cfg.FaultEvery))
 	times := make([]time.Duration, n)
 	for i := range times {
 		times[i] = from + time.Duration(r.Int64N(int64(to-from)))
 	}
 	sort.Slice(times, func(i, j int) bool { return times[i] < times[j] })
-	kinds := r.Perm(len(requiredFaults))
+	kinds := r.Perm(len(required))
 	rotationGap := 2 * (cfg.AckWait + 4*time.Second)
 	lastRotation := -rotationGap
 	var out []Fault
 	for i, at := range times {
 		var f Fault
-		required := i < len(kinds)
-		if required {
-			req := requiredFaults[kinds[i]]
+		isRequired := i < len(kinds)
+		if isRequired {
+			req := required[kinds[i]]
 			f = Fault{Kind: req.kind}
 			if len(req.targets) > 0 {
 				f.Target = req.targets[r.IntN(len(req.targets))]
 			}
 		} else {
-			f = Fault{Kind: weighted(r), Target: r.IntN(len(procNames))}
+			f = Fault{Kind: weighted(r, weights), Target: r.IntN(len(procNames))}
 			if f.Kind == FaultStopProc {
 				f.Target = 2 + r.IntN(4) // consumers only
 			}
@@ -295,13 +330,13 @@ func planFaults(cfg Config) []Fault {
 			// Around AckWait: from half of it to twice it.
 			f.Down = cfg.AckWait/2 + time.Duration(r.Int64N(int64(3*cfg.AckWait/2)))
 			f.Cut = r.IntN(2) == 0
-			if required && f.Kind == FaultPartitionNATS {
+			if isRequired && f.Kind == FaultPartitionNATS {
 				// The lease verdict's case: a freeze that outlasts AckWait and the rule's
 				// timeout, during which the frozen instance must stop calling the webhook.
 				f.Cut, f.Down = false, cfg.AckWait+hookTimeout+time.Duration(1000+r.IntN(3000))*time.Millisecond
 			}
 		case FaultNATSStoreLoss, FaultNATSStoreLossAll:
-			if required && f.Kind == FaultNATSStoreLoss {
+			if isRequired && f.Kind == FaultNATSStoreLoss {
 				f.Target = r.IntN(3)
 			}
 			f.Lag = time.Duration(2000+r.IntN(6000)) * time.Millisecond
@@ -317,13 +352,13 @@ func planFaults(cfg Config) []Fault {
 	return out
 }
 
-func weighted(r *rand.Rand) FaultKind {
+func weighted(r *rand.Rand, weights [numFaultKinds]int) FaultKind {
 	total := 0
-	for _, w := range faultWeights {
+	for _, w := range weights {
 		total += w
 	}
 	x := r.IntN(total)
-	for k, w := range faultWeights {
+	for k, w := range weights {
 		if x < w {
 			return FaultKind(k)
 		}
@@ -335,7 +370,16 @@ func weighted(r *rand.Rand) FaultKind {
 // write writes the plan as text, one line per op and fault: what Digest hashes.
 func (p Plan) write(w io.Writer) {
 	for _, f := range p.Faults {
-		fmt.Fprintf(w, "fault %9.3fs %-22s target=%d down=%s term=%t cut=%t lag=%s\n", f.At.Seconds(), f.Kind, f.Target, f.Down, f.Term, f.Cut, f.Lag)
+		// cut and lag only where they apply: a plan without the opt-in classes reads (and
+		// hashes) as before they existed.
+		extra := ""
+		switch f.Kind {
+		case FaultPartitionNATS, FaultPartitionCouch:
+			extra = fmt.Sprintf(" cut=%t", f.Cut)
+		case FaultNATSStoreLoss, FaultNATSStoreLossAll:
+			extra = fmt.Sprintf(" lag=%s", f.Lag)
+		}
+		fmt.Fprintf(w, "fault %9.3fs %-22s target=%d down=%s term=%t%s\n", f.At.Seconds(), f.Kind, f.Target, f.Down, f.Term, extra)
 	}
 	for _, o := range p.Ops {
 		fmt.Fprintf(w, "op %9.3fs db=%03d inc=%d %-9s doc=%d docs=%v salt=%016x\n", o.At.Seconds(), o.DB, o.Inc, o.Kind, o.Doc, o.Docs, o.Salt)

@@ -22,39 +22,71 @@ func TestPlanIsDeterministic(t *testing.T) {
 }
 
 // Every run has one fault of every required class (each kind of process killed), inside the
-// window, and password rotations far enough apart.
+// window, and password rotations far enough apart; with the opt-in classes on, one of each of
+// them too.
 func TestPlanCoversEveryFaultClass(t *testing.T) {
 	t.Parallel()
 	for _, seed := range []uint64{1, 2, 3, 42, 20260611} {
-		cfg := shortConfig("/repo")
-		cfg.Seed = seed
-		p := newPlan(cfg)
-		kinds := map[FaultKind]bool{}
-		killed := map[string]bool{}
-		var rotations []time.Duration
-		for _, f := range p.Faults {
-			kinds[f.Kind] = true
-			if f.Kind == FaultKillProc {
-				killed[strings.SplitN(procNames[f.Target], "-", 2)[0]] = true
+		for _, optIn := range []bool{false, true} {
+			cfg := shortConfig("/repo")
+			cfg.Seed, cfg.Partitions, cfg.StoreLoss = seed, optIn, optIn
+			p := newPlan(cfg)
+			kinds := map[FaultKind]bool{}
+			killed := map[string]bool{}
+			var rotations []time.Duration
+			for _, f := range p.Faults {
+				kinds[f.Kind] = true
+				if f.Kind == FaultKillProc {
+					killed[strings.SplitN(procNames[f.Target], "-", 2)[0]] = true
+				}
+				if f.Kind == FaultStopProc {
+					assert.Greater(t, f.Down, cfg.AckWait, "a SIGSTOP outlasts AckWait")
+					assert.GreaterOrEqual(t, f.Target, 2, "only consumers are stopped")
+				}
+				if f.Kind == FaultRotatePasswords {
+					rotations = append(rotations, f.At)
+				}
+				assert.True(t, f.At >= 3*time.Second && f.At < cfg.Duration, "fault at %s", f.At)
 			}
-			if f.Kind == FaultStopProc {
-				assert.Greater(t, f.Down, cfg.AckWait, "a SIGSTOP outlasts AckWait")
-				assert.GreaterOrEqual(t, f.Target, 2, "only consumers are stopped")
+			for _, req := range requiredFor(cfg) {
+				assert.True(t, kinds[req.kind], "seed %d: no %s fault", seed, req.kind)
 			}
-			if f.Kind == FaultRotatePasswords {
-				rotations = append(rotations, f.At)
+			assert.Equal(t, optIn, kinds[FaultPartitionNATS] && kinds[FaultPartitionCouch] &&
+				kinds[FaultNATSStoreLoss] && kinds[FaultNATSStoreLossAll], "seed %d, opt-in %t: %v", seed, optIn, kinds)
+			for _, k := range []string{"producer", "replicator", "onchange"} {
+				assert.True(t, killed[k], "seed %d: no %s killed", seed, k)
 			}
-			assert.True(t, f.At >= 3*time.Second && f.At < cfg.Duration, "fault at %s", f.At)
+			for i := 1; i < len(rotations); i++ {
+				assert.GreaterOrEqual(t, rotations[i]-rotations[i-1], 2*(cfg.AckWait+4*time.Second))
+			}
 		}
-		for _, req := range requiredFaults {
-			assert.True(t, kinds[req.kind], "seed %d: no %s fault", seed, req.kind)
+	}
+}
+
+// The partition and storage-loss faults are opt-in (CHAOS_PARTITIONS, CHAOS_STORE_LOSS): a
+// default short or long run plans none of them and its plan text has none of their fields
+// (cut=, lag=), so that it reads and hashes as before these classes existed; turning them on
+// changes the plan.
+func TestPlanOptInFaultsOffByDefault(t *testing.T) {
+	t.Parallel()
+	long, err := longConfig("/repo")
+	require.NoError(t, err)
+	for _, cfg := range []Config{shortConfig("/repo"), long} {
+		if cfg.Seed == 0 {
+			cfg.Seed = 42
 		}
-		for _, k := range []string{"producer", "replicator", "onchange"} {
-			assert.True(t, killed[k], "seed %d: no %s killed", seed, k)
+		assert.False(t, cfg.Partitions || cfg.StoreLoss, "%s run: opt-in faults on by default", cfg.Name)
+		plan := newPlan(cfg)
+		for _, f := range plan.Faults {
+			assert.Less(t, f.Kind, FaultPartitionNATS, "%s run: %s planned by default", cfg.Name, f.Kind)
 		}
-		for i := 1; i < len(rotations); i++ {
-			assert.GreaterOrEqual(t, rotations[i]-rotations[i-1], 2*(cfg.AckWait+4*time.Second))
-		}
+		var text strings.Builder
+		plan.write(&text)
+		assert.NotContains(t, text.String(), "cut=")
+		assert.NotContains(t, text.String(), "lag=")
+		on := cfg
+		on.Partitions, on.StoreLoss = true, true
+		assert.NotEqual(t, plan.Digest(), newPlan(on).Digest(), "%s run: the opt-in faults change the plan", cfg.Name)
 	}
 }
 
@@ -92,7 +124,7 @@ func TestPlanOpsFollowDBLifecycle(t *testing.T) {
 	}
 }
 
-// The long run partitions every kind of process from NATS and from CouchDB, both ways
+// With CHAOS_PARTITIONS=1 and CHAOS_STORE_LOSS=1, the long run partitions every kind of process from NATS and from CouchDB, both ways
 // (freeze and cut), for durations around AckWait, and loses the store of one node and of every
 // node; the required NATS partition of an onchange consumer is a freeze longer than AckWait
 // and the rule's timeout (the lease verdict's case).
@@ -100,7 +132,7 @@ func TestPlanPartitionsAndStoreLoss(t *testing.T) {
 	t.Parallel()
 	cfg, err := longConfig("/repo")
 	require.NoError(t, err)
-	cfg.Seed = 42
+	cfg.Seed, cfg.Partitions, cfg.StoreLoss = 42, true, true
 	seen := map[string]bool{}
 	for _, f := range newPlan(cfg).Faults {
 		switch f.Kind {
@@ -125,7 +157,7 @@ func TestPlanPartitionsAndStoreLoss(t *testing.T) {
 
 	for _, seed := range []uint64{1, 2, 3, 20260611} {
 		cfg := shortConfig("/repo")
-		cfg.Seed = seed
+		cfg.Seed, cfg.Partitions = seed, true
 		found := false
 		for _, f := range newPlan(cfg).Faults {
 			if f.Kind == FaultPartitionNATS && strings.HasPrefix(procNames[f.Target], "onchange") && !f.Cut && f.Down > cfg.AckWait+hookTimeout {

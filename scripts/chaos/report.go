@@ -91,14 +91,13 @@ func (res *Result) replay() string {
 	add(c.SinkFail != def.SinkFail, fmt.Sprintf("CHAOS_SINK_FAIL=%g", c.SinkFail))
 	add(c.SinkStall != def.SinkStall, fmt.Sprintf("CHAOS_SINK_STALL=%g", c.SinkStall))
 	add(c.Q != def.Q, fmt.Sprintf("CHAOS_Q=%d", c.Q))
+	add(c.Partitions != def.Partitions, fmt.Sprintf("CHAOS_PARTITIONS=%d", map[bool]int{false: 0, true: 1}[c.Partitions]))
 	add(c.StoreLoss != def.StoreLoss, fmt.Sprintf("CHAOS_STORE_LOSS=%d", map[bool]int{false: 0, true: 1}[c.StoreLoss]))
-	names := make([]string, 0, len(c.SkipFaults))
-	for n := range c.SkipFaults {
-		if c.StoreLoss || n != FaultNATSStoreLoss.String() && n != FaultNATSStoreLossAll.String() { // else CHAOS_STORE_LOSS says it
+	if len(c.SkipFaults) > 0 {
+		names := make([]string, 0, len(c.SkipFaults))
+		for n := range c.SkipFaults {
 			names = append(names, n)
 		}
-	}
-	if len(names) > 0 {
 		sort.Strings(names)
 		env = append(env, "CHAOS_SKIP_FAULTS="+strings.Join(names, ","))
 	}

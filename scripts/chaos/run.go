@@ -148,15 +148,18 @@ func execute(ctx context.Context, cfg Config, out io.Writer) *Result {
 		}
 	}
 	res.Verdict = v
-	pids := map[string][]int{}
-	for _, p := range r.procs {
-		pids[p.name] = p.allPIDs()
-	}
-	lease := leaseVerdict(res.Faults, r.sink.allCalls(), pids, r.started, cfg.AckWait, hookTimeout)
-	res.Lease = &lease
-	j := r.newJournal("lease")
-	for _, viol := range lease.Violations {
-		j.printf("%s", viol)
+	if cfg.Partitions {
+		// The lease verdict is about partitions; without them it has nothing to check.
+		pids := map[string][]int{}
+		for _, p := range r.procs {
+			pids[p.name] = p.allPIDs()
+		}
+		lease := leaseVerdict(res.Faults, r.sink.allCalls(), pids, r.started, cfg.AckWait, hookTimeout)
+		res.Lease = &lease
+		j := r.newJournal("lease")
+		for _, viol := range lease.Violations {
+			j.printf("%s", viol)
+		}
 	}
 	if err != nil && ctx.Err() == nil {
 		r.dumpStacks()
