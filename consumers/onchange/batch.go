@@ -15,6 +15,7 @@ import (
 	"github.com/spiegel-nats/spiegel/pkg/couch"
 	"github.com/spiegel-nats/spiegel/pkg/events"
 	"github.com/spiegel-nats/spiegel/pkg/logging"
+	"github.com/spiegel-nats/spiegel/pkg/mirrorkey"
 	"github.com/spiegel-nats/spiegel/pkg/rules"
 	"github.com/spiegel-nats/spiegel/pkg/webhook"
 	"github.com/spiegel-nats/spiegel/pkg/worker"
@@ -100,7 +101,7 @@ func (h *handler) processBatch(ctx context.Context, db string, rule *rules.OnCha
 			continue
 		}
 		a.owner, a.since = i, before
-		if rule.Debounce && rule.Subject == "" {
+		if rule.Debounce && rule.Subject == "" && rule.Mirror == "" {
 			if first, ok := seen[a.key]; ok {
 				a.owner = first
 			} else {
@@ -110,7 +111,7 @@ func (h *handler) processBatch(ctx context.Context, db string, rule *rules.OnCha
 		acts[i] = a
 	}
 
-	if rule.Subject != "" {
+	if rule.Subject != "" || rule.Mirror != "" {
 		return h.publishBatch(ctx, db, rule, acts, log)
 	}
 
@@ -173,7 +174,7 @@ func (h *handler) processBatch(ctx context.Context, db string, rule *rules.OnCha
 }
 
 // publishBatch publishes the changes of a subject rule's page strictly in feed order (SPEC §5.3,
-// §7.8). When the stream allows fast batch publishes, the page goes as one batch in "gap: fail"
+// §7.8); a mirror rule's page is written to its bucket the same way, one change at a time. When the stream allows fast batch publishes, the page goes as one batch in "gap: fail"
 // mode: all at once, and the stream stores it in order up to the first change it did not get or
 // refused, none after it (see publishFast). What that did not store is published one change at a
 // time, each sent only once the stream confirmed the one before it; a publish that fails
@@ -189,7 +190,7 @@ func (h *handler) processBatch(ctx context.Context, db string, rule *rules.OnCha
 func (h *handler) publishBatch(ctx context.Context, db string, rule *rules.OnChange, acts []*action, log logrus.FieldLogger) batchResult {
 	var res batchResult
 	from := 0
-	if h.publisher.canBatch(subjectFor(rule, db)) {
+	if rule.Subject != "" && h.publisher.canBatch(subjectFor(rule, db)) {
 		from = h.publishFast(ctx, rule, acts, log)
 	}
 	for i := from; i < len(acts); i++ {
@@ -260,6 +261,12 @@ func (h *handler) newAction(db string, rule *rules.OnChange, c change, replay st
 		return nil
 	}
 	a := &action{c: c}
+	if rule.Mirror != "" {
+		a.key = "mirror " + c.ID + "/" + c.rev()
+		a.details = map[string]any{"bucket": rule.Mirror, "key": mirrorkey.Encode(db, c.ID), "rev": c.rev()}
+		a.try = h.mirrors.attempt(rule.Mirror, db, c, rule.Timeout)
+		return a
+	}
 	if rule.Subject != "" {
 		m, err := h.publisher.message(db, rule, c, replay)
 		a.details = map[string]any{"subject": subjectFor(rule, db)}

@@ -52,6 +52,7 @@ type handler struct {
 	rules     ruleSource
 	hooks     *webhook.Client
 	publisher *changePublisher
+	mirrors   *mirrorWriter
 	dead      deadLetterer
 	metrics   *metrics.Consumer
 	status    *status.Recorder // may be nil
@@ -75,6 +76,7 @@ func newHandler(app consumer.Deps, cfg *config.OnChange) *handler {
 			MaxParallel: max(cfg.Concurrency, 1) * max(cfg.RequestConcurrency, 1),
 		}),
 		publisher:          newChangePublisher(app.JS, app.Metrics),
+		mirrors:            newMirrorWriter(app.JS, cfg.StreamReplicas, app.JS.Conn().MaxPayload),
 		batchSize:          max(cfg.BatchSize, 1),
 		requestConcurrency: max(cfg.RequestConcurrency, 1),
 		inlineRetry:        defaultInlineRetry,
@@ -206,6 +208,11 @@ func (h *handler) runRule(ctx context.Context, db string, rule *rules.OnChange) 
 			usable, err := h.publisher.check(ctx, db, rule, h.dead, log)
 			if err != nil || !usable {
 				return finish(ruleResult{err: err, outcome: status.ResultFailed, why: errNoStream})
+			}
+		}
+		if rule.Mirror != "" {
+			if _, err := h.mirrors.bucket(ctx, rule.Mirror); err != nil {
+				return finish(ruleResult{err: fmt.Errorf("rule %s: %w", rule.ID(), err)})
 			}
 		}
 		if pending == nil || readFrom != since { // no page read ahead, or one that starts elsewhere
