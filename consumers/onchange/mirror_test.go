@@ -15,7 +15,11 @@ import (
 
 	"github.com/spiegel-nats/spiegel/pkg/couchtest"
 	"github.com/spiegel-nats/spiegel/pkg/mirrorkey"
+	"github.com/spiegel-nats/spiegel/pkg/rules"
 )
+
+// bucketDocs is the mirror bucket of the tests (each env has its own NATS server).
+const bucketDocs = "DOCS"
 
 // mirrorOf rebuilds db's docs from bucket as a service would: a KV watch (every current value,
 // then the nil marker) without reading CouchDB. Deleted keys are left out.
@@ -133,7 +137,7 @@ func TestMirrorWinningRevisions(t *testing.T) {
 	e := newEnv(t, 60*time.Second)
 	app := e.start(t)
 	db := e.Couch.NewDB(t, e.Prefix)
-	bucket := "DOCS" // each env has its own NATS server
+	bucket := bucketDocs
 	e.ruleIn(t, app, "mir", db, map[string]any{"mirror": bucket})
 
 	revs := map[string]string{}
@@ -217,4 +221,92 @@ func TestMirrorTooLarge(t *testing.T) {
 	assert.Equal(t, "big", dls[0].DocID)
 	assert.Contains(t, dls[0].Error, "max value size")
 	assert.Equal(t, bucket, dls[0].Details["bucket"])
+}
+
+// TestPerDocOrderSharded: on a db with several shards (q=4 on CouchDB 3; PouchDB has one feed)
+// the feed has no global write order, but a subject rule still publishes each doc's revisions in
+// revision order, each once, the last one being the doc's current winning revision; and a mirror
+// rule on the same db ends with every doc's winning revision. The writes interleave across docs
+// while the consumer runs, in pages of a few changes.
+func TestPerDocOrderSharded(t *testing.T) {
+	e := newEnv(t, 60*time.Second)
+	e.cfg.BatchSize = 7
+	app := e.start(t)
+	db := couchtest.UniqueName(t, e.Prefix)
+	require.NoError(t, e.Couch.Do(t, "PUT", "/"+couchtest.PathDB(db)+"?q=4", nil, nil))
+	e.Couch.Cleanup(t, db)
+	var dbInfo struct {
+		Cluster *struct {
+			Q int `json:"q"`
+		} `json:"cluster"`
+	}
+	require.NoError(t, e.Couch.Do(t, "GET", "/"+couchtest.PathDB(db), nil, &dbInfo))
+	if dbInfo.Cluster != nil { // CouchDB 2+; PouchDB Server has no shards
+		require.Equal(t, 4, dbInfo.Cluster.Q, "the db has 4 shards")
+	} else {
+		t.Log("the server does not shard dbs: per-doc order is checked on one feed")
+	}
+	e.ruleIn(t, app, "pub", db, map[string]any{"subject": "spiegel.changes.${db_name}"})
+	e.ruleIn(t, app, "mir", db, map[string]any{"mirror": "DOCS"})
+
+	const docs, rounds = 16, 8
+	revs := map[string]string{}
+	for r := 0; r < rounds; r++ {
+		for d := 0; d < docs; d++ {
+			id := fmt.Sprintf("doc%02d", d)
+			if (d+r)%5 == 4 && revs[id] != "" && r < rounds-1 { // some docs deleted and created again
+				e.deleteDoc(t, db, id, revs[id])
+				revs[id] = ""
+				continue
+			}
+			doc := map[string]any{"round": r}
+			if revs[id] != "" {
+				doc["_rev"] = revs[id]
+			}
+			revs[id] = e.Couch.Put(t, db, id, doc)
+		}
+		e.enqueue(t, db)
+	}
+	require.Eventually(t, func() bool { return e.caughtUp(t, "pub", db) && e.caughtUp(t, "mir", db) },
+		60*time.Second, 50*time.Millisecond)
+	e.requireMirror(t, bucketDocs, db)
+
+	stream, err := e.JS.Stream(t.Context(), "SPIEGEL_CHANGES")
+	require.NoError(t, err)
+	info, err := stream.Info(t.Context())
+	require.NoError(t, err)
+	subject := subjectFor(&rules.OnChange{Subject: "spiegel.changes.${db_name}"}, db)
+	published := map[string][]string{} // doc id -> revs in stream order
+	for seq := info.State.FirstSeq; info.State.Msgs > 0 && seq <= info.State.LastSeq; seq++ {
+		m, err := stream.GetMsg(t.Context(), seq)
+		require.NoError(t, err)
+		if m.Subject != subject {
+			continue
+		}
+		var c changeMessage
+		require.NoError(t, json.Unmarshal(m.Data, &c))
+		published[c.ID] = append(published[c.ID], c.Changes[0].Rev)
+	}
+	winners := e.winners(t, db)
+	require.Len(t, published, docs)
+	for id, rs := range published {
+		for i := 1; i < len(rs); i++ {
+			require.Less(t, revGen(t, rs[i-1]), revGen(t, rs[i]), "doc %s: revisions out of order or twice on the stream: %v", id, rs)
+		}
+		last := rs[len(rs)-1]
+		if w, ok := winners[id]; ok {
+			require.Equal(t, w["_rev"], last, "doc %s: the last message is its current winning revision: %v", id, rs)
+		} else {
+			require.Equal(t, revs[id], "", "doc %s", id)
+		}
+	}
+}
+
+// revGen returns the generation of a revision ("3-abc" -> 3).
+func revGen(t testing.TB, rev string) int {
+	t.Helper()
+	var n int
+	_, err := fmt.Sscanf(rev, "%d-", &n)
+	require.NoError(t, err, "rev %q", rev)
+	return n
 }
