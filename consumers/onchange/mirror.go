@@ -12,6 +12,7 @@ import (
 
 	"github.com/spiegel-nats/spiegel/pkg/mirrorkey"
 	"github.com/spiegel-nats/spiegel/pkg/webhook"
+	"github.com/spiegel-nats/spiegel/pkg/worker"
 )
 
 // bucketCheckTTL is how long an opened mirror bucket (and its max value size) is reused before
@@ -127,6 +128,12 @@ func (m *mirrorWriter) attempt(bucket, db string, c change, timeout time.Duratio
 		default:
 			last = cur.Revision()
 			_ = json.Unmarshal(cur.Value(), &held)
+		}
+		// The lease is checked again after the read, right before the write, as before a publish:
+		// a write sent while it is held reaches the bucket before a successor can have started
+		// (the lease ends AckWait/10 before JetStream hands the job on).
+		if !worker.Held(ctx) {
+			return 0, worker.ErrLeaseLost
 		}
 		if c.Deleted {
 			if last == 0 {
