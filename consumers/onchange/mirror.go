@@ -169,3 +169,32 @@ func (m *mirrorWriter) attempt(bucket, db string, c change, timeout time.Duratio
 		return 0, nil
 	}
 }
+
+// dropDB deletes every key of db from bucket (KV deletes, as for deleted docs): the mirror of a
+// db that no longer exists, or that is about to be rebuilt from the beginning of its feed (a rule
+// without a checkpoint in db: a new rule, or a db deleted and created again, whose old docs must
+// not outlive it). It returns how many keys it deleted.
+func (m *mirrorWriter) dropDB(ctx context.Context, bucket, db string) (int, error) {
+	b, err := m.bucket(ctx, bucket)
+	if err != nil {
+		return 0, err
+	}
+	lister, err := b.kv.ListKeysFiltered(ctx, mirrorkey.DBPrefix(db))
+	if err != nil {
+		return 0, fmt.Errorf("mirror %s: list the keys of db %s: %w", bucket, db, err)
+	}
+	var keys []string
+	for k := range lister.Keys() {
+		keys = append(keys, k)
+	}
+	_ = lister.Stop()
+	for _, k := range keys {
+		if !worker.Held(ctx) {
+			return 0, worker.ErrLeaseLost
+		}
+		if err := b.kv.Delete(ctx, k); err != nil {
+			return 0, fmt.Errorf("mirror %s: delete key %s of db %s: %w", bucket, k, db, err)
+		}
+	}
+	return len(keys), nil
+}

@@ -310,3 +310,27 @@ func revGen(t testing.TB, rev string) int {
 	require.NoError(t, err, "rev %q", rev)
 	return n
 }
+
+// TestMirrorRecreatedDB: a db deleted and created again is mirrored as the new db: the old db's
+// docs leave the mirror (KV deletes) even those the new db does not have.
+func TestMirrorRecreatedDB(t *testing.T) {
+	e := newEnv(t, 60*time.Second)
+	app := e.start(t)
+	db := e.Couch.NewDB(t, e.Prefix)
+	e.ruleIn(t, app, "mir", db, map[string]any{"mirror": bucketDocs})
+	e.Couch.Put(t, db, "old1", map[string]any{"v": 1})
+	e.Couch.Put(t, db, "both", map[string]any{"v": 1})
+	e.enqueue(t, db)
+	e.requireMirror(t, bucketDocs, db)
+	require.Len(t, e.mirrorOf(t, bucketDocs, db), 2)
+
+	require.NoError(t, e.Couch.Do(t, "DELETE", "/"+couchtest.PathDB(db), nil, nil))
+	require.NoError(t, e.Couch.Do(t, "PUT", "/"+couchtest.PathDB(db), nil, nil))
+	e.Couch.Put(t, db, "both", map[string]any{"v": 2})
+	e.Couch.Put(t, db, "new", map[string]any{"v": 2})
+	e.enqueue(t, db)
+	e.requireMirror(t, bucketDocs, db)
+	got := e.mirrorOf(t, bucketDocs, db)
+	assert.NotContains(t, got, "old1")
+	assert.Equal(t, json.Number("2"), got["both"]["v"])
+}
