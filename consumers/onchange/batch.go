@@ -81,7 +81,7 @@ const (
 	stateFailed              // interrupted, or the dead letter could not be stored
 )
 
-// processBatch acts on the changes of one page in feed order. Changes that fail the rule's `if`
+// processBatch acts on the changes of one page in feed order (a mirror rule's writes as requests). Changes that fail the rule's `if`
 // or selector are done at once. With debounce, identical requests (same method, final URL and
 // body) are sent once: later ones are done when the first is. With block each request is sent
 // after the previous one finished; without it up to requestConcurrency run at once. Subject
@@ -111,9 +111,11 @@ func (h *handler) processBatch(ctx context.Context, db string, rule *rules.OnCha
 		acts[i] = a
 	}
 
-	if rule.Subject != "" || rule.Mirror != "" {
+	if rule.Subject != "" {
 		return h.publishBatch(ctx, db, rule, acts, log)
 	}
+	// A mirror rule's writes go like requests: a page lists each doc once, so writes of one page
+	// touch distinct keys and may run at once; a doc's next revision comes in a later page.
 
 	states := make([]int, len(rows))
 	var res batchResult
@@ -174,7 +176,7 @@ func (h *handler) processBatch(ctx context.Context, db string, rule *rules.OnCha
 }
 
 // publishBatch publishes the changes of a subject rule's page strictly in feed order (SPEC §5.3,
-// §7.8); a mirror rule's page is written to its bucket the same way, one change at a time. When the stream allows fast batch publishes, the page goes as one batch in "gap: fail"
+// §7.8). When the stream allows fast batch publishes, the page goes as one batch in "gap: fail"
 // mode: all at once, and the stream stores it in order up to the first change it did not get or
 // refused, none after it (see publishFast). What that did not store is published one change at a
 // time, each sent only once the stream confirmed the one before it; a publish that fails
