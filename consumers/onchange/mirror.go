@@ -19,6 +19,11 @@ import (
 // it is looked up again (so a bucket deleted or edited by hand is noticed).
 const bucketCheckTTL = 30 * time.Second
 
+// maxSubject bounds the longest subject a mirror key is used in (the direct get's
+// $JS.API.DIRECT.GET.KV_<bucket>.$KV.<bucket>.<key>), well within NATS' 4096-byte control line
+// (which also holds the reply subject): a longer one would make the server close the connection.
+const maxSubject = 3584
+
 // payloadMargin is kept free of a message's max payload for the headers a KV write carries.
 const payloadMargin = 1024
 
@@ -116,6 +121,10 @@ func (m *mirrorWriter) attempt(bucket, db string, c change, timeout time.Duratio
 			return 0, err
 		}
 		key := mirrorkey.Encode(db, c.ID)
+		if n := len("$JS.API.DIRECT.GET.KV_" + bucket + ".$KV." + bucket + "." + key); n > maxSubject {
+			return 0, fmt.Errorf("%w: mirror %s: doc %s: db name and doc id too long for a KV key (%d bytes of subject, at most %d)",
+				webhook.ErrBadRequest, bucket, logIDOf(c.ID), n, maxSubject)
+		}
 		var last uint64
 		var held struct {
 			Rev string `json:"_rev"`
@@ -197,4 +206,12 @@ func (m *mirrorWriter) dropDB(ctx context.Context, bucket, db string) (int, erro
 		}
 	}
 	return len(keys), nil
+}
+
+// logIDOf shortens a doc id for an error message.
+func logIDOf(id string) string {
+	if len(id) > 80 {
+		return fmt.Sprintf("%q… (%d bytes)", id[:80], len(id))
+	}
+	return id
 }

@@ -207,6 +207,8 @@ func TestMirrorTooLarge(t *testing.T) {
 	e.Couch.Put(t, db, "small1", map[string]any{"v": 1})
 	bigRev := e.Couch.Put(t, db, "big", map[string]any{"blob": strings.Repeat("x", 4000)})
 	e.Couch.Put(t, db, "small2", map[string]any{"v": 2})
+	longID := strings.Repeat("l", 3000) // its key would not fit in a NATS subject
+	e.Couch.Put(t, db, longID, map[string]any{"v": 3})
 	e.enqueue(t, db)
 	require.Eventually(t, func() bool { return e.caughtUp(t, "mir", db) }, 30*time.Second, 20*time.Millisecond)
 
@@ -215,12 +217,19 @@ func TestMirrorTooLarge(t *testing.T) {
 	assert.Equal(t, want["small1"], got["small1"])
 	assert.Equal(t, want["small2"], got["small2"])
 	assert.Equal(t, map[string]any{"_id": "big", "_rev": bigRev, "too_large": true, "size": got["big"]["size"]}, got["big"])
+	assert.NotContains(t, got, longID)
 	dls := e.deadLettersOf(t, db)
-	require.Len(t, dls, 1)
-	assert.Equal(t, "mir", dls[0].Rule)
-	assert.Equal(t, "big", dls[0].DocID)
-	assert.Contains(t, dls[0].Error, "max value size")
-	assert.Equal(t, bucket, dls[0].Details["bucket"])
+	require.Len(t, dls, 2)
+	byDoc := map[string]int{}
+	for i, d := range dls {
+		assert.Equal(t, "mir", d.Rule)
+		assert.Equal(t, bucket, d.Details["bucket"])
+		byDoc[d.DocID] = i
+	}
+	require.Contains(t, byDoc, "big")
+	require.Contains(t, byDoc, longID)
+	assert.Contains(t, dls[byDoc["big"]].Error, "max value size")
+	assert.Contains(t, dls[byDoc[longID]].Error, "too long for a KV key")
 }
 
 // TestPerDocOrderSharded: on a db with several shards (q=4 on CouchDB 3; PouchDB has one feed)
