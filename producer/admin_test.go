@@ -54,7 +54,9 @@ func TestValidateDocUpdateRejectsInvalidRules(t *testing.T) {
 		{map[string]any{"type": "replicator", "source": "http://u:pw@h/db", "target": "x"}, "password in URL"},
 		{map[string]any{"type": "replicator", "target": "x"}, "source"},
 		{map[string]any{"type": "on_change", "url": "http://h/", "method": "FETCH"}, "method"},
-		{map[string]any{"type": "on_change"}, "exactly one of url and subject"},
+		{map[string]any{"type": "on_change"}, "exactly one of url, subject and mirror"},
+		{map[string]any{"type": "on_change", "url": "http://h/", "mirror": "docs"}, "exactly one of url, subject and mirror"},
+		{map[string]any{"type": "on_change", "mirror": "a.b"}, "bucket name"},
 		{map[string]any{"type": "on_change", "url": "http://h/", "db_name": "("}, "db_name"},
 		{map[string]any{"type": "on_change", "url": "http://h/", "follow_redirects": "yes"}, "follow_redirects"},
 	}
@@ -64,6 +66,7 @@ func TestValidateDocUpdateRejectsInvalidRules(t *testing.T) {
 		assert.Contains(t, err.Error(), c.want)
 	}
 	e.putRule(t, "good", map[string]any{"type": "on_change", "url": "http://h/", "if": map[string]any{"x": nil}})
+	e.putRule(t, "mirror", map[string]any{"type": "on_change", "mirror": "docs"})
 }
 
 // uninstall asks first; without a "yes" nothing is deleted.

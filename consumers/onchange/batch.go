@@ -15,6 +15,7 @@ import (
 	"github.com/spiegel-nats/spiegel/pkg/couch"
 	"github.com/spiegel-nats/spiegel/pkg/events"
 	"github.com/spiegel-nats/spiegel/pkg/logging"
+	"github.com/spiegel-nats/spiegel/pkg/mirrorkey"
 	"github.com/spiegel-nats/spiegel/pkg/rules"
 	"github.com/spiegel-nats/spiegel/pkg/webhook"
 	"github.com/spiegel-nats/spiegel/pkg/worker"
@@ -80,7 +81,7 @@ const (
 	stateFailed              // interrupted, or the dead letter could not be stored
 )
 
-// processBatch acts on the changes of one page in feed order. Changes that fail the rule's `if`
+// processBatch acts on the changes of one page in feed order (a mirror rule's writes as requests). Changes that fail the rule's `if`
 // or selector are done at once. With debounce, identical requests (same method, final URL and
 // body) are sent once: later ones are done when the first is. With block each request is sent
 // after the previous one finished; without it up to requestConcurrency run at once. Subject
@@ -100,7 +101,7 @@ func (h *handler) processBatch(ctx context.Context, db string, rule *rules.OnCha
 			continue
 		}
 		a.owner, a.since = i, before
-		if rule.Debounce && rule.Subject == "" {
+		if rule.Debounce && rule.Subject == "" && rule.Mirror == "" {
 			if first, ok := seen[a.key]; ok {
 				a.owner = first
 			} else {
@@ -113,6 +114,8 @@ func (h *handler) processBatch(ctx context.Context, db string, rule *rules.OnCha
 	if rule.Subject != "" {
 		return h.publishBatch(ctx, db, rule, acts, log)
 	}
+	// A mirror rule's writes go like requests: a page lists each doc once, so writes of one page
+	// touch distinct keys and may run at once; a doc's next revision comes in a later page.
 
 	states := make([]int, len(rows))
 	var res batchResult
@@ -189,7 +192,7 @@ func (h *handler) processBatch(ctx context.Context, db string, rule *rules.OnCha
 func (h *handler) publishBatch(ctx context.Context, db string, rule *rules.OnChange, acts []*action, log logrus.FieldLogger) batchResult {
 	var res batchResult
 	from := 0
-	if h.publisher.canBatch(subjectFor(rule, db)) {
+	if rule.Subject != "" && h.publisher.canBatch(subjectFor(rule, db)) {
 		from = h.publishFast(ctx, rule, acts, log)
 	}
 	for i := from; i < len(acts); i++ {
@@ -260,6 +263,12 @@ func (h *handler) newAction(db string, rule *rules.OnChange, c change, replay st
 		return nil
 	}
 	a := &action{c: c}
+	if rule.Mirror != "" {
+		a.key = "mirror " + c.ID + "/" + c.rev()
+		a.details = map[string]any{"bucket": rule.Mirror, "key": mirrorkey.Encode(db, c.ID), "rev": c.rev()}
+		a.try = h.mirrors.attempt(rule.Mirror, db, c, rule.Timeout)
+		return a
+	}
 	if rule.Subject != "" {
 		m, err := h.publisher.message(db, rule, c, replay)
 		a.details = map[string]any{"subject": subjectFor(rule, db)}

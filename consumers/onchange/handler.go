@@ -52,6 +52,7 @@ type handler struct {
 	rules     ruleSource
 	hooks     *webhook.Client
 	publisher *changePublisher
+	mirrors   *mirrorWriter
 	dead      deadLetterer
 	metrics   *metrics.Consumer
 	status    *status.Recorder // may be nil
@@ -76,6 +77,7 @@ func newHandler(app consumer.Deps, cfg *config.OnChange) *handler {
 			Instance:    webhook.InstanceName(),
 		}),
 		publisher:          newChangePublisher(app.JS, app.Metrics),
+		mirrors:            newMirrorWriter(app.JS, cfg.StreamReplicas, app.JS.Conn().MaxPayload),
 		batchSize:          max(cfg.BatchSize, 1),
 		requestConcurrency: max(cfg.RequestConcurrency, 1),
 		inlineRetry:        defaultInlineRetry,
@@ -169,6 +171,9 @@ func (h *handler) runRule(ctx context.Context, db string, rule *rules.OnChange) 
 	log := h.log.WithFields(logrus.Fields{"db": db, "rule": rule.ID()})
 	cp, since, err := h.start(ctx, db, rule)
 	if errors.Is(err, couch.ErrNotFound) {
+		if err := h.dropMirror(ctx, db, rule, log); err != nil {
+			return ruleResult{err: err}
+		}
 		log.Warn("db does not exist: job dropped (it is enqueued again when the db is recreated)")
 		return ruleResult{outcome: status.ResultMissingSource}
 	}
@@ -209,6 +214,11 @@ func (h *handler) runRule(ctx context.Context, db string, rule *rules.OnChange) 
 				return finish(ruleResult{err: err, outcome: status.ResultFailed, why: errNoStream})
 			}
 		}
+		if rule.Mirror != "" {
+			if _, err := h.mirrors.bucket(ctx, rule.Mirror); err != nil {
+				return finish(ruleResult{err: fmt.Errorf("rule %s: %w", rule.ID(), err)})
+			}
+		}
 		if pending == nil || readFrom != since { // no page read ahead, or one that starts elsewhere
 			readFrom, pending = since, h.readPage(ctx, db, since)
 		}
@@ -232,6 +242,9 @@ func (h *handler) runRule(ctx context.Context, db string, rule *rules.OnChange) 
 		page, err := got.page, got.err
 		if errors.Is(err, couch.ErrNotFound) {
 			h.store.Forget(ctx, rule.ID(), db)
+			if err := h.dropMirror(ctx, db, rule, log); err != nil {
+				return finish(ruleResult{err: err})
+			}
 			log.Warn("db does not exist: job dropped (it is enqueued again when the db is recreated)")
 			return finish(ruleResult{outcome: status.ResultMissingSource})
 		}
@@ -381,6 +394,13 @@ func (w *checkpointWriter) wait() error {
 // matching couch.ErrNotFound.
 func (h *handler) start(ctx context.Context, db string, rule *rules.OnChange) (checkpoint.OnChangePoint, string, error) {
 	cp, err := h.store.Load(ctx, rule.ID(), db)
+	if err == nil && !cp.Found {
+		// A mirror rule without a checkpoint in db rebuilds the db's mirror from scratch: what the
+		// bucket holds of db is from before (an earlier db of that name) and goes first.
+		if err := h.dropMirror(ctx, db, rule, h.log.WithFields(logrus.Fields{"db": db, "rule": rule.ID()})); err != nil {
+			return cp, "", err
+		}
+	}
 	if err != nil || cp.Found || rule.Since != rules.SinceNow {
 		return cp, cp.LastSeq, err
 	}
@@ -392,6 +412,21 @@ func (h *handler) start(ctx context.Context, db string, rule *rules.OnChange) (c
 		return cp, "", err
 	}
 	return cp, cp.LastSeq, nil
+}
+
+// dropMirror deletes db's keys from a mirror rule's bucket (nothing for other rules).
+func (h *handler) dropMirror(ctx context.Context, db string, rule *rules.OnChange, log logrus.FieldLogger) error {
+	if rule.Mirror == "" {
+		return nil
+	}
+	n, err := h.mirrors.dropDB(ctx, rule.Mirror, db)
+	if err != nil {
+		return fmt.Errorf("rule %s: %w", rule.ID(), err)
+	}
+	if n > 0 {
+		log.WithFields(logrus.Fields{"bucket": rule.Mirror, "keys": n}).Info("mirror: the keys of an earlier or deleted db removed")
+	}
+	return nil
 }
 
 // current returns the live version of rule id if it is still enabled and matches db.

@@ -36,7 +36,11 @@ function (newDoc, oldDoc, userCtx, secObj) {
   }
   var hasURL = typeof newDoc.url === 'string' && newDoc.url !== '';
   var hasSubject = typeof newDoc.subject === 'string' && newDoc.subject !== '';
-  if (hasURL === hasSubject) fail(hasURL ? 'subject' : 'url', 'exactly one of url and subject is required');
+  var hasMirror = typeof newDoc.mirror === 'string' && newDoc.mirror !== '';
+  if ((hasURL ? 1 : 0) + (hasSubject ? 1 : 0) + (hasMirror ? 1 : 0) !== 1) {
+    fail(hasMirror ? 'mirror' : hasURL ? 'subject' : 'url', 'exactly one of url, subject and mirror is required');
+  }
+  if (newDoc.mirror !== undefined && !/^[a-zA-Z0-9_-]+$/.test(String(newDoc.mirror))) fail('mirror', 'must be a NATS KV bucket name (letters, digits, - and _)');
   noPassword('url', newDoc.url);
   if (newDoc.method !== undefined && ['GET', 'POST', 'PUT', 'PATCH', 'DELETE'].indexOf(String(newDoc.method).toUpperCase()) < 0) {
     fail('method', 'must be GET, POST, PUT, PATCH or DELETE');

@@ -36,7 +36,7 @@ type NATS struct {
 	NATSCAFile       string        `envconfig:"SPIEGEL_NATS_CA_FILE" desc:"PEM file of CAs to trust for NATS TLS"`
 	NATSCertFile     string        `envconfig:"SPIEGEL_NATS_CERT_FILE" desc:"client certificate for NATS TLS"`
 	NATSKeyFile      string        `envconfig:"SPIEGEL_NATS_KEY_FILE" desc:"client key for NATS TLS"`
-	StreamReplicas   int           `envconfig:"SPIEGEL_STREAM_REPLICAS" default:"1" desc:"replicas of the streams install creates (3 on a NATS cluster)"`
+	StreamReplicas   int           `envconfig:"SPIEGEL_STREAM_REPLICAS" default:"1" desc:"replicas of the streams install creates and of the mirror buckets onchange creates (3 on a NATS cluster)"`
 	AckWait          time.Duration `envconfig:"SPIEGEL_ACK_WAIT" default:"60s" desc:"JetStream AckWait for work jobs: a dead worker's job is redelivered after it"`
 }
 

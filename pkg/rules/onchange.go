@@ -21,7 +21,8 @@ const (
 // DefaultTimeout is the per-request timeout of an on_change rule without "timeout_ms".
 const DefaultTimeout = 30 * time.Second
 
-// OnChange is a compiled `on_change` rule (SPEC §2.2). Exactly one of URL and Subject is set.
+// OnChange is a compiled `on_change` rule (SPEC §2.2). Exactly one of URL, Subject and Mirror
+// is set.
 type OnChange struct {
 	id, rev string
 	// DBPattern selects the dbs (unanchored RE2); nil means every db.
@@ -44,7 +45,11 @@ type OnChange struct {
 	// hosts only; without it a 3xx answer is a failed request.
 	FollowRedirects bool
 	// Subject, instead of URL, publishes the change to NATS; it may hold ${db_name}.
-	Subject  string
+	Subject string
+	// Mirror, instead of URL and Subject, names the NATS KV bucket that keeps the winning
+	// revision of every matching doc (key mirrorkey.Encode(db, doc id); a deleted doc is a KV
+	// delete).
+	Mirror   string
 	Since    string // SinceBeginning (default) or SinceNow
 	Disabled bool
 	// Timeout bounds each request: field "timeout_ms" (a positive number of milliseconds),
@@ -139,11 +144,20 @@ func parseOnChange(f fields, p Policy) (*OnChange, error) {
 	if r.Subject, err = f.str("subject"); err != nil {
 		return nil, err
 	}
+	if r.Mirror, err = f.str("mirror"); err != nil {
+		return nil, err
+	}
 	switch {
-	case r.URL == "" && r.Subject == "":
-		return nil, f.errorf("url", "one of url and subject is required")
+	case r.URL == "" && r.Subject == "" && r.Mirror == "":
+		return nil, f.errorf("url", "one of url, subject and mirror is required")
 	case r.URL != "" && r.Subject != "":
-		return nil, f.errorf("subject", "only one of url and subject may be set")
+		return nil, f.errorf("subject", "only one of url, subject and mirror may be set (two rules do both)")
+	case r.Mirror != "" && (r.URL != "" || r.Subject != ""):
+		return nil, f.errorf("mirror", "only one of url, subject and mirror may be set (two rules do both)")
+	case r.Mirror != "":
+		if !validBucket(r.Mirror) {
+			return nil, f.errorf("mirror", "%q is not a NATS KV bucket name (letters, digits, '-' and '_')", r.Mirror)
+		}
 	case r.URL != "":
 		if err := checkWebhookURL(f, r.URL); err != nil {
 			return nil, err
@@ -307,6 +321,20 @@ func placeholderRE(s string) string {
 		i++
 	}
 	return b.String()
+}
+
+// validBucket reports whether s is a valid NATS KV bucket name.
+func validBucket(s string) bool {
+	if s == "" {
+		return false
+	}
+	for i := 0; i < len(s); i++ {
+		c := s[i]
+		if !(c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || c == '-' || c == '_') {
+			return false
+		}
+	}
+	return true
 }
 
 // checkSubject validates a NATS publish subject that may hold substitution tokens (each standing

@@ -144,6 +144,12 @@ func TestParseOnChange(t *testing.T) {
 	r, err = Parse("oc3", []byte(`{"type":"on_change","url":"http://h/x","follow_redirects":true}`))
 	require.NoError(t, err)
 	assert.True(t, r.(*OnChange).FollowRedirects)
+
+	r, err = Parse("oc4", []byte(`{"type":"on_change","db_name":"^orders","mirror":"ORDERS_STATE"}`))
+	require.NoError(t, err)
+	oc = r.(*OnChange)
+	assert.Equal(t, "ORDERS_STATE", oc.Mirror)
+	assert.Empty(t, oc.URL+oc.Subject)
 }
 
 func TestMatchDoc(t *testing.T) {
@@ -227,7 +233,11 @@ func TestParseInvalid(t *testing.T) {
 		{"negative dirty_after", `{"type":"replicator","source":"a","target":"b","dirty_after_milliseconds":-1}`, "dirty_after_milliseconds", "non-negative"},
 		{"dirty_after string", `{"type":"replicator","source":"a","target":"b","dirty_after_milliseconds":"5"}`, "dirty_after_milliseconds", "number"},
 		{"bad engine", `{"type":"replicator","source":"a","target":"b","engine":"rsync"}`, "engine", "native"},
-		{"no url nor subject", `{"type":"on_change"}`, "url", "one of url and subject"},
+		{"no url nor subject", `{"type":"on_change"}`, "url", "one of url, subject and mirror"},
+		{"url and mirror", `{"type":"on_change","url":"http://h/x","mirror":"docs"}`, "mirror", "only one"},
+		{"subject and mirror", `{"type":"on_change","subject":"a.b","mirror":"docs"}`, "mirror", "only one"},
+		{"mirror not a bucket name", `{"type":"on_change","mirror":"my.docs"}`, "mirror", "not a NATS KV bucket name"},
+		{"mirror not string", `{"type":"on_change","mirror":true}`, "mirror", "string"},
 		{"url and subject", `{"type":"on_change","url":"http://h/x","subject":"a.b"}`, "subject", "only one"},
 		{"relative url", `{"type":"on_change","url":"/hook"}`, "url", "absolute http"},
 		{"ftp url", `{"type":"on_change","url":"ftp://h/x"}`, "url", "absolute http"},

@@ -1,0 +1,217 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/spiegel-nats/spiegel/pkg/mirrorkey"
+	"github.com/spiegel-nats/spiegel/pkg/webhook"
+	"github.com/spiegel-nats/spiegel/pkg/worker"
+)
+
+// bucketCheckTTL is how long an opened mirror bucket (and its max value size) is reused before
+// it is looked up again (so a bucket deleted or edited by hand is noticed).
+const bucketCheckTTL = 30 * time.Second
+
+// maxSubject bounds the longest subject a mirror key is used in (the direct get's
+// $JS.API.DIRECT.GET.KV_<bucket>.$KV.<bucket>.<key>), well within NATS' 4096-byte control line
+// (which also holds the reply subject): a longer one would make the server close the connection.
+const maxSubject = 3584
+
+// payloadMargin is kept free of a message's max payload for the headers a KV write carries.
+const payloadMargin = 1024
+
+// kvManager is the part of jetstream.JetStream that mirror rules use.
+type kvManager interface {
+	KeyValue(ctx context.Context, bucket string) (jetstream.KeyValue, error)
+	CreateKeyValue(ctx context.Context, cfg jetstream.KeyValueConfig) (jetstream.KeyValue, error)
+}
+
+// mirrorWriter keeps the doc-state mirrors of `mirror` rules: the winning revision of every
+// matching doc in a NATS KV bucket, key mirrorkey.Encode(db, doc id), a deleted doc a KV delete.
+// It creates a missing bucket (history 1, replicas SPIEGEL_STREAM_REPLICAS). Safe for concurrent
+// use.
+type mirrorWriter struct {
+	js         kvManager
+	replicas   int
+	maxPayload func() int64 // the connection's max payload (0: unknown)
+
+	mu      sync.Mutex
+	buckets map[string]*mirrorBucket
+}
+
+type mirrorBucket struct {
+	kv       jetstream.KeyValue
+	maxValue int // the largest value written as is
+	opened   time.Time
+}
+
+func newMirrorWriter(js kvManager, replicas int, maxPayload func() int64) *mirrorWriter {
+	return &mirrorWriter{js: js, replicas: max(replicas, 1), maxPayload: maxPayload, buckets: map[string]*mirrorBucket{}}
+}
+
+// bucket opens the bucket named name, creating it when it does not exist.
+func (m *mirrorWriter) bucket(ctx context.Context, name string) (*mirrorBucket, error) {
+	m.mu.Lock()
+	b, ok := m.buckets[name]
+	m.mu.Unlock()
+	if ok && time.Since(b.opened) < bucketCheckTTL {
+		return b, nil
+	}
+	kv, err := m.js.KeyValue(ctx, name)
+	if errors.Is(err, jetstream.ErrBucketNotFound) {
+		kv, err = m.js.CreateKeyValue(ctx, jetstream.KeyValueConfig{
+			Bucket: name, History: 1, Replicas: m.replicas,
+			Description: "Spiegel doc-state mirror: the winning revision of each doc, key <b64url(db)>.<b64url(doc id)>",
+		})
+		if errors.Is(err, jetstream.ErrBucketExists) { // created meanwhile by another consumer
+			kv, err = m.js.KeyValue(ctx, name)
+		}
+	}
+	if err != nil {
+		return nil, fmt.Errorf("open mirror bucket %s: %w", name, err)
+	}
+	st, err := kv.Status(ctx)
+	if err != nil {
+		return nil, fmt.Errorf("read mirror bucket %s: %w", name, err)
+	}
+	limit := int64(1<<31 - 1)
+	if v := st.Config().MaxValueSize; v > 0 {
+		limit = int64(v)
+	}
+	if m.maxPayload != nil {
+		if p := m.maxPayload(); p > payloadMargin {
+			limit = min(limit, p-payloadMargin)
+		}
+	}
+	b = &mirrorBucket{kv: kv, maxValue: int(limit), opened: time.Now()}
+	m.mu.Lock()
+	m.buckets[name] = b
+	m.mu.Unlock()
+	return b, nil
+}
+
+// tooLarge is the value mirrored instead of a doc larger than the bucket's max value size.
+type tooLarge struct {
+	ID       string `json:"_id"`
+	Rev      string `json:"_rev"`
+	TooLarge bool   `json:"too_large"`
+	Size     int    `json:"size"`
+}
+
+// attempt returns the mirror write of change c of db into bucket as a retryable action: the
+// doc's winning revision (the change's doc) becomes the key's value, a deleted doc deletes the
+// key. Each write is conditional on the key's revision read just before (a concurrent writer
+// makes it fail and be retried); a key that already holds the change's revision is left alone,
+// so a replay or a re-dispatch rewrites nothing. A doc larger than the bucket's max value size
+// is mirrored as {"_id","_rev","too_large":true,"size"} and the attempt fails permanently, so
+// that the caller dead-letters it and goes on with the db's next change.
+func (m *mirrorWriter) attempt(bucket, db string, c change, timeout time.Duration) webhook.Attempt {
+	return func(ctx context.Context) (int, error) {
+		ctx, cancel := context.WithTimeout(ctx, timeout)
+		defer cancel()
+		b, err := m.bucket(ctx, bucket)
+		if err != nil {
+			return 0, err
+		}
+		key := mirrorkey.Encode(db, c.ID)
+		if n := len("$JS.API.DIRECT.GET.KV_" + bucket + ".$KV." + bucket + "." + key); n > maxSubject {
+			return 0, fmt.Errorf("%w: mirror %s: doc %s: db name and doc id too long for a KV key (%d bytes of subject, at most %d)",
+				webhook.ErrBadRequest, bucket, logIDOf(c.ID), n, maxSubject)
+		}
+		var last uint64
+		var held struct {
+			Rev string `json:"_rev"`
+		}
+		cur, err := b.kv.Get(ctx, key)
+		switch {
+		case errors.Is(err, jetstream.ErrKeyNotFound): // absent, or deleted: Create writes over a delete marker
+		case err != nil:
+			return 0, fmt.Errorf("mirror %s: read key %s: %w", bucket, key, err)
+		default:
+			last = cur.Revision()
+			_ = json.Unmarshal(cur.Value(), &held)
+		}
+		// The lease is checked again after the read, right before the write, as before a publish:
+		// a write sent while it is held reaches the bucket before a successor can have started
+		// (the lease ends AckWait/10 before JetStream hands the job on).
+		if !worker.Held(ctx) {
+			return 0, worker.ErrLeaseLost
+		}
+		if c.Deleted {
+			if last == 0 {
+				return 0, nil
+			}
+			if err := b.kv.Delete(ctx, key, jetstream.LastRevision(last)); err != nil {
+				return 0, fmt.Errorf("mirror %s: delete key %s (doc %s): %w", bucket, key, c.ID, err)
+			}
+			return 0, nil
+		}
+		if last != 0 && held.Rev == c.rev() {
+			return 0, nil // already mirrored
+		}
+		if len(c.Doc) == 0 {
+			return 0, fmt.Errorf("%w: mirror %s: change of doc %s has no doc body", webhook.ErrBadRequest, bucket, c.ID)
+		}
+		value, large := []byte(c.Doc), len(c.Doc) > b.maxValue
+		if large {
+			value, _ = json.Marshal(tooLarge{ID: c.ID, Rev: c.rev(), TooLarge: true, Size: len(c.Doc)})
+		}
+		if last == 0 {
+			_, err = b.kv.Create(ctx, key, value)
+		} else {
+			_, err = b.kv.Update(ctx, key, value, last)
+		}
+		if err != nil {
+			return 0, fmt.Errorf("mirror %s: write key %s (doc %s rev %s): %w", bucket, key, c.ID, c.rev(), err)
+		}
+		if large {
+			return 0, fmt.Errorf("%w: mirror %s: doc %s rev %s is %d bytes, more than the bucket's max value size %d: mirrored as a too_large reference",
+				webhook.ErrBadRequest, bucket, c.ID, c.rev(), len(c.Doc), b.maxValue)
+		}
+		return 0, nil
+	}
+}
+
+// dropDB deletes every key of db from bucket (KV deletes, as for deleted docs): the mirror of a
+// db that no longer exists, or that is about to be rebuilt from the beginning of its feed (a rule
+// without a checkpoint in db: a new rule, or a db deleted and created again, whose old docs must
+// not outlive it). It returns how many keys it deleted.
+func (m *mirrorWriter) dropDB(ctx context.Context, bucket, db string) (int, error) {
+	b, err := m.bucket(ctx, bucket)
+	if err != nil {
+		return 0, err
+	}
+	lister, err := b.kv.ListKeysFiltered(ctx, mirrorkey.DBPrefix(db))
+	if err != nil {
+		return 0, fmt.Errorf("mirror %s: list the keys of db %s: %w", bucket, db, err)
+	}
+	var keys []string
+	for k := range lister.Keys() {
+		keys = append(keys, k)
+	}
+	_ = lister.Stop()
+	for _, k := range keys {
+		if !worker.Held(ctx) {
+			return 0, worker.ErrLeaseLost
+		}
+		if err := b.kv.Delete(ctx, k); err != nil {
+			return 0, fmt.Errorf("mirror %s: delete key %s of db %s: %w", bucket, k, db, err)
+		}
+	}
+	return len(keys), nil
+}
+
+// logIDOf shortens a doc id for an error message.
+func logIDOf(id string) string {
+	if len(id) > 80 {
+		return fmt.Sprintf("%q… (%d bytes)", id[:80], len(id))
+	}
+	return id
+}

@@ -1,0 +1,137 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/sirupsen/logrus"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/spiegel-nats/spiegel/pkg/couch"
+	"github.com/spiegel-nats/spiegel/pkg/mirrorkey"
+	"github.com/spiegel-nats/spiegel/pkg/natstest"
+	"github.com/spiegel-nats/spiegel/pkg/rules"
+)
+
+// BenchmarkMirrorPage writes pages of 100 changed docs into a mirror bucket (embedded NATS): one
+// write at a time ("block": true) and SPIEGEL_REQUEST_CONCURRENCY (10) at once.
+// Each write is a read of the key and a conditional write.
+func BenchmarkMirrorPage(b *testing.B) {
+	ns := natstest.Start(b)
+	nc, js := ns.Connect(b)
+	log := logrus.New()
+	log.SetOutput(io.Discard)
+	for _, block := range []bool{true, false} {
+		b.Run(fmt.Sprintf("block=%t", block), func(b *testing.B) {
+			r, err := rules.Parse("mir", fmt.Appendf(nil, `{"type":"on_change","mirror":"BENCH","block":%t}`, block))
+			require.NoError(b, err)
+			h := &handler{mirrors: newMirrorWriter(js, 1, nc.MaxPayload), dead: &noDeadLetters{}, log: log,
+				inlineRetry: time.Second, book: newRetryBook(), requestConcurrency: 10}
+			page := make([]couch.Change, 100)
+			b.ResetTimer()
+			for i := 0; b.Loop(); i++ {
+				for j := range page {
+					id, rev := fmt.Sprintf("doc%03d", j), fmt.Sprintf("%d-%032x", i+1, j)
+					page[j] = couch.Change{Seq: fmt.Sprint(i*100 + j + 1), ID: id, Revs: []string{rev},
+						Doc: fmt.Appendf(nil, `{"_id":%q,"_rev":%q,"n":%d,"text":"some payload text"}`, id, rev, i)}
+				}
+				res := h.processBatch(b.Context(), "db", r.(*rules.OnChange), "", "", page, log)
+				require.NoError(b, res.err)
+				require.Equal(b, len(page), res.done)
+			}
+			b.ReportMetric(float64(b.N*len(page))/b.Elapsed().Seconds(), "docs/s")
+		})
+	}
+}
+
+// racingKV is a mirror bucket where another writer changes a key between the mirror's read and
+// its write, once per key.
+type racingKV struct {
+	jetstream.KeyValue
+	mu      sync.Mutex
+	raced   map[string]bool
+	updates int
+}
+
+func (r *racingKV) Update(ctx context.Context, key string, value []byte, last uint64) (uint64, error) {
+	r.mu.Lock()
+	first := !r.raced[key]
+	r.raced[key] = true
+	r.updates++
+	r.mu.Unlock()
+	if first {
+		if _, err := r.KeyValue.Put(ctx, key, []byte(`{"_rev":"9-other"}`)); err != nil {
+			return 0, err
+		}
+	}
+	return r.KeyValue.Update(ctx, key, value, last)
+}
+
+type racingJS struct {
+	jetstream.JetStream
+	kv *racingKV
+}
+
+func (r racingJS) KeyValue(context.Context, string) (jetstream.KeyValue, error) { return r.kv, nil }
+
+// TestMirrorWritesAreConditional: a page written again (a re-dispatch) writes nothing; a key
+// changed by another writer between the mirror's read and its write makes the write fail and be
+// retried over a fresh read, so the change's revision ends in the key and the other write is not
+// lost silently in between.
+func TestMirrorWritesAreConditional(t *testing.T) {
+	ns := natstest.Start(t)
+	nc, js := ns.Connect(t)
+	log := logrus.New()
+	log.SetOutput(io.Discard)
+	r, err := rules.Parse("mir", []byte(`{"type":"on_change","mirror":"M","retry":`+fastRetry+`}`))
+	require.NoError(t, err)
+	bucket, err := js.CreateKeyValue(t.Context(), jetstream.KeyValueConfig{Bucket: "M", History: 1})
+	require.NoError(t, err)
+	race := racingJS{JetStream: js, kv: &racingKV{KeyValue: bucket, raced: map[string]bool{}}}
+	h := &handler{mirrors: newMirrorWriter(race, 1, nc.MaxPayload), dead: &noDeadLetters{}, log: log,
+		inlineRetry: time.Second, book: newRetryBook(), requestConcurrency: 10}
+	page := func(gen int) []couch.Change {
+		out := make([]couch.Change, 5)
+		for j := range out {
+			id, rev := fmt.Sprintf("d%d", j), fmt.Sprintf("%d-x", gen)
+			out[j] = couch.Change{Seq: fmt.Sprint(gen*10 + j), ID: id, Revs: []string{rev}, Doc: fmt.Appendf(nil, `{"_id":%q,"_rev":%q}`, id, rev)}
+		}
+		return out
+	}
+	lastSeq := func() uint64 {
+		kv, err := js.KeyValue(t.Context(), "M")
+		require.NoError(t, err)
+		st, err := kv.Status(t.Context())
+		require.NoError(t, err)
+		return st.(*jetstream.KeyValueBucketStatus).StreamInfo().State.LastSeq
+	}
+	oc := r.(*rules.OnChange)
+	res := h.processBatch(t.Context(), "db", oc, "", "", page(1), log) // creates: no race
+	require.NoError(t, res.err)
+	require.Equal(t, 5, res.done)
+	before := lastSeq()
+	res = h.processBatch(t.Context(), "db", oc, "", "", page(1), log)
+	require.NoError(t, res.err)
+	assert.Equal(t, before, lastSeq(), "the same page again writes nothing")
+
+	res = h.processBatch(t.Context(), "db", oc, "", "", page(2), log) // every update raced once
+	require.NoError(t, res.err)
+	require.Equal(t, 5, res.done)
+	assert.Len(t, race.kv.raced, 5)
+	assert.Equal(t, 10, race.kv.updates, "each raced update failed and was retried over a fresh read")
+	kv, err := js.KeyValue(t.Context(), "M")
+	require.NoError(t, err)
+	for j := range 5 {
+		e, err := kv.Get(t.Context(), mirrorkey.Encode("db", fmt.Sprintf("d%d", j)))
+		require.NoError(t, err)
+		assert.JSONEq(t, fmt.Sprintf(`{"_id":"d%d","_rev":"2-x"}`, j), string(e.Value()))
+	}
+	// Each key: create, the racing write, the retried update.
+	assert.Equal(t, before+10, lastSeq())
+}
