@@ -121,6 +121,11 @@ func Follow(ctx context.Context, js jetstream.JetStream, opt Options, handle fun
 			}
 			return fmt.Errorf("read %s: %w", opt.Subject, err)
 		}
+		if ctx.Err() != nil {
+			// Stopped: the iterator may still hand out what it holds (Stop runs on another
+			// goroutine). Left unacknowledged, a durable consumer's message comes again.
+			return nil
+		}
 		var c Change
 		if err := json.Unmarshal(m.Data(), &c); err != nil {
 			return fmt.Errorf("message on %s is not a change: %w", m.Subject(), err)
