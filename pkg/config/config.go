@@ -21,7 +21,7 @@ type CouchDB struct {
 	CouchDBCAFile      string        `envconfig:"SPIEGEL_COUCHDB_CA_FILE" desc:"PEM file of CAs to trust for an https CouchDB (default: system roots)"`
 	CouchDBInsecureTLS bool          `envconfig:"SPIEGEL_COUCHDB_INSECURE_SKIP_VERIFY" default:"false" desc:"skip TLS certificate verification of CouchDB (testing only)"`
 	CouchDBTimeout     time.Duration `envconfig:"SPIEGEL_COUCHDB_TIMEOUT" default:"30s" desc:"timeout of one CouchDB request (feeds excepted)"`
-	CouchDBMaxConns    int           `envconfig:"SPIEGEL_COUCHDB_MAX_CONNECTIONS" default:"8" desc:"most connections one process opens to a CouchDB host for requests; more requests at once wait for one. Continuous feeds come on top (0: no cap)"`
+	CouchDBMaxConns    int           `envconfig:"SPIEGEL_COUCHDB_MAX_CONNECTIONS" default:"0" desc:"most connections one process opens to a CouchDB host for requests (e.g. 8); more requests at once wait for one. Continuous feeds come on top (0: no cap)"`
 }
 
 // NATS says how to reach NATS and how the JetStream topology is named.
