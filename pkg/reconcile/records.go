@@ -28,6 +28,7 @@ import (
 	"errors"
 	"fmt"
 	"strings"
+	"time"
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
@@ -110,11 +111,18 @@ func (r *Records) Read(ctx context.Context) (Done, error) {
 		return nil, fmt.Errorf("read completion records: %w", err)
 	}
 	defer func() { _ = w.Stop() }()
+	// A watch whose bucket is purged while it delivers the current values waits forever for
+	// values that are gone: a read that gets nothing for readIdle gives up, and the next sweep
+	// reads again.
+	idle := time.NewTimer(readIdle)
+	defer idle.Stop()
 	done := Done{}
 	for {
 		select {
 		case <-ctx.Done():
 			return nil, fmt.Errorf("read completion records: %w", ctx.Err())
+		case <-idle.C:
+			return nil, fmt.Errorf("read completion records: nothing for %s before the end of the current values (the bucket changed during the read?)", readIdle)
 		case e, ok := <-w.Updates():
 			if !ok {
 				return nil, errors.New("read completion records: the watch ended early")
@@ -123,9 +131,13 @@ func (r *Records) Read(ctx context.Context) (Done, error) {
 				return done, nil
 			}
 			done[e.Key()] = string(e.Value())
+			idle.Reset(readIdle)
 		}
 	}
 }
+
+// readIdle bounds the wait for the next record while Read delivers the current values.
+const readIdle = 5 * time.Second
 
 // missing reports whether err says the bucket's stream does not exist. The watch of a bucket
 // whose stream is gone reports it with nats.go's own error value.
