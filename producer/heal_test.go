@@ -156,17 +156,8 @@ func TestSweepAfterRecordsLost(t *testing.T) {
 	for _, db := range dbs {
 		e.waitDone(t, rep, db)
 	}
-	require.Eventually(t, func() bool { return len(e.Pending(t)) == 0 }, 20*time.Second, 20*time.Millisecond)
 	// Settled: sweeps find every db done.
-	e.waitSweeps(t, 1)
-	before := map[string]int{}
-	for _, db := range dbs {
-		before[db] = len(got.of(db))
-	}
-	e.waitSweeps(t, 3)
-	for _, db := range dbs {
-		assert.Len(t, got.of(db), before[db], "%s ran although it was done", db)
-	}
+	before := e.assertQuiet(t, got, dbs, "ran although it was done")
 
 	s, err := e.JS.Stream(t.Context(), "KV_SPIEGEL_DONE")
 	require.NoError(t, err)
@@ -178,16 +169,24 @@ func TestSweepAfterRecordsLost(t *testing.T) {
 		e.waitDone(t, rep, db)
 	}
 	// And quiet again.
+	e.assertQuiet(t, got, dbs, "kept running after its record was back")
+}
+
+// assertQuiet waits until no job is pending and a sweep has finished, then asserts that three
+// more sweeps run no job of dbs; it returns each db's count of runs before them.
+func (e *env) assertQuiet(t *testing.T, got *runs, dbs []string, what string) map[string]int {
+	t.Helper()
 	require.Eventually(t, func() bool { return len(e.Pending(t)) == 0 }, 20*time.Second, 20*time.Millisecond)
 	e.waitSweeps(t, 1)
-	after := map[string]int{}
+	runs := map[string]int{}
 	for _, db := range dbs {
-		after[db] = len(got.of(db))
+		runs[db] = len(got.of(db))
 	}
 	e.waitSweeps(t, 3)
 	for _, db := range dbs {
-		assert.Len(t, got.of(db), after[db], "%s kept running after its record was back", db)
+		assert.Len(t, got.of(db), runs[db], "%s %s", db, what)
 	}
+	return runs
 }
 
 // A deleted db's completion records, of every group, are purged (a db recreated under its name
