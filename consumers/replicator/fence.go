@@ -22,6 +22,11 @@ const fencePrefix = "replication/"
 // checkpoint write, so a run that lost its job to a newer one cannot write its checkpoint over
 // the newer run's, on Apache CouchDB too (which does not check the revs of _local docs). The
 // bucket is opened on first use; a missing one fails the run (run `producer install`).
+//
+// Every NATS request here has a deadline of its own (fenceTimeout), not the run's (up to
+// SPIEGEL_REPLICATION_TIMEOUT): an answer lost when a NATS node dies is never delivered, and a
+// request waiting for it held its job for minutes. No lock is held during a request, so one that
+// waits holds up no other job.
 type kvFence struct {
 	js   jetstream.JetStream
 	topo natsjs.Topology
@@ -29,18 +34,28 @@ type kvFence struct {
 	kv   jetstream.KeyValue
 }
 
+// fenceTimeout bounds each NATS request of kvFence.
+const fenceTimeout = 10 * time.Second
+
 func (f *kvFence) bucket(ctx context.Context) (jetstream.KeyValue, error) {
 	f.mu.Lock()
-	defer f.mu.Unlock()
-	if f.kv != nil {
-		return f.kv, nil
+	kv := f.kv
+	f.mu.Unlock()
+	if kv != nil {
+		return kv, nil
 	}
-	kv, err := natsjs.OnChangeBucket(ctx, f.js, f.topo)
+	ctx, cancel := context.WithTimeout(ctx, fenceTimeout)
+	defer cancel()
+	kv, err := natsjs.OnChangeBucket(ctx, f.js, f.topo) // jobs starting at once may each open it: harmless
 	if err != nil {
 		return nil, err
 	}
-	f.kv = kv
-	return kv, nil
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.kv == nil {
+		f.kv = kv
+	}
+	return f.kv, nil
 }
 
 // Token returns the replication's token (0: none yet).
@@ -49,6 +64,8 @@ func (f *kvFence) Token(ctx context.Context, id string) (uint64, error) {
 	if err != nil {
 		return 0, err
 	}
+	ctx, cancel := context.WithTimeout(ctx, fenceTimeout)
+	defer cancel()
 	e, err := kv.Get(ctx, fencePrefix+id)
 	switch {
 	case errors.Is(err, jetstream.ErrKeyNotFound):
@@ -65,6 +82,8 @@ func (f *kvFence) Advance(ctx context.Context, id string, token uint64) (uint64,
 	if err != nil {
 		return 0, false, err
 	}
+	ctx, cancel := context.WithTimeout(ctx, fenceTimeout)
+	defer cancel()
 	v := []byte(time.Now().UTC().Format(time.RFC3339Nano))
 	var next uint64
 	if token == 0 {

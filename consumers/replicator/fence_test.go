@@ -1,8 +1,12 @@
 package main
 
 import (
+	"context"
+	"sync/atomic"
 	"testing"
+	"time"
 
+	"github.com/nats-io/nats.go/jetstream"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
@@ -41,4 +45,61 @@ func TestKVFence(t *testing.T) {
 	other, err := f.Token(ctx, "def")
 	require.NoError(t, err)
 	assert.Zero(t, other, "one token per replication")
+}
+
+// answerLost is a JetStream whose first bucket lookup never gets its answer, as when the NATS
+// node that took the request dies: nats.go then waits for the request's deadline. That fault
+// comes from a node killed at the right moment, which a test cannot time, so it is injected here.
+type answerLost struct {
+	jetstream.JetStream
+	lookups atomic.Int64
+}
+
+func (a *answerLost) KeyValue(ctx context.Context, bucket string) (jetstream.KeyValue, error) {
+	if a.lookups.Add(1) == 1 {
+		<-ctx.Done()
+		return nil, ctx.Err()
+	}
+	return a.JetStream.KeyValue(ctx, bucket)
+}
+
+// TestKVFenceLostAnswerHoldsNoOtherRun: a run whose bucket lookup lost its answer, under a run
+// deadline of 10 minutes (SPIEGEL_REPLICATION_TIMEOUT), gives up after fenceTimeout, and the
+// other runs read their tokens meanwhile. The lookup used to hold the fence's lock with the run's
+// deadline: every native job of the process waited behind it (a chaos run saw 20 jobs held for
+// minutes after a NATS node was killed).
+func TestKVFenceLostAnswerHoldsNoOtherRun(t *testing.T) {
+	t.Parallel()
+	ns := natstest.Start(t)
+	_, js := ns.Connect(t)
+	topo := natsjs.DefaultTopology("")
+	require.NoError(t, natsjs.Ensure(t.Context(), js, topo))
+	lossy := &answerLost{JetStream: js}
+	f := &kvFence{js: lossy, topo: topo}
+	run, cancel := context.WithTimeout(t.Context(), 10*time.Minute)
+	defer cancel()
+
+	first := make(chan error, 1)
+	go func() {
+		_, err := f.Token(run, "first")
+		first <- err
+	}()
+	require.Eventually(t, func() bool { return lossy.lookups.Load() == 1 }, 10*time.Second, time.Millisecond)
+	other := make(chan error, 1)
+	go func() {
+		_, err := f.Token(run, "other")
+		other <- err
+	}()
+	select {
+	case err := <-other:
+		require.NoError(t, err, "another run reads its token while the first waits")
+	case <-time.After(fenceTimeout / 2):
+		t.Fatal("another run waited behind the lost answer")
+	}
+	select {
+	case err := <-first:
+		assert.ErrorIs(t, err, context.DeadlineExceeded, "the run with the lost answer gives up at fenceTimeout")
+	case <-time.After(2 * fenceTimeout):
+		t.Fatal("the run with the lost answer waited past fenceTimeout")
+	}
 }
