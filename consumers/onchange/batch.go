@@ -6,6 +6,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -176,24 +177,57 @@ func (h *handler) processBatch(ctx context.Context, db string, rule *rules.OnCha
 }
 
 // publishBatch publishes the changes of a subject rule's page strictly in feed order (SPEC §5.3,
-// §7.8). When the stream allows fast batch publishes, the page goes as one batch in "gap: fail"
-// mode: all at once, and the stream stores it in order up to the first change it did not get or
-// refused, none after it (see publishFast). What that did not store is published one change at a
-// time, each sent only once the stream confirmed the one before it; a publish that fails
-// (a stream leader election, a NATS restart, a partition) is retried with the rule's retry policy
-// before anything after it is sent (dead letter at its limit, as for webhooks). So the stream
-// never stores a change after one that follows it in the feed. A publish whose answer was lost
-// and that is sent again is deduplicated by its message id; a process that lost its job's lease
-// sends nothing more (see act).
+// §7.8), under the job's fence of the subject when the rule's subject is its db's own (see
+// fence.go). When the subject's stream takes atomic pages (see takesAtomicPages), the page goes as
+// one atomic batch: the stream stores all of it, in order, or nothing. Otherwise, or when the
+// batch was refused for anything but the fence (a change the stream has already, a change too
+// large, a lost answer), the page is published one change at a time, each sent only once the
+// stream confirmed the one before it; a publish that fails (a stream leader election, a NATS
+// restart, a partition) is retried with the rule's retry policy before anything after it is sent
+// (dead letter at its limit, as for webhooks). So the stream never stores a change after one that
+// follows it in the feed. A publish whose answer was lost and that is sent again is deduplicated
+// by its message id; a process that lost its job's lease sends nothing more (see act), and what
+// it sent before and reaches the stream late is refused by the fence.
 //
 // Plain pipelined publishes (all at once, answers awaited in order) cannot keep that promise:
 // when one of them is lost, the ones after it may be stored already. BenchmarkPublishPage
-// compares the three.
+// compares the ways.
 func (h *handler) publishBatch(ctx context.Context, db string, rule *rules.OnChange, acts []*action, log logrus.FieldLogger) batchResult {
 	var res batchResult
+	subject := subjectFor(rule, db)
+	var f *fence
+	if h.publisher.fenceable(rule) {
+		f = fenceOf(ctx, subject)
+		f.mu.Lock()
+		defer f.mu.Unlock()
+		if !f.read { // retried like a publish: a leader election or a NATS restart can fail it
+			out := webhook.Retrying(ctx, webhook.Retry{Policy: rule.Retry, InlineMax: h.inlineRetry}, func(ctx context.Context) (int, error) {
+				if !worker.Held(ctx) {
+					return 0, worker.ErrLeaseLost
+				}
+				last, err := h.publisher.lastSeq(ctx, subject, rule.Timeout)
+				f.last, f.read = last, err == nil
+				return 0, err
+			})
+			switch {
+			case out.Err == nil:
+			case out.RetryIn > 0:
+				res.retryIn, res.deferErr = out.RetryIn, fmt.Errorf("rule %s: %w", rule.ID(), out.Err)
+				return res
+			default:
+				res.err = fmt.Errorf("rule %s: %w", rule.ID(), out.Err)
+				return res
+			}
+		}
+	}
 	from := 0
-	if rule.Subject != "" && h.publisher.canBatch(subjectFor(rule, db)) {
-		from = h.publishFast(ctx, rule, acts, log)
+	if h.publisher.takesAtomic(subject) {
+		var err error
+		from, err = h.publishAtomic(ctx, rule, acts, f, log)
+		if errors.Is(err, errFenced) || errors.Is(err, worker.ErrLeaseLost) || ctx.Err() != nil {
+			res.err = cmp.Or(ctx.Err(), err)
+			return res
+		}
 	}
 	for i := from; i < len(acts); i++ {
 		a := acts[i]
@@ -203,6 +237,9 @@ func (h *handler) publishBatch(ctx context.Context, db string, rule *rules.OnCha
 		if err := ctx.Err(); err != nil {
 			res.done, res.err = i, err
 			return res
+		}
+		if f != nil && a.msg != nil {
+			a.try = h.publisher.attemptFenced(*a.msg, f, rule.Timeout)
 		}
 		st, retryIn, err := h.act(ctx, db, rule, a, log)
 		switch st {
@@ -218,12 +255,12 @@ func (h *handler) publishBatch(ctx context.Context, db string, rule *rules.OnCha
 	return res
 }
 
-// publishFast publishes the head of acts as one fast batch (see changePublisher.publishFast) up
-// to the first change that cannot be published, and returns the index of the first action not
-// stored yet: publishBatch goes on from there one change at a time.
-func (h *handler) publishFast(ctx context.Context, rule *rules.OnChange, acts []*action, log logrus.FieldLogger) int {
+// publishAtomic publishes the head of acts, up to the first change that could not be encoded, as
+// one atomic batch (see changePublisher.publishAtomic) under f (nil: unfenced), and returns the
+// index of the first action not stored: publishBatch goes on from there one change at a time (0
+// when the batch was refused). err is the batch's error, if any.
+func (h *handler) publishAtomic(ctx context.Context, rule *rules.OnChange, acts []*action, f *fence, log logrus.FieldLogger) (int, error) {
 	var msgs []changeMsg
-	var index []int // of each message's action
 	end := len(acts)
 	for i, a := range acts {
 		if a == nil {
@@ -233,20 +270,18 @@ func (h *handler) publishFast(ctx context.Context, rule *rules.OnChange, acts []
 			end = i
 			break
 		}
-		msgs, index = append(msgs, *a.msg), append(index, i)
+		msgs = append(msgs, *a.msg)
 	}
 	if len(msgs) < 2 {
-		return 0
+		return 0, nil
 	}
-	n, err := h.publisher.publishFast(ctx, msgs, rule.Timeout)
-	if err != nil {
-		log.WithError(err).Debug("fast batch publish ended early: publishing the rest one change at a time")
-		if n == 0 {
-			return 0
+	if err := h.publisher.publishAtomic(ctx, msgs, f, rule.Timeout); err != nil {
+		if !errors.Is(err, errFenced) {
+			log.WithError(err).Debug("atomic batch refused: publishing the page one change at a time")
 		}
-		return index[n-1] + 1
+		return 0, err
 	}
-	return end
+	return end, nil
 }
 
 // newAction builds what rule does for change c, or nil when the doc does not match. A request
@@ -313,7 +348,11 @@ func (h *handler) act(ctx context.Context, db string, rule *rules.OnChange, a *a
 			cancel(worker.ErrLeaseLost)
 			return 0, worker.ErrLeaseLost
 		}
-		return a.try(ctx)
+		n, err := a.try(ctx)
+		if errors.Is(err, errFenced) { // retrying cannot help: the job runs again (see fence.go)
+			cancel(err)
+		}
+		return n, err
 	}
 	out := webhook.Retrying(rctx, webhook.Retry{Policy: rule.Retry, Done: done, InlineMax: h.inlineRetry}, try)
 	if out.Err == nil {

@@ -127,6 +127,7 @@ func (h *handler) handle(ctx context.Context, job *worker.Job) error {
 	if len(rs) == 0 {
 		return nil
 	}
+	ctx = withFences(ctx) // this job's view of the subjects it publishes to (see fence.go)
 	results := make([]ruleResult, len(rs))
 	var wg sync.WaitGroup
 	for i, r := range rs {

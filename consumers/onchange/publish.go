@@ -5,7 +5,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"strings"
 	"sync"
 	"time"
 
@@ -38,8 +37,9 @@ type streamPublisher interface {
 	StreamNameBySubject(ctx context.Context, subject string) (string, error)
 }
 
-// batchPublisher is the part of jetstream.JetStream that fast batch publishes use besides
-// streamPublisher's: a publisher without it publishes one change at a time.
+// batchPublisher is the part of jetstream.JetStream that fenced and atomic publishes use besides
+// streamPublisher's (stream info, and the connection for reads at the stream leader and atomic
+// batches): a publisher without it publishes one change at a time, unfenced.
 type batchPublisher interface {
 	Stream(ctx context.Context, name string) (jetstream.Stream, error)
 	Conn() *nats.Conn
@@ -53,18 +53,20 @@ type changePublisher struct {
 	js      streamPublisher
 	metrics *metrics.Consumer
 
-	checked *expiringSet // subjects found captured by a stream
-	batched *expiringSet // those of them whose stream allows fast batch publishes
+	checked *expiringSet // subjects found captured by a stream, with the stream's name
+	atomic  *expiringSet // those of them whose stream takes a page as one atomic batch (see publishAtomic)
 
-	streamsRead, batchedStreams *expiringSet // stream names whose info was read; those allowing fast batches
-	reported                    *expiringSet // rule id, rev and subject already dead-lettered as unusable
+	streamsRead, atomicStreams *expiringSet // stream names whose info was read; those taking atomic batches
+	reported                   *expiringSet // rule id, rev and subject already dead-lettered as unusable
+
+	atomicOnFile bool // tests and benchmarks: atomic pages on a single-replica file stream too
 }
 
 func newChangePublisher(js streamPublisher, m *metrics.Consumer) *changePublisher {
 	return &changePublisher{js: js, metrics: m,
-		checked: newExpiringSet(subjectCheckTTL, publisherMemory), batched: newExpiringSet(subjectCheckTTL, publisherMemory),
+		checked: newExpiringSet(subjectCheckTTL, publisherMemory), atomic: newExpiringSet(subjectCheckTTL, publisherMemory),
 		reported:    newExpiringSet(reportedTTL, publisherMemory),
-		streamsRead: newExpiringSet(subjectCheckTTL, publisherMemory), batchedStreams: newExpiringSet(subjectCheckTTL, publisherMemory)}
+		streamsRead: newExpiringSet(subjectCheckTTL, publisherMemory), atomicStreams: newExpiringSet(subjectCheckTTL, publisherMemory)}
 }
 
 // subject returns rule's subject for db: ${db_name} becomes the db's subject token
@@ -73,8 +75,8 @@ func subjectFor(rule *rules.OnChange, db string) string {
 	return rules.Interpolate(rule.Subject, rules.Vars{DBName: events.EncodeDBName(db)}, false)
 }
 
-// check reports whether some stream captures rule's subject for db, and notes whether that
-// stream allows fast batch publishes (see publishFast). When none does, the rule cannot run in
+// check reports whether some stream captures rule's subject for db, and notes the stream's name
+// and whether it takes a page as one atomic batch (see publishAtomic). When none does, the rule cannot run in
 // db: the first time per rule revision and subject (again after reportedTTL) a dead-letter record
 // naming the rule is stored and an error logged; the rule's checkpoint stays where it is, so its
 // changes flow once a stream captures the subject or the rule is fixed. Other rules are not affected.
@@ -92,16 +94,16 @@ func (p *changePublisher) check(ctx context.Context, db string, rule *rules.OnCh
 				if err != nil {
 					return false, fmt.Errorf("rule %s: read stream %s of subject %s: %w", rule.ID(), name, subject, err)
 				}
-				if st.CachedInfo().Config.AllowBatchPublish {
-					p.batchedStreams.add(name)
+				if cfg := st.CachedInfo().Config; takesAtomicPages(cfg) || p.atomicOnFile && cfg.AllowAtomicPublish {
+					p.atomicStreams.add(name)
 				}
 				p.streamsRead.add(name)
 			}
-			if p.batchedStreams.has(name) {
-				p.batched.add(subject)
+			if p.atomicStreams.has(name) {
+				p.atomic.add(subject)
 			}
 		}
-		p.checked.add(subject)
+		p.checked.put(subject, name)
 		return true, nil
 	}
 	if !errors.Is(err, jetstream.ErrStreamNotFound) {
@@ -194,37 +196,54 @@ func (p *changePublisher) published(n int) {
 	}
 }
 
-// expiringSet is a set of strings whose entries expire after ttl, holding at most max entries
-// (see add). Safe for concurrent use.
+// expiringSet is a set of strings, each with an optional value, whose entries expire after ttl,
+// holding at most max entries (see put). Safe for concurrent use.
 type expiringSet struct {
 	mu  sync.Mutex
 	ttl time.Duration
 	max int
-	at  map[string]time.Time
+	at  map[string]expiringEntry
 	now func() time.Time
 }
 
+type expiringEntry struct {
+	at  time.Time
+	val string
+}
+
 func newExpiringSet(ttl time.Duration, max int) *expiringSet {
-	return &expiringSet{ttl: ttl, max: max, at: map[string]time.Time{}, now: time.Now}
+	return &expiringSet{ttl: ttl, max: max, at: map[string]expiringEntry{}, now: time.Now}
 }
 
 // has reports whether key was added less than ttl ago.
 func (s *expiringSet) has(key string) bool {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	at, ok := s.at[key]
-	return ok && s.now().Sub(at) < s.ttl
+	_, ok := s.get(key)
+	return ok
 }
 
-// add records key as of now. A full set first drops its expired entries, then, if that was not
-// enough, arbitrary ones down to three quarters of max.
-func (s *expiringSet) add(key string) {
+// get returns key's value if key was added less than ttl ago.
+func (s *expiringSet) get(key string) (string, bool) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	e, ok := s.at[key]
+	if !ok || s.now().Sub(e.at) >= s.ttl {
+		return "", false
+	}
+	return e.val, true
+}
+
+// add records key as of now.
+func (s *expiringSet) add(key string) { s.put(key, "") }
+
+// put records key with val as of now. A full set first drops its expired entries, then, if that
+// was not enough, arbitrary ones down to three quarters of max.
+func (s *expiringSet) put(key, val string) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	now := s.now()
 	if _, ok := s.at[key]; !ok && len(s.at) >= s.max {
-		for k, at := range s.at {
-			if now.Sub(at) >= s.ttl {
+		for k, e := range s.at {
+			if now.Sub(e.at) >= s.ttl {
 				delete(s.at, k)
 			}
 		}
@@ -235,7 +254,7 @@ func (s *expiringSet) add(key string) {
 			delete(s.at, k)
 		}
 	}
-	s.at[key] = now
+	s.at[key] = expiringEntry{at: now, val: val}
 }
 
 // len returns the number of entries held (expired ones included until swept).
@@ -243,101 +262,4 @@ func (s *expiringSet) len() int {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return len(s.at)
-}
-
-// fastBatchFlow is the most messages a fast batch lets the server go between two flow
-// acknowledgements (the server's own cap is 500). The publisher does not wait for them: a page is
-// at most SPIEGEL_CHANGES_BATCH changes.
-const fastBatchFlow = 500
-
-// canBatch reports whether subject's stream was found to allow fast batch publishes.
-func (p *changePublisher) canBatch(subject string) bool {
-	_, ok := p.js.(batchPublisher)
-	return ok && p.batched.has(subject)
-}
-
-// batchAnswer is any answer of the stream to a fast batch publish: a flow acknowledgement, gap
-// or error (Type set) or the batch's final PubAck (Type empty).
-type batchAnswer struct {
-	Type  string `json:"type"`
-	Seq   uint64 `json:"seq"`
-	Count int    `json:"count"`
-	Batch string `json:"batch"`
-	Error *struct {
-		Code        int    `json:"code"`
-		ErrCode     int    `json:"err_code"`
-		Description string `json:"description"`
-	} `json:"error"`
-}
-
-// publishFast publishes msgs, in order, as one JetStream fast batch in "gap: fail" mode
-// (nats-server 2.14+): every message is sent at once, and the stream stores them in order up to
-// the first that it did not get or refused, and none after it — a lost or refused message ends
-// the batch there. The final answer says how many were stored (a message whose id the stream
-// holds already counts as stored). It returns that count, and an error when it is not all of
-// msgs or no final answer came within timeout (then 0: the caller cannot know more than that
-// nothing after a missing message was stored). The caller publishes the rest one at a time.
-func (p *changePublisher) publishFast(ctx context.Context, msgs []changeMsg, timeout time.Duration) (int, error) {
-	if !worker.Held(ctx) {
-		return 0, worker.ErrLeaseLost
-	}
-	nc := p.js.(batchPublisher).Conn()
-	inbox := nats.NewInbox()
-	// Room for every answer there can be (a flow acknowledgement per message at most, gaps,
-	// errors, the final one), so that none is dropped as a slow consumer's.
-	answers := make(chan *nats.Msg, 2*len(msgs)+8)
-	sub, err := nc.ChanSubscribe(inbox+".>", answers)
-	if err != nil {
-		return 0, fmt.Errorf("publish a batch of %d changes: subscribe to its answers: %w", len(msgs), err)
-	}
-	defer func() { _ = sub.Unsubscribe() }()
-	id := strings.TrimPrefix(nats.NewInbox(), nats.InboxPrefix) // a unique token
-	for i, m := range msgs {
-		op := 1 // append
-		switch {
-		case i == 0:
-			op = 0 // start
-		case i == len(msgs)-1:
-			op = 2 // commit
-		}
-		msg := m.nats()
-		msg.Reply = fmt.Sprintf("%s.%s.%d.fail.%d.%d.$FI", inbox, id, fastBatchFlow, i+1, op)
-		if err := nc.PublishMsg(msg); err != nil {
-			return 0, fmt.Errorf("publish change %s to %s in a batch: %w", m.id, m.subject, err)
-		}
-	}
-	timer := time.NewTimer(timeout)
-	defer timer.Stop()
-	var firstErr string
-	for {
-		select {
-		case <-ctx.Done():
-			return 0, ctx.Err()
-		case <-timer.C:
-			return 0, fmt.Errorf("publish a batch of %d changes to %s: no final answer within %s", len(msgs), msgs[0].subject, timeout)
-		case m := <-answers:
-			var a batchAnswer
-			if err := json.Unmarshal(m.Data, &a); err != nil {
-				return 0, fmt.Errorf("publish a batch of %d changes to %s: unreadable answer %q", len(msgs), msgs[0].subject, m.Data)
-			}
-			switch {
-			case a.Type == "err" && a.Error != nil && firstErr == "":
-				firstErr = a.Error.Description
-			case a.Type != "":
-				// a flow acknowledgement or a gap: the final answer follows
-			case a.Error != nil:
-				// refused outright (e.g. the first message): nothing of it is known stored
-				return 0, fmt.Errorf("publish a batch of %d changes to %s: %s", len(msgs), msgs[0].subject, a.Error.Description)
-			case a.Batch != id:
-				return 0, fmt.Errorf("publish a batch of %d changes to %s: answer of another batch %q", len(msgs), msgs[0].subject, a.Batch)
-			default:
-				n := min(a.Count, len(msgs))
-				p.published(n)
-				if n < len(msgs) {
-					return n, fmt.Errorf("publish a batch of %d changes to %s: the stream stored the first %d (%s)", len(msgs), msgs[0].subject, n, firstErr)
-				}
-				return n, nil
-			}
-		}
-	}
 }

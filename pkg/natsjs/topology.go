@@ -111,8 +111,8 @@ func (t Topology) DeadLetterStreamConfig() jetstream.StreamConfig {
 }
 
 // ChangesStreamConfig captures the changes `subject` rules publish; message ids deduplicate
-// re-dispatches within the duplicate window. Fast batch publishes are allowed: a rule publishes
-// a page at once, which the stream stores in order up to the first change missing, none after it.
+// re-dispatches within the duplicate window. Atomic batch publishes are allowed: on a replicated
+// stream a rule publishes a page as one batch, which the stream stores whole or not at all.
 func (t Topology) ChangesStreamConfig() jetstream.StreamConfig {
 	return jetstream.StreamConfig{
 		Name:        t.Subjects.ChangesStream(),
@@ -124,7 +124,7 @@ func (t Topology) ChangesStreamConfig() jetstream.StreamConfig {
 		Duplicates:  24 * time.Hour,
 		Replicas:    t.replicas(),
 
-		AllowBatchPublish: true,
+		AllowAtomicPublish: true,
 	}
 }
 

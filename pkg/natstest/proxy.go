@@ -4,6 +4,7 @@ import (
 	"io"
 	"net"
 	"sync"
+	"sync/atomic"
 	"testing"
 )
 
@@ -21,6 +22,7 @@ type Proxy struct {
 	conns  map[net.Conn]struct{}
 	closed bool
 	wg     sync.WaitGroup
+	held   atomic.Int64 // bytes read while frozen and not passed on yet
 }
 
 // NewProxy starts a proxy to s on a free loopback port; it is closed when the test ends.
@@ -41,6 +43,10 @@ func (s *Server) NewProxy(t testing.TB) *Proxy {
 	t.Cleanup(p.Close)
 	return p
 }
+
+// HeldBytes returns how many bytes the proxy holds because it is frozen: a test waits for a
+// client's publish to be on its way before it thaws.
+func (p *Proxy) HeldBytes() int64 { return p.held.Load() }
 
 // URL is the client URL of the server through the proxy.
 func (p *Proxy) URL() string { return "nats://" + p.ln.Addr().String() }
@@ -159,7 +165,14 @@ func (p *Proxy) copy(dst io.Writer, src io.Reader) {
 	for {
 		n, err := src.Read(buf)
 		if n > 0 {
-			<-p.gate()
+			gate := p.gate()
+			select {
+			case <-gate:
+			default:
+				p.held.Add(int64(n))
+				<-gate
+				p.held.Add(-int64(n))
+			}
 			if _, werr := dst.Write(buf[:n]); werr != nil {
 				return
 			}

@@ -1,0 +1,135 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/spiegel-nats/spiegel/pkg/couch"
+	"github.com/spiegel-nats/spiegel/pkg/natstest"
+	"github.com/spiegel-nats/spiegel/pkg/rules"
+)
+
+// publishPage runs h's rule on rows of db "db" from since within ctx (one job's context), once
+// the subject was checked, as a job does before each page.
+func publishPage(t testing.TB, ctx context.Context, h *handler, r *rules.OnChange, since string, rows []couch.Change) batchResult {
+	t.Helper()
+	ok, err := h.publisher.check(ctx, "db", r, h.dead, h.log)
+	require.NoError(t, err)
+	require.True(t, ok)
+	return h.processBatch(ctx, "db", r, since, "", rows, h.log)
+}
+
+func docRow(seq, id, rev string) couch.Change {
+	return couch.Change{Seq: seq, ID: id, Revs: []string{rev}, Doc: []byte(`{}`)}
+}
+
+// TestStaleHolderPublishesAreRefused: instance A publishes a page of a subject rule, then its NATS
+// connection freezes (a partition: no byte moves, nothing closes) with its next page on the way:
+// doc y at 1-a and doc x at 1-a. Instance B, which took the job over, publishes the db's feed as it
+// now is: y at 1-a and x at 2-b (x changed since). When A's connection thaws, its held page reaches
+// the stream after B's. The fence refuses it: the stream holds x at 2-b last, as the feed does,
+// and A's run ends with errFenced. Without the fence A's x at 1-a is stored after x at 2-b: a
+// service rebuilding its state from the stream would end with the old revision. y is A's page's
+// first change and a duplicate of B's, so a check on the first message of a page alone would
+// let the rest of it through.
+func TestStaleHolderPublishesAreRefused(t *testing.T) {
+	t.Parallel()
+	for _, mode := range publishModes {
+		t.Run(mode.name, func(t *testing.T) {
+			t.Parallel()
+			s := natstest.Start(t)
+			js := orderStream(t, s, 0, mode.atomic)
+			proxy := s.NewProxy(t)
+			ncA, err := nats.Connect(proxy.URL(), nats.ReconnectBufSize(-1))
+			require.NoError(t, err)
+			t.Cleanup(ncA.Close)
+			jsA, err := jetstream.New(ncA)
+			require.NoError(t, err)
+			hA, r := orderHandler(t, jsA)
+			hB, _ := orderHandler(t, js)
+
+			jobA := withFences(t.Context())
+			first := []couch.Change{docRow("1", "a", "1-a"), docRow("2", "b", "1-a")}
+			require.NoError(t, publishPage(t, jobA, hA, r, "", first).err)
+
+			proxy.Freeze()
+			late := make(chan batchResult, 1)
+			go func() {
+				late <- publishPage(t, jobA, hA, r, "2", []couch.Change{docRow("3", "y", "1-a"), docRow("4", "x", "1-a")})
+			}()
+			require.Eventually(t, func() bool { return proxy.HeldBytes() > 0 }, 10*time.Second, time.Millisecond, "A's page is on its way")
+
+			jobB := withFences(t.Context())
+			res := publishPage(t, jobB, hB, r, "2", []couch.Change{docRow("3", "y", "1-a"), docRow("5", "x", "2-b")})
+			require.NoError(t, res.err)
+			require.Equal(t, 2, res.done)
+
+			proxy.Thaw()
+			select {
+			case res := <-late:
+				assert.True(t, errors.Is(res.err, errFenced), "A's run ends fenced: %v", res.err)
+				assert.Zero(t, res.done, "A's checkpoint does not move")
+			case <-time.After(30 * time.Second):
+				t.Fatal("A's page did not end")
+			}
+			assert.Equal(t, []string{"db/a/1-a", "db/b/1-a", "db/y/1-a", "db/x/2-b"}, stored(t, js),
+				"nothing of A's late page is stored after B's")
+		})
+	}
+}
+
+// TestFencedJobRunsAgain: a job whose first publish finds a message it did not know of (another
+// instance's, stored after the job read the subject) ends with errFenced; the job's next run
+// reads the subject afresh and publishes, its changes already stored deduplicated.
+func TestFencedJobRunsAgain(t *testing.T) {
+	t.Parallel()
+	for _, mode := range publishModes {
+		t.Run(mode.name, func(t *testing.T) {
+			t.Parallel()
+			s := natstest.Start(t)
+			js := orderStream(t, s, 0, mode.atomic)
+			h, r := orderHandler(t, js)
+			other, _ := orderHandler(t, js)
+
+			job := withFences(t.Context())
+			require.NoError(t, publishPage(t, job, h, r, "", []couch.Change{docRow("1", "a", "1-a"), docRow("2", "b", "1-a")}).err)
+			require.NoError(t, publishPage(t, withFences(t.Context()), other, r, "", []couch.Change{docRow("3", "c", "1-a"), docRow("4", "d", "1-a")}).err)
+
+			page := []couch.Change{docRow("3", "c", "1-a"), docRow("4", "d", "1-a"), docRow("5", "e", "1-a")}
+			res := publishPage(t, job, h, r, "2", page)
+			assert.True(t, errors.Is(res.err, errFenced), "%v", res.err)
+			assert.Zero(t, res.done)
+
+			res = publishPage(t, withFences(t.Context()), h, r, "2", page) // the job's next run
+			require.NoError(t, res.err)
+			assert.Equal(t, 3, res.done)
+			assert.Equal(t, []string{"db/a/1-a", "db/b/1-a", "db/c/1-a", "db/d/1-a", "db/e/1-a"}, stored(t, js), "each once, in order")
+		})
+	}
+}
+
+// TestSharedSubjectIsNotFenced: a rule whose subject has no ${db_name} is shared by the jobs of
+// every db it matches, which publish at once; its publishes carry no expectation, so the jobs do
+// not refuse each other.
+func TestSharedSubjectIsNotFenced(t *testing.T) {
+	t.Parallel()
+	s := natstest.Start(t)
+	js := orderStream(t, s, 0, true)
+	h, _ := orderHandler(t, js)
+	r, err := rules.Parse("shared", []byte(`{"type":"on_change","subject":"chg.all","timeout_ms":2000}`))
+	require.NoError(t, err)
+	rule := r.(*rules.OnChange)
+	require.False(t, h.publisher.fenceable(rule))
+	job1, job2 := withFences(t.Context()), withFences(t.Context())
+	require.NoError(t, publishPage(t, job1, h, rule, "", []couch.Change{docRow("1", "a", "1-a"), docRow("2", "b", "1-a")}).err)
+	require.NoError(t, publishPage(t, job2, h, rule, "", []couch.Change{docRow("1", "c", "1-a"), docRow("2", "d", "1-a")}).err)
+	require.NoError(t, publishPage(t, job1, h, rule, "2", []couch.Change{docRow("3", "e", "1-a"), docRow("4", "f", "1-a")}).err)
+	assert.Len(t, stored(t, js), 6)
+}
