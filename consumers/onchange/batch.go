@@ -205,7 +205,7 @@ func (h *handler) publishBatch(ctx context.Context, db string, rule *rules.OnCha
 				if !worker.Held(ctx) {
 					return 0, worker.ErrLeaseLost
 				}
-				last, err := h.publisher.lastSeq(ctx, subject, rule.Timeout)
+				last, _, err := h.publisher.lastMessage(ctx, subject, rule.Timeout)
 				f.last, f.read = last, err == nil
 				return 0, err
 			})

@@ -12,7 +12,9 @@ import (
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
+	"github.com/sirupsen/logrus"
 
+	"github.com/spiegel-nats/spiegel/pkg/checkpoint"
 	"github.com/spiegel-nats/spiegel/pkg/rules"
 	"github.com/spiegel-nats/spiegel/pkg/webhook"
 	"github.com/spiegel-nats/spiegel/pkg/worker"
@@ -115,44 +117,75 @@ const (
 	errCodeBatchHasDuplicates = 10201 // atomic publish batch contains duplicate message id
 )
 
-// lastSeq reads the sequence of subject's last message at its stream's leader (0 when it holds
-// none): one API request. It does not use direct gets, which a replica that lags may answer.
-func (p *changePublisher) lastSeq(ctx context.Context, subject string, timeout time.Duration) (uint64, error) {
-	name, ok := p.checked.get(subject)
-	if !ok {
-		var err error
-		if name, err = p.js.StreamNameBySubject(ctx, subject); err != nil {
-			return 0, fmt.Errorf("look up the stream of subject %s: %w", subject, err)
-		}
+// lastMessage reads subject's last message at its stream's leader: its sequence (0 when the
+// subject holds none) and the feed seq of the change it carries ("" when none, or when it is not a
+// change message). One API request; it does not use direct gets, which a replica that lags may
+// answer.
+func (p *changePublisher) lastMessage(ctx context.Context, subject string, timeout time.Duration) (uint64, string, error) {
+	name, err := p.streamOf(ctx, subject)
+	if err != nil {
+		return 0, "", err
 	}
 	req, err := json.Marshal(map[string]string{"last_by_subj": subject})
 	if err != nil {
-		return 0, err
+		return 0, "", err
 	}
 	ctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
 	resp, err := p.js.(batchPublisher).Conn().RequestWithContext(ctx, "$JS.API.STREAM.MSG.GET."+name, req)
 	if err != nil {
-		return 0, fmt.Errorf("read the last message of subject %s in stream %s: %w", subject, name, err)
+		return 0, "", fmt.Errorf("read the last message of subject %s in stream %s: %w", subject, name, err)
 	}
 	var answer struct {
 		Message *struct {
-			Seq uint64 `json:"seq"`
+			Seq  uint64 `json:"seq"`
+			Data []byte `json:"data"`
 		} `json:"message"`
 		Error *jsAPIError `json:"error"`
 	}
 	if err := json.Unmarshal(resp.Data, &answer); err != nil {
-		return 0, fmt.Errorf("read the last message of subject %s in stream %s: unreadable answer: %w", subject, name, err)
+		return 0, "", fmt.Errorf("read the last message of subject %s in stream %s: unreadable answer: %w", subject, name, err)
 	}
 	switch {
 	case answer.Error != nil && answer.Error.ErrCode == errCodeNoMessage:
-		return 0, nil
+		return 0, "", nil
 	case answer.Error != nil:
-		return 0, fmt.Errorf("read the last message of subject %s in stream %s: %s", subject, name, answer.Error.Description)
+		return 0, "", fmt.Errorf("read the last message of subject %s in stream %s: %s", subject, name, answer.Error.Description)
 	case answer.Message == nil:
-		return 0, fmt.Errorf("read the last message of subject %s in stream %s: empty answer", subject, name)
+		return 0, "", fmt.Errorf("read the last message of subject %s in stream %s: empty answer", subject, name)
 	}
-	return answer.Message.Seq, nil
+	var c struct {
+		Seq string `json:"seq"`
+	}
+	_ = json.Unmarshal(answer.Message.Data, &c) // a message of another kind has no feed seq
+	return answer.Message.Seq, c.Seq, nil
+}
+
+// streamOf returns the name of the stream that captures subject.
+func (p *changePublisher) streamOf(ctx context.Context, subject string) (string, error) {
+	if name, ok := p.checked.get(subject); ok {
+		return name, nil
+	}
+	name, err := p.js.StreamNameBySubject(ctx, subject)
+	if err != nil {
+		return "", fmt.Errorf("look up the stream of subject %s: %w", subject, err)
+	}
+	return name, nil
+}
+
+// firstSeq returns the sequence of the first message the stream of subject holds.
+func (p *changePublisher) firstSeq(ctx context.Context, subject string, timeout time.Duration) (uint64, error) {
+	name, err := p.streamOf(ctx, subject)
+	if err != nil {
+		return 0, err
+	}
+	ctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	st, err := p.js.(batchPublisher).Stream(ctx, name)
+	if err != nil {
+		return 0, fmt.Errorf("read stream %s: %w", name, err)
+	}
+	return st.CachedInfo().State.FirstSeq, nil
 }
 
 // attemptFenced is attempt under f: the publish expects f.last as the subject's last sequence,
@@ -279,4 +312,63 @@ func (p *changePublisher) publishAtomic(ctx context.Context, msgs []changeMsg, f
 			return nil
 		}
 	}
+}
+
+// streamPoint returns where the job's last publish to rule's subject in db was stored, for the
+// checkpoint (nil: not a fenced subject rule, or the job has not read the subject yet).
+func (h *handler) streamPoint(ctx context.Context, db string, rule *rules.OnChange) *checkpoint.StreamPoint {
+	if rule.Subject == "" || !h.publisher.fenceable(rule) {
+		return nil
+	}
+	subject := subjectFor(rule, db)
+	f := fenceOf(ctx, subject)
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if !f.read {
+		return nil
+	}
+	return &checkpoint.StreamPoint{Subject: subject, Seq: f.last}
+}
+
+// healStream checks, before a subject rule publishes anything in a job, that the stream still
+// holds what the checkpoint says was stored before it (cp.Stream), and returns the seq the rule
+// goes on from. A stream that acknowledged messages and lost them — a NATS node restarted from a
+// store older than what it had acknowledged (lazy sync and a power failure), every node so, or a
+// truncated file — holds an older last message on the subject: the rule then goes back to the
+// feed seq of that message, and the changes after it are published again (the stream lost their
+// ids with them, so they are stored). Messages the stream dropped by its own limits (max age) are
+// not a loss: its first message is then past cp.Stream. A subject left with no message at all
+// sends the rule back to the start of the feed, except for a rule with since "now", whose start is
+// not known: that is logged. The read is the job's fence read (see fence.go), so it costs no
+// request unless a loss shows.
+func (h *handler) healStream(ctx context.Context, db string, rule *rules.OnChange, cp checkpoint.OnChangePoint, since string, log logrus.FieldLogger) (string, error) {
+	subject := subjectFor(rule, db)
+	if !h.publisher.fenceable(rule) || cp.Stream.Seq == 0 || cp.Stream.Subject != subject {
+		return since, nil
+	}
+	f := fenceOf(ctx, subject)
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	last, from, err := h.publisher.lastMessage(ctx, subject, rule.Timeout)
+	if err != nil {
+		return since, err
+	}
+	f.last, f.read = last, true
+	if last >= cp.Stream.Seq {
+		return since, nil
+	}
+	first, err := h.publisher.firstSeq(ctx, subject, rule.Timeout)
+	if err != nil {
+		return since, err
+	}
+	if first > cp.Stream.Seq {
+		return since, nil // dropped by the stream's limits
+	}
+	log = log.WithFields(logrus.Fields{"subject": subject, "stream_seq": cp.Stream.Seq, "subject_last_seq": last})
+	if from == "" && last > 0 || from == "" && rule.Since == rules.SinceNow {
+		log.Error("the change stream lost changes it had stored, and where they start is not known: they are not published again")
+		return since, nil
+	}
+	log.WithField("from_seq", from).Warn("the change stream lost changes it had stored: publishing them again")
+	return from, nil
 }

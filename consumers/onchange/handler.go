@@ -201,6 +201,7 @@ func (h *handler) runRule(ctx context.Context, db string, rule *rules.OnChange) 
 	// A cached checkpoint is checked against its _local doc while the first page is read, and
 	// before anything of that page is acted on (see checkpoint.OnChangeStore.Verify).
 	verifying := h.verify(ctx, cps.cp)
+	streamChecked := false // the subject's stream was checked for lost changes (healStream)
 	readFrom, pending := since, h.readPage(ctx, db, since)
 	for {
 		cur, ok := h.current(rule.ID(), db)
@@ -240,6 +241,17 @@ func (h *handler) runRule(ctx context.Context, db string, rule *rules.OnChange) 
 			}
 			replay = replayOf(cps.cp)
 		}
+		if !streamChecked && rule.Subject != "" {
+			streamChecked = true
+			from, err := h.healStream(ctx, db, rule, cps.cp, since, log)
+			if err != nil {
+				return finish(ruleResult{err: fmt.Errorf("rule %s: %w", rule.ID(), err)})
+			}
+			if from != since { // the stream lost changes after from: they are published again
+				since = from
+				continue
+			}
+		}
 		page, err := got.page, got.err
 		if errors.Is(err, couch.ErrNotFound) {
 			h.store.Forget(ctx, rule.ID(), db)
@@ -271,7 +283,7 @@ func (h *handler) runRule(ctx context.Context, db string, rule *rules.OnChange) 
 			if !worker.Held(ctx) {
 				return finish(ruleResult{err: worker.ErrLeaseLost})
 			}
-			if err := cps.save(ctx, next); err != nil {
+			if err := cps.save(ctx, next, h.streamPoint(ctx, db, rule)); err != nil {
 				return finish(ruleResult{err: err})
 			}
 			since = next
@@ -332,7 +344,7 @@ func (h *handler) caughtUp(ctx context.Context, cps *checkpointWriter, log logru
 		return ruleResult{err: worker.ErrLeaseLost}
 	}
 	cps.cp.EndReplay()
-	if err := cps.save(ctx, cps.stored); err != nil {
+	if err := cps.save(ctx, cps.stored, nil); err != nil {
 		return ruleResult{err: err}
 	}
 	log.WithField("replay", id).Info("replay reached the end of the feed")
@@ -365,10 +377,14 @@ type checkpointWriter struct {
 	inFlightSeq string
 }
 
-// save waits for the previous write (returning its error) and starts writing seq.
-func (w *checkpointWriter) save(ctx context.Context, seq string) error {
+// save waits for the previous write (returning its error) and starts writing seq, with stream
+// as the checkpoint's stream point unless it is nil.
+func (w *checkpointWriter) save(ctx context.Context, seq string, stream *checkpoint.StreamPoint) error {
 	if err := w.wait(); err != nil {
 		return err
+	}
+	if stream != nil {
+		w.cp.Stream = *stream
 	}
 	done := make(chan error, 1)
 	w.inFlight, w.inFlightSeq = done, seq

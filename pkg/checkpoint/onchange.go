@@ -82,6 +82,10 @@ type OnChangePoint struct {
 	LastSeq string
 	// Found is false when the rule has no checkpoint in the db (a new rule or db).
 	Found bool
+	// Stream is where a subject rule's last publish before LastSeq was stored (zero: unknown, or
+	// not a subject rule): kept with the checkpoint so that a stream that lost messages it had
+	// acknowledged is noticed (its subject's last message is older) and published again.
+	Stream StreamPoint
 
 	rev      string    // of the _local doc, as last written by a holder
 	replayed string    // the doc's replayed_at: a replay changes it
@@ -90,6 +94,12 @@ type OnChangePoint struct {
 	kvRev    uint64    // the fencing token: the entry's revision read or last written (0: none)
 	cached   bool      // read from the cache, not from CouchDB
 	docStale bool      // the _local doc is not the entry's: the next Save writes it
+}
+
+// StreamPoint is a message stored on a subject: its stream sequence.
+type StreamPoint struct {
+	Subject string `json:"subject,omitempty"`
+	Seq     uint64 `json:"seq,omitempty"`
 }
 
 // localDoc is the body of a checkpoint's _local doc.
@@ -102,22 +112,24 @@ type localDoc struct {
 	// later ones. It dies with the db, so a recreated db cannot show the same one.
 	Instance string `json:"instance,omitempty"`
 	// Fence is the cache entry's revision that the write was made under (for the record).
-	Fence     uint64    `json:"fence,omitempty"`
-	UpdatedAt time.Time `json:"updated_at"`
+	Fence     uint64      `json:"fence,omitempty"`
+	Stream    StreamPoint `json:"stream,omitzero"`
+	UpdatedAt time.Time   `json:"updated_at"`
 }
 
 // cacheEntry is the cached form of a checkpoint. Its LastSeq may be ahead of the _local doc's
 // (OnChangeStore.LocalEvery); Rev and StoredAt are the doc's as last written.
 type cacheEntry struct {
-	LastSeq  string    `json:"last_seq"`
-	Rev      string    `json:"rev"`
-	Replayed string    `json:"replayed,omitempty"`
-	Instance string    `json:"instance,omitempty"`
-	StoredAt time.Time `json:"stored_at,omitzero"`
+	LastSeq  string      `json:"last_seq"`
+	Rev      string      `json:"rev"`
+	Replayed string      `json:"replayed,omitempty"`
+	Instance string      `json:"instance,omitempty"`
+	StoredAt time.Time   `json:"stored_at,omitzero"`
+	Stream   StreamPoint `json:"stream,omitzero"`
 }
 
 func (p *OnChangePoint) entry(seq string) []byte {
-	v, _ := json.Marshal(cacheEntry{LastSeq: seq, Rev: p.rev, Replayed: p.replayed, Instance: p.instance, StoredAt: p.storedAt})
+	v, _ := json.Marshal(cacheEntry{LastSeq: seq, Rev: p.rev, Replayed: p.replayed, Instance: p.instance, StoredAt: p.storedAt, Stream: p.Stream})
 	return v
 }
 
@@ -138,7 +150,7 @@ func (s *OnChangeStore) Load(ctx context.Context, rule, db string) (OnChangePoin
 		default:
 			var c cacheEntry
 			if json.Unmarshal(e.Value(), &c) == nil {
-				p.LastSeq, p.rev, p.replayed, p.instance, p.storedAt = c.LastSeq, c.Rev, c.Replayed, c.Instance, c.StoredAt
+				p.LastSeq, p.rev, p.replayed, p.instance, p.storedAt, p.Stream = c.LastSeq, c.Rev, c.Replayed, c.Instance, c.StoredAt, c.Stream
 				p.kvRev, p.Found, p.cached = e.Revision(), true, true
 				return p, nil
 			}
@@ -150,7 +162,7 @@ func (s *OnChangeStore) Load(ctx context.Context, rule, db string) (OnChangePoin
 		return p, err
 	}
 	if found {
-		p.LastSeq, p.rev, p.replayed, p.instance, p.Found = d.LastSeq, d.Rev, d.ReplayedAt, d.Instance, true
+		p.LastSeq, p.rev, p.replayed, p.instance, p.Stream, p.Found = d.LastSeq, d.Rev, d.ReplayedAt, d.Instance, d.Stream, true
 	}
 	return p, nil
 }
@@ -236,7 +248,7 @@ func (s *OnChangeStore) Save(ctx context.Context, p *OnChangePoint, seq string) 
 		p.LastSeq, p.cached = seq, true
 		return nil
 	}
-	d := localDoc{Rev: p.rev, Rule: p.Rule, LastSeq: seq, ReplayedAt: p.replayed, Instance: p.instance, Fence: p.kvRev, UpdatedAt: time.Now().UTC()}
+	d := localDoc{Rev: p.rev, Rule: p.Rule, LastSeq: seq, ReplayedAt: p.replayed, Instance: p.instance, Fence: p.kvRev, Stream: p.Stream, UpdatedAt: time.Now().UTC()}
 	rev, err := s.put(ctx, p.Rule, p.DB, d)
 	if isConflict(err) || errors.Is(err, couch.ErrNotFound) { // 404: a rev of a doc that is gone
 		cur, found, rerr := s.readDoc(ctx, p.Rule, p.DB)
