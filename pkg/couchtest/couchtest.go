@@ -39,6 +39,12 @@ type Server struct {
 
 var counter atomic.Int64
 
+// idleConnTimeout closes the test clients' idle connections before PouchDB Server does (Node's
+// HTTP server drops a keep-alive connection after 5 s idle): a request sent on a connection the
+// server is closing fails with EOF, and a write (PUT, POST) is not resent by net/http. It made a
+// test's doc write fail through the updates proxy under load.
+const idleConnTimeout = 3 * time.Second
+
 // Get returns the server from COUCHDB_URL. Without it the test is skipped, unless
 // SPIEGEL_REQUIRE_COUCHDB is set (as the test command does), in which case it fails; the
 // package's TestMain (Main) counts the skips and reports them in one line.
@@ -73,7 +79,7 @@ func newServer(t testing.TB, url string) *Server {
 	t.Helper()
 	// PlusSafe: kivik escapes db names with url.PathEscape, which leaves '+' as is, and CouchDB 3
 	// reads a '+' in a path as a space.
-	hc := &http.Client{Transport: couchpath.PlusSafe(&http.Transport{DisableCompression: true, MaxIdleConnsPerHost: 64})}
+	hc := &http.Client{Transport: couchpath.PlusSafe(&http.Transport{DisableCompression: true, MaxIdleConnsPerHost: 64, IdleConnTimeout: idleConnTimeout})}
 	c, err := kivik.New("couch", url, couchdb.OptionHTTPClient(hc))
 	if err != nil {
 		t.Fatalf("couchtest: client for %s: %v", url, err)

@@ -108,6 +108,7 @@ func (s *Server) NewUpdatesProxy(t testing.TB, opts ...UpdatesProxyOption) *Upda
 			DialContext:         (&net.Dialer{Timeout: 10 * time.Second}).DialContext,
 			DisableCompression:  true, // PouchDB Server stalls gzipped continuous feeds
 			MaxIdleConnsPerHost: 64,
+			IdleConnTimeout:     idleConnTimeout,
 		},
 	}
 	if p.synthetic {
