@@ -127,3 +127,39 @@ func (v *verdict) compareStream(msgs []streamMsg, want [][3]string) {
 		}
 	}
 }
+
+// compareMirror checks the doc-state mirror of a live source db's incarnation: each live doc's
+// entry holds its winning revision, a deleted doc has none, and no entry names a doc the source
+// does not have. Docs of earlier incarnations must be gone too (a recreated db's keys are dropped).
+// A db the plan ends deleted is not checked: no job visits it, so its keys stay (documented).
+func (v *verdict) compareMirror(src string, end dbEnd, p dbPair, entries map[string]string) {
+	if !end.live || !p.srcOK {
+		return
+	}
+	v.MirrorKeys += len(entries)
+	for _, id := range sortedKeys(p.src) {
+		d := p.src[id]
+		if incarnation(id) != end.inc {
+			continue // reported as foreign
+		}
+		rev, ok := entries[id]
+		switch {
+		case d.Deleted && ok:
+			v.MirrorMismatch = append(v.MirrorMismatch, fmt.Sprintf("%s/%s: deleted (winner %s), the mirror holds %s", src, id, d.Winner, rev))
+		case !d.Deleted && !ok:
+			v.MirrorMismatch = append(v.MirrorMismatch, fmt.Sprintf("%s/%s: missing in the mirror (winner %s)", src, id, d.Winner))
+		case !d.Deleted && rev != d.Winner:
+			v.MirrorMismatch = append(v.MirrorMismatch, fmt.Sprintf("%s/%s: winner %s, the mirror holds %s", src, id, d.Winner, rev))
+		}
+	}
+	ids := make([]string, 0, len(entries))
+	for id := range entries {
+		ids = append(ids, id)
+	}
+	slices.Sort(ids)
+	for _, id := range ids {
+		if _, ok := p.src[id]; !ok || incarnation(id) != end.inc {
+			v.MirrorMismatch = append(v.MirrorMismatch, fmt.Sprintf("%s/%s: in the mirror (rev %s), not a doc of the source's live incarnation", src, id, entries[id]))
+		}
+	}
+}

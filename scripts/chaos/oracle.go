@@ -3,6 +3,7 @@ package chaos
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"net/http"
 	"slices"
@@ -10,6 +11,10 @@ import (
 	"strings"
 	"sync"
 	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/spiegel-nats/spiegel/pkg/mirrorkey"
 )
 
 // The oracle's semantics of deleted and recreated source dbs:
@@ -111,6 +116,9 @@ type verdict struct {
 	StreamDuplicates           int              // messages stored with a message id already stored
 	OrderViolations            []orderViolation // a db incarnation's changes stored against feed order
 
+	MirrorKeys     int      // keys of live source dbs in the doc-state mirror
+	MirrorMismatch []string // a live doc whose mirror entry is not its winning revision (or a deleted doc's entry left)
+
 	WorkPending uint64       // messages in the work stream (pending or in flight)
 	DeadLetters []deadLetter // dead-letter records
 	Errors      []string     // what could not be checked
@@ -119,7 +127,7 @@ type verdict struct {
 // converged reports whether the pipeline has caught up with everything the writer did.
 func (v *verdict) converged() bool {
 	return len(v.ReplMismatch) == 0 && len(v.Foreign) == 0 && len(v.HookMissing) == 0 &&
-		len(v.StreamMissing) == 0 && v.WorkPending == 0 && len(v.Errors) == 0
+		len(v.StreamMissing) == 0 && len(v.MirrorMismatch) == 0 && v.WorkPending == 0 && len(v.Errors) == 0
 }
 
 // deadLetter is one record of the dead-letter stream. Accounted says why the run expected it
@@ -186,6 +194,7 @@ func (v *verdict) pending(ready bool) string {
 	add("foreign docs", v.Foreign)
 	add("webhook missing", v.HookMissing)
 	add("change stream missing", v.StreamMissing)
+	add("mirror mismatches", v.MirrorMismatch)
 	add("errors", v.Errors)
 	if v.WorkPending > 0 {
 		parts = append(parts, fmt.Sprintf("work stream holds %d", v.WorkPending))
@@ -215,6 +224,10 @@ func (r *run) check(ctx context.Context) *verdict {
 	}
 	wg.Wait()
 
+	mirror, err := r.readMirror(ctx)
+	if err != nil {
+		v.Errors = append(v.Errors, "read the mirror: "+err.Error())
+	}
 	var want [][3]string
 	for i, p := range pairs {
 		if p.srcErr != nil || p.tgtErr != nil {
@@ -222,6 +235,9 @@ func (r *run) check(ctx context.Context) *verdict {
 			continue
 		}
 		want = append(want, v.compareDB(r.sourceDB(i), ends[i], p)...)
+		if err == nil {
+			v.compareMirror(r.sourceDB(i), ends[i], p, mirror[r.sourceDB(i)])
+		}
 	}
 	v.compareDeliveries(want, r.sink.delivered())
 	if _, err := r.changes.catchUp(ctx); err != nil {
@@ -230,6 +246,50 @@ func (r *run) check(ctx context.Context) *verdict {
 	v.compareStream(r.changes.all(), want)
 	r.checkQueues(ctx, v)
 	return v
+}
+
+// readMirror returns the doc-state mirror of ruleMirror: per db, per doc id, the revision its
+// entry holds (deleted docs have none). A bucket not created yet is empty.
+func (r *run) readMirror(ctx context.Context) (map[string]map[string]string, error) {
+	out := map[string]map[string]string{}
+	kv, err := r.nats.js.KeyValue(ctx, mirrorBucket)
+	if errors.Is(err, jetstream.ErrBucketNotFound) {
+		return out, nil
+	}
+	if err != nil {
+		return nil, err
+	}
+	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	w, err := kv.WatchAll(ctx, jetstream.IgnoreDeletes())
+	if err != nil {
+		return nil, err
+	}
+	defer func() { _ = w.Stop() }()
+	for {
+		select {
+		case <-ctx.Done():
+			return nil, fmt.Errorf("bucket %s: %w", mirrorBucket, ctx.Err())
+		case e := <-w.Updates():
+			if e == nil { // the current values are all read
+				return out, nil
+			}
+			db, id, err := mirrorkey.Decode(e.Key())
+			if err != nil {
+				return nil, fmt.Errorf("bucket %s: key %q: %w", mirrorBucket, e.Key(), err)
+			}
+			var doc struct {
+				Rev string `json:"_rev"`
+			}
+			if err := json.Unmarshal(e.Value(), &doc); err != nil {
+				return nil, fmt.Errorf("bucket %s: key %q: %w", mirrorBucket, e.Key(), err)
+			}
+			if out[db] == nil {
+				out[db] = map[string]string{}
+			}
+			out[db][id] = doc.Rev
+		}
+	}
 }
 
 // checkQueues reads the work stream's depth and the dead-letter records.

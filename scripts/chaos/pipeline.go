@@ -16,6 +16,10 @@ const (
 	ruleReplicate = "chaos_replicate"
 	ruleHook      = "chaos_hook"
 	rulePublish   = "chaos_publish"
+	ruleMirror    = "chaos_mirror"
+
+	// mirrorBucket is the KV bucket of ruleMirror's doc-state mirror.
+	mirrorBucket  = "CHAOS_MIRROR"
 	hookTimeout   = 2 * time.Second // timeout_ms of the webhook rule
 	hotFeedsSmall = 4               // SPIEGEL_HOT_FEEDS of producer-2
 	hotFeedIdle   = 5 * time.Second // SPIEGEL_HOT_FEED_IDLE of both producers
@@ -88,6 +92,7 @@ func (r *run) install(ctx context.Context) error {
 			"params":     map[string]any{"change": "$change", "db": "$db_name", "seq": "$seq"},
 			"timeout_ms": hookTimeout.Milliseconds(), "retry": retry},
 		rulePublish: {"type": "on_change", "db_name": pattern, "subject": "spiegel.changes.${db_name}", "retry": retry},
+		ruleMirror:  {"type": "on_change", "db_name": pattern, "mirror": mirrorBucket, "retry": retry},
 	}
 	for id, doc := range rules {
 		status, err := r.couch.do(ctx, http.MethodPut, "/"+r.spiegelDB()+"/"+id, doc, nil)

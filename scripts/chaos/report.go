@@ -212,6 +212,7 @@ func (res *Result) write(w io.Writer) {
 		if n := inRecreated(v.StreamMissing); n > 0 {
 			p("             %d of the %d missing are docs of recreated dbs (incarnation > 0)", n, len(v.StreamMissing))
 		}
+		p("mirror:      %d keys of live dbs; %d mismatches", v.MirrorKeys, len(v.MirrorMismatch))
 		p("dead letters: %d (%d accounted for); work stream: %d messages left", len(v.DeadLetters), len(v.DeadLetters)-len(v.unaccounted()), v.WorkPending)
 		for _, d := range v.DeadLetters {
 			if d.Accounted != "" {
@@ -242,6 +243,7 @@ func (res *Result) write(w io.Writer) {
 		failures = append(failures, list("webhook missing", v.HookMissing)...)
 		failures = append(failures, list("change stream missing", v.StreamMissing)...)
 		failures = append(failures, list("feed order", v.orderViolations())...)
+		failures = append(failures, list("mirror mismatch", v.MirrorMismatch)...)
 		failures = append(failures, list("dead letter", v.unaccounted())...)
 		failures = append(failures, list("could not check", v.Errors)...)
 		if len(v.Resurrected) > 0 {
