@@ -97,3 +97,47 @@ func TestChangeStreamLossHealed(t *testing.T) {
 	assert.ElementsMatch(t, want("a", "b", "c"), got[:3])
 	assert.ElementsMatch(t, want("d", "e", "f"), got[3:], "d and e published again, f once")
 }
+
+// TestChangeStreamAgedOutIsNotALoss: the stream drops a quiet db's changes by its max age; the
+// rule's next job finds the subject empty, but the stream's first message is past the one its
+// checkpoint records: nothing was lost, and only the new change is published (not the db's
+// history again).
+func TestChangeStreamAgedOutIsNotALoss(t *testing.T) {
+	e := newEnv(t, 60*time.Second)
+	app := e.start(t)
+	db := e.Couch.NewDB(t, e.Prefix)
+	e.ruleIn(t, app, "pub", db, map[string]any{"subject": "spiegel.changes.${db_name}"})
+	subject := "spiegel.changes." + events.EncodeDBName(db)
+	stream, err := e.JS.Stream(t.Context(), "SPIEGEL_CHANGES")
+	require.NoError(t, err)
+	count := func(subject string) uint64 {
+		info, err := stream.Info(t.Context(), jetstream.WithSubjectFilter(subject))
+		if err != nil {
+			return 0
+		}
+		return info.State.Subjects[subject]
+	}
+	for _, id := range []string{"a", "b"} {
+		e.Couch.Put(t, db, id, map[string]any{"v": id})
+	}
+	e.enqueue(t, db)
+	require.Eventually(t, func() bool { return count(subject) == 2 && e.caughtUp(t, "pub", db) }, 30*time.Second, 20*time.Millisecond)
+
+	// Age the subject out: a short max age until it is empty, then the default again.
+	cfg := stream.CachedInfo().Config
+	short := cfg
+	short.MaxAge, short.Duplicates = time.Second, time.Second
+	_, err = e.JS.UpdateStream(t.Context(), short)
+	require.NoError(t, err)
+	require.Eventually(t, func() bool { return count(subject) == 0 }, 30*time.Second, 50*time.Millisecond)
+	_, err = e.JS.UpdateStream(t.Context(), cfg)
+	require.NoError(t, err)
+	// Another subject's message: the stream's first message is now past the rule's.
+	_, err = e.JS.Publish(t.Context(), "spiegel.changes.another", []byte(`{}`))
+	require.NoError(t, err)
+
+	e.Couch.Put(t, db, "c", map[string]any{"v": "c"})
+	e.enqueue(t, db)
+	require.Eventually(t, func() bool { return count(subject) >= 1 && e.caughtUp(t, "pub", db) }, 30*time.Second, 20*time.Millisecond)
+	assert.Equal(t, uint64(1), count(subject), "only the new change: the aged-out ones are not published again")
+}
