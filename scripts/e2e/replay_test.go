@@ -37,6 +37,7 @@ func TestReplaySubjectRule(t *testing.T) {
 
 	spiegelDB := couchtest.UniqueName(t, "e2e_rp_spiegel_")
 	src := couchtest.UniqueName(t, "e2e_rp_src_")
+	cs.Cleanup(t, spiegelDB) // made by `producer install`
 	cs.Cleanup(t, src)
 	env := baseEnv(
 		"SPIEGEL_COUCHDB_URL="+cs.URL, "SPIEGEL_DB_NAME="+spiegelDB, "SPIEGEL_NATS_URL="+ns.URL(),
