@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"net/http"
+	"fmt"
 	"os"
 	"path/filepath"
 	"slices"
@@ -261,4 +262,53 @@ func TestSweepHealsStoreRollback(t *testing.T) {
 	require.Eventually(t, func() bool { return slices.Contains(got.of(db), events.ReasonSweep) }, 30*time.Second, 20*time.Millisecond,
 		"the job lost with the store never ran")
 	e.waitDone(t, rep, db)
+}
+
+// The changes stream loses messages it had acknowledged — NATS restarted from an older copy of
+// its store — after every job of the db was recorded done, so no completion record is behind.
+// The sweep notices the stream going back and enqueues the db's on_change job (its subject rule
+// then publishes again what was lost, see consumers/onchange healStream); without the stream
+// watch the db would get no job until its next write.
+func TestSweepHealsChangeStreamLoss(t *testing.T) {
+	e := newEnv(t, couchtest.AlwaysSynthesize())
+	db := e.Prefix + "streamloss"
+	e.Couch.CreateDB(t, db)
+	e.Couch.Put(t, db, "d1", map[string]any{"x": 1})
+	e.putRule(t, "pub", map[string]any{"type": "on_change", "db_name": "^" + db + "$", "subject": "spiegel.changes.${db_name}"})
+	e.cfg.SweepInterval = 300 * time.Millisecond
+	e.startProducer(t)
+	_, stopConsumer := e.startConsumer(t, onc)
+	e.waitDone(t, onc, db)
+	require.Eventually(t, func() bool { return len(e.Pending(t)) == 0 }, 20*time.Second, 20*time.Millisecond)
+	e.waitRulesCaughtUp(t)
+	stopConsumer()
+	publish := func(n int) { // what the subject rule published, as far as the stream is concerned
+		for i := range n {
+			_, err := e.JS.Publish(t.Context(), "spiegel.changes.x", []byte(fmt.Sprint(i)))
+			require.NoError(t, err)
+		}
+	}
+	publish(1)
+	e.waitSweeps(t, 2)
+
+	// The copy of the store, taken while NATS is down; then messages the copy does not hold,
+	// which the sweeps see.
+	store := e.NATS.StoreDir()
+	saved := filepath.Join(t.TempDir(), "store")
+	e.NATS.Stop()
+	require.NoError(t, os.CopyFS(saved, os.DirFS(store)))
+	e.NATS.StartAgain(t)
+	publish(2)
+	e.waitSweeps(t, 3)
+	assert.Empty(t, e.Pending(t), "no loss seen while the stream only grew: no job")
+
+	// The power failure: the store comes back as the copy has it.
+	e.NATS.Stop()
+	require.NoError(t, os.RemoveAll(store))
+	require.NoError(t, os.CopyFS(store, os.DirFS(saved)))
+	e.NATS.StartAgain(t)
+
+	got, _ := e.startConsumer(t, onc)
+	require.Eventually(t, func() bool { return slices.Contains(got.of(db), events.ReasonSweep) }, 30*time.Second, 20*time.Millisecond,
+		"the db's on_change job after the changes stream lost messages")
 }

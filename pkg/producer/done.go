@@ -62,6 +62,17 @@ func (p *producer) sweepOnce(ctx context.Context, prev couch.Snapshot) (couch.Sn
 	if derr != nil && ctx.Err() == nil {
 		p.log.WithError(derr).Warn("read the completion records failed: this sweep enqueues the dbs changed since the previous one only")
 	}
+	lostChanges := false // the changes stream lost messages: every on_change db runs (streamWatch)
+	if p.changes != nil {
+		lost, why, err := p.changes.lost(ctx)
+		switch {
+		case err != nil && ctx.Err() == nil:
+			p.log.WithError(err).Debug("look at the changes stream failed: the next sweep looks again")
+		case lost:
+			lostChanges = true
+			p.log.Warn(why + ": it lost messages it had acknowledged; every db of an on_change rule is enqueued, so that subject rules publish them again")
+		}
+	}
 	dbs := make([]string, 0, len(snap))
 	for db := range snap {
 		dbs = append(dbs, db)
@@ -77,6 +88,9 @@ func (p *producer) sweepOnce(ctx context.Context, prev couch.Snapshot) (couch.Sn
 			due = done.Due(db, seq, groups)
 		case prev != nil && prev[db] != seq:
 			due = groups
+		}
+		if lostChanges && slices.Contains(groups, events.GroupOnChange) && !slices.Contains(due, events.GroupOnChange) {
+			due = append(due, events.GroupOnChange)
 		}
 		if len(due) == 0 {
 			continue

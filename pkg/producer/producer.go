@@ -39,6 +39,7 @@ type producer struct {
 	deleted *deletedDBs       // drops the cached on_change checkpoints of deleted dbs (nil: none)
 	done    *doneRecords      // the completion records the sweep compares with (nil: none)
 	undone  *deletedDBs       // drops the completion records of deleted dbs (nil: none)
+	changes *streamWatch      // notices the changes stream losing messages (nil: not watched)
 	rules   *rules.Set
 	pub     *publisher.Pipeline
 	hot     *publisher.HotFeeds // nil: off

@@ -1,0 +1,69 @@
+package producer
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
+)
+
+// streamStater is the part of jetstream.JetStream the stream watch uses.
+type streamStater interface {
+	Stream(ctx context.Context, name string) (jetstream.Stream, error)
+}
+
+// streamWatch notices, from one sweep to the next, that the changes stream lost messages it had
+// acknowledged (SPEC §3 "CouchDB is the truth"): NATS nodes restarted from stores older than what
+// they acknowledged (lazy sync and a power failure), or the stream deleted. The change stream
+// lives only in NATS, and a subject rule publishes a lost change again only when a job of its db
+// runs (see consumers/onchange healStream); a db without new writes would get none, because its
+// completion record is current. So on a loss the sweep enqueues every db of an on_change rule.
+//
+// It remembers the stream's last sequence and the time of that message. The next look finds a
+// loss when the stream is gone, when its last sequence went back, or when the message now at the
+// remembered sequence has another time (the sequence was given again to a later message after
+// the loss). A message dropped by the stream's own limits (max age) is no loss: the remembered
+// sequence is then below the stream's first. Cost per sweep: one stream info, one message read.
+type streamWatch struct {
+	js   streamStater
+	name string
+
+	seq uint64    // the stream's last sequence at the previous look (0: none yet, or empty)
+	at  time.Time // the time of that message
+}
+
+// lost looks at the stream and reports whether it lost messages since the previous look.
+func (w *streamWatch) lost(ctx context.Context) (bool, string, error) {
+	st, err := w.js.Stream(ctx, w.name)
+	if errors.Is(err, jetstream.ErrStreamNotFound) {
+		had := w.seq > 0
+		w.seq, w.at = 0, time.Time{}
+		return had, fmt.Sprintf("stream %s is gone", w.name), nil
+	}
+	if err != nil {
+		return false, "", fmt.Errorf("read stream %s: %w", w.name, err)
+	}
+	state := st.CachedInfo().State
+	lost, why := false, ""
+	switch {
+	case w.seq == 0:
+	case state.LastSeq < w.seq:
+		lost, why = true, fmt.Sprintf("stream %s went back from sequence %d to %d", w.name, w.seq, state.LastSeq)
+	case w.seq >= state.FirstSeq && state.LastSeq > w.seq:
+		m, err := st.GetMsg(ctx, w.seq)
+		switch {
+		case errors.Is(err, jetstream.ErrMsgNotFound):
+			// deleted on its own since (not by a loss, which keeps no hole): nothing to tell
+		case err != nil:
+			return false, "", fmt.Errorf("read message %d of stream %s: %w", w.seq, w.name, err)
+		case !m.Time.Equal(w.at):
+			lost, why = true, fmt.Sprintf("stream %s holds another message at sequence %d than before", w.name, w.seq)
+		}
+	case w.seq == state.LastSeq && !state.LastTime.Equal(w.at):
+		lost, why = true, fmt.Sprintf("stream %s holds another message at sequence %d than before", w.name, w.seq)
+	}
+	w.seq, w.at = state.LastSeq, state.LastTime
+	return lost, why, nil
+}
