@@ -2,8 +2,8 @@ package main
 
 import (
 	"context"
-	"net/http"
 	"fmt"
+	"net/http"
 	"os"
 	"path/filepath"
 	"slices"
