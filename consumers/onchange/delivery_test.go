@@ -108,9 +108,14 @@ func TestRetryLimitDeadLetter(t *testing.T) {
 	var after struct {
 		Results []struct{ ID string } `json:"results"`
 	}
-	require.NoError(t, e.Couch.Do(t, "GET", "/"+url.PathEscape(db)+"/_changes?limit=1&since="+url.QueryEscape(d.Since), nil, &after))
-	require.NotEmpty(t, after.Results, "since %q", d.Since)
-	assert.Equal(t, "bad", after.Results[0].ID, "the record's since is just before its change: a re-drive resumes there")
+	require.NoError(t, e.Couch.Do(t, "GET", "/"+url.PathEscape(db)+"/_changes?since="+url.QueryEscape(d.Since), nil, &after))
+	var resumed []string
+	for _, r := range after.Results {
+		resumed = append(resumed, r.ID)
+	}
+	// A sharded db (CouchDB, q > 1) may list again a change before since; what counts is that a
+	// re-drive from since does not skip the dead-lettered one.
+	assert.Contains(t, resumed, "bad", "the record's since is before its change: a re-drive resumes there")
 	assert.Equal(t, 500, d.Status)
 	assert.Equal(t, 3, d.Attempts)
 	assert.Contains(t, d.Error, "500")
