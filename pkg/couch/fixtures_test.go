@@ -6,6 +6,7 @@ import (
 	"errors"
 	"net/http"
 	"strconv"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -505,4 +506,57 @@ func TestFixtureSingleAnswers(t *testing.T) {
 			require.False(t, errors.Is(err, ErrNotFound))
 		})
 	})
+}
+
+// dropConnection closes the connection without an answer: the node is lost mid-request.
+func dropConnection(w http.ResponseWriter, _ *http.Request) {
+	conn, _, err := http.NewResponseController(w).Hijack()
+	if err == nil {
+		_ = conn.Close()
+	}
+}
+
+// A cluster's seqs are the node's own (node 2 sends other strings for the same changes), yet a
+// node accepts another's seq as since: recorded from a three-node CouchDB 3.5.2, node 2 answered
+// node 1's last_seq with no rows and that same last_seq. So when the node a feed follows is lost,
+// the feed resumes on the next node of the list from the last seq node 1 sent, verbatim, and
+// re-emits nothing.
+func TestFixtureClusterFeedMovesToAnotherNode(t *testing.T) {
+	t.Parallel()
+	set := couchtest.CouchDB35Cluster
+	want := fxSets[2].changesContinuous
+	require.Equal(t, set, fxSets[2].set)
+
+	other := couchtest.FixtureFrom(t, set, "changes-since-other-node")
+	since := strings.TrimPrefix(other.Request[0], "GET /fx_src/_changes?since=")
+	var page struct {
+		Results []json.RawMessage `json:"results"`
+		LastSeq string            `json:"last_seq"`
+	}
+	require.NoError(t, json.Unmarshal(other.Body, &page))
+	assert.Equal(t, http.StatusOK, other.Status)
+	assert.Empty(t, page.Results)
+	assert.Equal(t, since, page.LastSeq, "node 2 took node 1's seq as its own position")
+	assert.NotEqual(t, fxSets[1].changesContinuous[0].Seq, want[0].Seq, "the cluster's seqs are not the single node's")
+
+	// node 1 sends the feed, then is lost: every later request's connection drops
+	node1 := newFakeServer(t, serveBody(http.StatusOK, fixtureBody(t, set, "changes-continuous")),
+		dropConnection, dropConnection, dropConnection, dropConnection)
+	node2 := newFakeServer(t, serveBody(http.StatusOK, []byte("\n")))
+	c, _ := newTestClient(t, node1.URL+","+node2.URL)
+	ctx, cancel := context.WithCancel(t.Context())
+	var got collector[Change]
+	done := runAsync(func() error {
+		return c.FollowChanges(ctx, "fx_src", ChangesOptions{IncludeDocs: true, Heartbeat: time.Second}, got.emit)
+	})
+	require.Eventually(t, func() bool { return node2.count() >= 2 }, 5*time.Second, 5*time.Millisecond)
+	cancel()
+	require.ErrorIs(t, waitDone(t, done), context.Canceled)
+
+	require.Len(t, got.get(), len(want), "nothing is emitted twice")
+	assert.LessOrEqual(t, node1.count(), 3, "the feed, the lost request and the transport's own retry")
+	assert.Equal(t, strings.TrimPrefix(node2.URL, "http://"), c.NodeInUse())
+	for _, r := range node2.requests()[:2] {
+		assert.Equal(t, want[len(want)-1].Seq, r.Query().Get("since"), "node 1's seq goes to node 2 as it is")
+	}
 }
