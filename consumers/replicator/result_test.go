@@ -13,10 +13,11 @@ import (
 	"github.com/spiegel-nats/spiegel/pkg/couchtest"
 )
 
-// fixture returns the status and body of a recorded CouchDB 3.3 exchange.
-func fixture(t *testing.T, name string) (int, []byte) {
+// fixture returns the status and body of the exchange name recorded in the fixture set set
+// (couchtest.FixtureSets).
+func fixture(t *testing.T, set, name string) (int, []byte) {
 	t.Helper()
-	rec := couchtest.Fixture(t, name)
+	rec := couchtest.FixtureFrom(t, set, name)
 	return rec.Status, rec.Body
 }
 
@@ -32,17 +33,19 @@ func TestParseResultCouchDBFixtures(t *testing.T) {
 		{"replicate-create-target.http", 4, false},
 		{"replicate-selector.http", 2, false},
 	}
-	for _, c := range cases {
-		t.Run(c.file, func(t *testing.T) {
-			t.Parallel()
-			status, body := fixture(t, c.file)
-			require.Equal(t, 200, status)
-			res, err := parseResult(body)
-			require.NoError(t, err)
-			assert.Equal(t, c.written, res.DocsWritten)
-			assert.Equal(t, c.noChanges, res.NoChanges)
-			assert.NotEmpty(t, res.SessionID)
-		})
+	for _, set := range couchtest.FixtureSets() {
+		for _, c := range cases {
+			t.Run(set+"/"+c.file, func(t *testing.T) {
+				t.Parallel()
+				status, body := fixture(t, set, c.file)
+				require.Equal(t, 200, status)
+				res, err := parseResult(body)
+				require.NoError(t, err)
+				assert.Equal(t, c.written, res.DocsWritten)
+				assert.Equal(t, c.noChanges, res.NoChanges)
+				assert.NotEmpty(t, res.SessionID)
+			})
+		}
 	}
 }
 
@@ -70,16 +73,18 @@ func TestErrorFixturesClassify(t *testing.T) {
 		{"replicate-missing-source.http", dbNotFound},
 		{"replicate-missing-target.http", dbNotFound},
 	}
-	for _, c := range cases {
-		t.Run(c.file, func(t *testing.T) {
-			t.Parallel()
-			status, body := fixture(t, c.file)
-			err := replicateAnswer(t, status, body, []string{"PASS"})
-			assert.Equal(t, c.want, classify(err))
-			var re *replicateError
-			require.ErrorAs(t, err, &re)
-			assert.NotEmpty(t, re.ErrorName)
-		})
+	for _, set := range couchtest.FixtureSets() {
+		for _, c := range cases {
+			t.Run(set+"/"+c.file, func(t *testing.T) {
+				t.Parallel()
+				status, body := fixture(t, set, c.file)
+				err := replicateAnswer(t, status, body, []string{"PASS"})
+				assert.Equal(t, c.want, classify(err))
+				var re *replicateError
+				require.ErrorAs(t, err, &re)
+				assert.NotEmpty(t, re.ErrorName)
+			})
+		}
 	}
 }
 
@@ -103,6 +108,11 @@ func FuzzParseResult(f *testing.F) {
 	f.Add([]byte(`{"ok":true,"no_changes":true}`))
 	f.Add([]byte(`{"ok":true,"session_id":"a","history":[{"session_id":"a","docs_written":4}]}`))
 	f.Add([]byte(`{"ok":true,"docs_written":-3,"status":"complete"}`))
+	for _, set := range []string{couchtest.CouchDB35, couchtest.CouchDB35Cluster} {
+		for _, name := range []string{"replicate-oneshot", "replicate-no-changes", "replicate-selector", "replicate-bad-auth"} {
+			f.Add(couchtest.FixtureFrom(f, set, name).Body)
+		}
+	}
 	f.Fuzz(func(t *testing.T, body []byte) {
 		res, err := parseResult(body)
 		if err == nil && (res.DocsWritten < 0 || res.DocWriteFailures < 0) {

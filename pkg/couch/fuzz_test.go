@@ -4,6 +4,8 @@ import (
 	"bytes"
 	"encoding/json"
 	"testing"
+
+	"github.com/spiegel-nats/spiegel/pkg/couchtest"
 )
 
 var fuzzSeeds = []string{
@@ -15,10 +17,24 @@ var fuzzSeeds = []string{
 	`null`, `[]`, `"s"`, `{"seq":[1,"a"]}`, `{"seq":1e400}`, "\xff\xfe", ``,
 }
 
-func FuzzParseDBUpdateLine(f *testing.F) {
+// addFixtureSeeds adds fuzzSeeds and every line of the feeds recorded from CouchDB 3.5.2 (single
+// node and cluster: their seqs differ in length and shape from 3.3's) to f's seed corpus.
+func addFixtureSeeds(f *testing.F) {
 	for _, s := range fuzzSeeds {
 		f.Add([]byte(s))
 	}
+	for _, set := range []string{couchtest.CouchDB35, couchtest.CouchDB35Cluster} {
+		for _, name := range []string{"db-updates-continuous-live", "db-updates-normal", "db-updates-longpoll",
+			"global-changes", "changes-continuous", "changes-normal", "changes-longpoll-empty", "get-db-missing"} {
+			for _, line := range couchtest.FixtureFrom(f, set, name).Lines() {
+				f.Add(line)
+			}
+		}
+	}
+}
+
+func FuzzParseDBUpdateLine(f *testing.F) {
+	addFixtureSeeds(f)
 	f.Fuzz(func(t *testing.T, line []byte) {
 		ev, seq, ok, err := parseDBUpdateLine(line)
 		if err != nil && ok {
@@ -31,9 +47,7 @@ func FuzzParseDBUpdateLine(f *testing.F) {
 }
 
 func FuzzParseGlobalChangesLine(f *testing.F) {
-	for _, s := range fuzzSeeds {
-		f.Add([]byte(s))
-	}
+	addFixtureSeeds(f)
 	f.Fuzz(func(t *testing.T, line []byte) {
 		ev, _, ok, err := parseGlobalChangesLine(line)
 		if err != nil && ok {
@@ -46,9 +60,7 @@ func FuzzParseGlobalChangesLine(f *testing.F) {
 }
 
 func FuzzParseChangeLine(f *testing.F) {
-	for _, s := range fuzzSeeds {
-		f.Add([]byte(s))
-	}
+	addFixtureSeeds(f)
 	f.Fuzz(func(t *testing.T, line []byte) {
 		ch, seq, ok, err := parseChangeLine(line)
 		if err != nil && ok {
@@ -64,6 +76,15 @@ func FuzzParseChangeLine(f *testing.F) {
 func FuzzSeq(f *testing.F) {
 	for _, s := range []string{`"1-x"`, `3`, `null`, `[1,"a"]`, `-0.5e-3`, `{"a":1}`} {
 		f.Add([]byte(s))
+	}
+	for _, set := range []string{couchtest.CouchDB35, couchtest.CouchDB35Cluster} {
+		var page struct {
+			LastSeq json.RawMessage `json:"last_seq"`
+		}
+		if err := json.Unmarshal(couchtest.FixtureFrom(f, set, "changes-normal").Body, &page); err != nil {
+			f.Fatal(err)
+		}
+		f.Add([]byte(page.LastSeq))
 	}
 	f.Fuzz(func(t *testing.T, data []byte) {
 		var s Seq

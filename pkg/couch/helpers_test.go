@@ -42,10 +42,11 @@ func newTestClient(t *testing.T, rawURL string) (*Client, *syncBuffer) {
 	return c, buf
 }
 
-// fixtureBody returns the body of a recorded CouchDB 3.3 exchange, byte for byte.
-func fixtureBody(t *testing.T, name string) []byte {
+// fixtureBody returns the body of the exchange name recorded in the fixture set set
+// (couchtest.FixtureSets), byte for byte.
+func fixtureBody(t *testing.T, set, name string) []byte {
 	t.Helper()
-	return couchtest.Fixture(t, name).Body
+	return couchtest.FixtureFrom(t, set, name).Body
 }
 
 // fakeServer records requests and answers them with handlers in order; requests past the last

@@ -14,35 +14,48 @@ import (
 	"github.com/spiegel-nats/spiegel/pkg/couchtest"
 )
 
-// fixture returns the response content type and body of a recorded CouchDB 3.3 exchange.
-func fixture(t *testing.T, name string) (contentType string, body []byte) {
+// fixture returns the response content type and body of the exchange name recorded in the
+// fixture set set (couchtest.FixtureSets).
+func fixture(t *testing.T, set, name string) (contentType string, body []byte) {
 	t.Helper()
-	rec := couchtest.Fixture(t, name)
+	rec := couchtest.FixtureFrom(t, set, name)
 	return rec.ContentType, rec.Body
 }
 
+// forEachSet runs fn as a subtest per fixture set: CouchDB 3.3.3, 3.5.2, a 3.5.2 cluster.
+func forEachSet(t *testing.T, fn func(t *testing.T, set string)) {
+	t.Helper()
+	for _, set := range couchtest.FixtureSets() {
+		t.Run(set, func(t *testing.T) { fn(t, set) })
+	}
+}
+
 func TestFixtureRevsDiff(t *testing.T) {
-	_, body := fixture(t, "revs-diff")
-	var got map[string]revsDiff
-	require.NoError(t, json.Unmarshal(body, &got))
-	assert.Equal(t, map[string]revsDiff{
-		"doc2":   {Missing: []string{"1-abc", "9-zzz"}, PossibleAncestors: []string{"1-614d864b534ab8997c7b06ce8a683752"}},
-		"nosuch": {Missing: []string{"1-x"}},
-	}, got)
+	forEachSet(t, func(t *testing.T, set string) {
+		_, body := fixture(t, set, "revs-diff")
+		var got map[string]revsDiff
+		require.NoError(t, json.Unmarshal(body, &got))
+		assert.Equal(t, map[string]revsDiff{
+			"doc2":   {Missing: []string{"1-abc", "9-zzz"}, PossibleAncestors: []string{"1-614d864b534ab8997c7b06ce8a683752"}},
+			"nosuch": {Missing: []string{"1-x"}},
+		}, got)
+	})
 }
 
 func TestFixtureBulkGet(t *testing.T) {
-	_, body := fixture(t, "bulk-get")
-	var ans bulkGetAnswer
-	require.NoError(t, json.Unmarshal(body, &ans))
-	docs, skipped := ans.docs()
-	require.Len(t, docs, 1)
-	assert.Equal(t, "doc2", docs[0].ID)
-	assert.Equal(t, "1-614d864b534ab8997c7b06ce8a683752", docs[0].Rev)
-	assert.Contains(t, string(docs[0].Body), `"_revisions"`)
-	require.Len(t, skipped, 1)
-	assert.Equal(t, "nosuch", skipped[0].ID)
-	assert.Contains(t, skipped[0].Reason, "not_found")
+	forEachSet(t, func(t *testing.T, set string) {
+		_, body := fixture(t, set, "bulk-get")
+		var ans bulkGetAnswer
+		require.NoError(t, json.Unmarshal(body, &ans))
+		docs, skipped := ans.docs()
+		require.Len(t, docs, 1)
+		assert.Equal(t, "doc2", docs[0].ID)
+		assert.Equal(t, "1-614d864b534ab8997c7b06ce8a683752", docs[0].Rev)
+		assert.Contains(t, string(docs[0].Body), `"_revisions"`)
+		require.Len(t, skipped, 1)
+		assert.Equal(t, "nosuch", skipped[0].ID)
+		assert.Contains(t, skipped[0].Reason, "not_found")
+	})
 }
 
 func TestBulkGetPouchDBShapes(t *testing.T) {
@@ -58,59 +71,65 @@ func TestBulkGetPouchDBShapes(t *testing.T) {
 }
 
 func TestFixtureOpenRevsMultipart(t *testing.T) {
-	ct, body := fixture(t, "open-revs-all")
-	var ans openRevsAnswer
-	require.NoError(t, ans.DecodeResponse(ct, bytes.NewReader(body)))
-	a := bulkGetAnswer{Results: []struct {
-		ID   string          `json:"id"`
-		Docs []bulkGetResult `json:"docs"`
-	}{{ID: "doc2", Docs: ans}}}
-	docs, skipped := a.docs()
-	assert.Empty(t, skipped)
-	require.Len(t, docs, 1)
-	assert.Equal(t, "2-0123456789abcdef0123456789abcdef", docs[0].Rev)
+	forEachSet(t, func(t *testing.T, set string) {
+		ct, body := fixture(t, set, "open-revs-all")
+		var ans openRevsAnswer
+		require.NoError(t, ans.DecodeResponse(ct, bytes.NewReader(body)))
+		a := bulkGetAnswer{Results: []struct {
+			ID   string          `json:"id"`
+			Docs []bulkGetResult `json:"docs"`
+		}{{ID: "doc2", Docs: ans}}}
+		docs, skipped := a.docs()
+		assert.Empty(t, skipped)
+		require.Len(t, docs, 1)
+		assert.Equal(t, "2-0123456789abcdef0123456789abcdef", docs[0].Rev)
 
-	var js openRevsAnswer
-	require.NoError(t, js.DecodeResponse("application/json", strings.NewReader(`[{"ok":{"_id":"d","_rev":"1-a"}},{"missing":"1-b"}]`)))
-	assert.Len(t, js, 2)
-	assert.Equal(t, "1-b", js[1].Missing)
+		var js openRevsAnswer
+		require.NoError(t, js.DecodeResponse("application/json", strings.NewReader(`[{"ok":{"_id":"d","_rev":"1-a"}},{"missing":"1-b"}]`)))
+		assert.Len(t, js, 2)
+		assert.Equal(t, "1-b", js[1].Missing)
+	})
 }
 
 func TestFixtureCheckpointDocs(t *testing.T) {
-	_, body := fixture(t, "get-local")
-	var doc checkpointDoc
-	require.NoError(t, json.Unmarshal(body, &doc))
-	assert.Equal(t, "s1", doc.SessionID)
-	assert.Equal(t, couch.Seq("1-abc"), doc.SourceLastSeq)
-	assert.Equal(t, "0-1", doc.Rev)
+	forEachSet(t, func(t *testing.T, set string) {
+		_, body := fixture(t, set, "get-local")
+		var doc checkpointDoc
+		require.NoError(t, json.Unmarshal(body, &doc))
+		assert.Equal(t, "s1", doc.SessionID)
+		assert.Equal(t, couch.Seq("1-abc"), doc.SourceLastSeq)
+		assert.Equal(t, "0-1", doc.Rev)
 
-	_, body = fixture(t, "put-local")
-	var ans struct {
-		Rev string `json:"rev"`
-	}
-	require.NoError(t, json.Unmarshal(body, &ans))
-	assert.Equal(t, "0-1", ans.Rev)
+		_, body = fixture(t, set, "put-local")
+		var ans struct {
+			Rev string `json:"rev"`
+		}
+		require.NoError(t, json.Unmarshal(body, &ans))
+		assert.Equal(t, "0-1", ans.Rev)
 
-	// PouchDB Server's integer seqs read back as their text.
-	require.NoError(t, json.Unmarshal([]byte(`{"session_id":"s","source_last_seq":42,"history":[{"session_id":"s","recorded_seq":42}]}`), &doc))
-	assert.Equal(t, couch.Seq("42"), doc.SourceLastSeq)
-	assert.Equal(t, couch.Seq("42"), doc.History[0].RecordedSeq)
+		// PouchDB Server's integer seqs read back as their text.
+		require.NoError(t, json.Unmarshal([]byte(`{"session_id":"s","source_last_seq":42,"history":[{"session_id":"s","recorded_seq":42}]}`), &doc))
+		assert.Equal(t, couch.Seq("42"), doc.SourceLastSeq)
+		assert.Equal(t, couch.Seq("42"), doc.History[0].RecordedSeq)
+	})
 }
 
 func TestFixtureChanges(t *testing.T) {
-	_, body := fixture(t, "changes-with-deletion")
-	var p changesPage
-	require.NoError(t, json.Unmarshal(body, &p))
-	require.Len(t, p.Results, 4)
-	assert.True(t, p.Results[3].Deleted)
-	assert.Equal(t, "doc1", p.Results[3].ID)
-	assert.Equal(t, "2-e756583c203257552e07a1bfc6aa9047", p.Results[3].Changes[0].Rev)
-	assert.True(t, strings.HasPrefix(string(p.LastSeq), "5-g1AAAA"))
+	forEachSet(t, func(t *testing.T, set string) {
+		_, body := fixture(t, set, "changes-with-deletion")
+		var p changesPage
+		require.NoError(t, json.Unmarshal(body, &p))
+		require.Len(t, p.Results, 4)
+		assert.True(t, p.Results[3].Deleted)
+		assert.Equal(t, "doc1", p.Results[3].ID)
+		assert.Equal(t, "2-e756583c203257552e07a1bfc6aa9047", p.Results[3].Changes[0].Rev)
+		assert.True(t, strings.HasPrefix(string(p.LastSeq), "5-g1AAAA"))
 
-	_, body = fixture(t, "bulk-docs-new-edits-false")
-	var ans []map[string]any
-	require.NoError(t, json.Unmarshal(body, &ans))
-	assert.Empty(t, ans, "CouchDB 3 answers [] when every new_edits=false doc is stored")
+		_, body = fixture(t, set, "bulk-docs-new-edits-false")
+		var ans []map[string]any
+		require.NoError(t, json.Unmarshal(body, &ans))
+		assert.Empty(t, ans, "CouchDB 3 answers [] when every new_edits=false doc is stored")
+	})
 }
 
 func TestFindStartSeq(t *testing.T) {
