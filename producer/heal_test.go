@@ -239,11 +239,7 @@ func TestSweepHealsStoreRollback(t *testing.T) {
 	stopConsumer()
 
 	// The copy of the store, taken while NATS is down.
-	store := e.NATS.StoreDir()
-	saved := filepath.Join(t.TempDir(), "store")
-	e.NATS.Stop()
-	require.NoError(t, os.CopyFS(saved, os.DirFS(store)))
-	e.NATS.StartAgain(t)
+	saved := e.copyStore(t)
 
 	// A write whose job JetStream acknowledges, and sweeps that find it pending.
 	mark := e.updatesMark(t)
@@ -253,10 +249,7 @@ func TestSweepHealsStoreRollback(t *testing.T) {
 	e.waitSweeps(t, 2)
 
 	// The power failure: the store comes back as the copy has it, without the job.
-	e.NATS.Stop()
-	require.NoError(t, os.RemoveAll(store))
-	require.NoError(t, os.CopyFS(store, os.DirFS(saved)))
-	e.NATS.StartAgain(t)
+	e.restoreStore(t, saved)
 
 	got, _ := e.startConsumer(t, rep)
 	require.Eventually(t, func() bool { return slices.Contains(got.of(db), events.ReasonSweep) }, 30*time.Second, 20*time.Millisecond,
@@ -293,22 +286,36 @@ func TestSweepHealsChangeStreamLoss(t *testing.T) {
 
 	// The copy of the store, taken while NATS is down; then messages the copy does not hold,
 	// which the sweeps see.
-	store := e.NATS.StoreDir()
-	saved := filepath.Join(t.TempDir(), "store")
-	e.NATS.Stop()
-	require.NoError(t, os.CopyFS(saved, os.DirFS(store)))
-	e.NATS.StartAgain(t)
+	saved := e.copyStore(t)
 	publish(2)
 	e.waitSweeps(t, 3)
 	assert.Empty(t, e.Pending(t), "no loss seen while the stream only grew: no job")
 
 	// The power failure: the store comes back as the copy has it.
-	e.NATS.Stop()
-	require.NoError(t, os.RemoveAll(store))
-	require.NoError(t, os.CopyFS(store, os.DirFS(saved)))
-	e.NATS.StartAgain(t)
+	e.restoreStore(t, saved)
 
 	got, _ := e.startConsumer(t, onc)
 	require.Eventually(t, func() bool { return slices.Contains(got.of(db), events.ReasonSweep) }, 30*time.Second, 20*time.Millisecond,
 		"the db's on_change job after the changes stream lost messages")
+}
+
+// copyStore stops NATS, copies its store and starts it again: the copy a power failure with lazy
+// sync leaves behind.
+func (e *env) copyStore(t *testing.T) string {
+	t.Helper()
+	store, saved := e.NATS.StoreDir(), filepath.Join(t.TempDir(), "store") // the dir is known while NATS runs
+	e.NATS.Stop()
+	require.NoError(t, os.CopyFS(saved, os.DirFS(store)))
+	e.NATS.StartAgain(t)
+	return saved
+}
+
+// restoreStore plays the power failure: NATS comes back with the store as saved has it.
+func (e *env) restoreStore(t *testing.T, saved string) {
+	t.Helper()
+	store := e.NATS.StoreDir()
+	e.NATS.Stop()
+	require.NoError(t, os.RemoveAll(store))
+	require.NoError(t, os.CopyFS(store, os.DirFS(saved)))
+	e.NATS.StartAgain(t)
 }
