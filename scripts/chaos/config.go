@@ -65,14 +65,15 @@ type Config struct {
 	// plan (CHAOS_PARTITIONS=1; off by default in the short and the long run) and only then puts
 	// each product process behind its own proxies to NATS and CouchDB (links.go); without it the
 	// processes connect directly and the plan is the one of a run without these faults. Off by
-	// default because on the current code a NATS freeze of an onchange instance has broken
-	// change-stream order.
+	// default so that the default runs keep their plans; the change stream's publishes are
+	// fenced against a frozen instance now.
 	Partitions bool
 
 	// StoreLoss adds the NATS storage-loss faults, nats-store-loss and nats-store-loss-all, to
 	// the plan (CHAOS_STORE_LOSS=1; off by default in the short and the long run). Off by default
-	// because on the current code a store rolled back loses change-stream messages JetStream had
-	// acknowledged, for good (no sweep heals them: the change stream lives only in NATS).
+	// because a store copied file by file can come back with a hole in the middle of the change
+	// stream: the changes of the hole are published again after later ones (order violations),
+	// or stay missing when the checkpoints had passed them.
 	StoreLoss bool
 
 	// LogLevel is SPIEGEL_LOG_LEVEL of the product processes (CHAOS_LOG_LEVEL, default info).
