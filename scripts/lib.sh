@@ -71,14 +71,16 @@ start_pouchdb() {
   log "PouchDB Server $(node -p 'require(process.argv[1]).version' "$ROOT/scripts/pouchdb/node_modules/pouchdb-server/package.json") on $COUCHDB_URL (pid $POUCHDB_PID)"
 }
 
-# stop_started stops every process this script started, newest first, by PID.
+# stop_started stops every process this script started, newest first, by PID: SIGTERM, and
+# SIGKILL after 25 s (a consumer lets its running jobs finish for up to SPIEGEL_SHUTDOWN_GRACE,
+# 20 s by default: a job retrying a webhook whose receiver stopped first takes that long).
 stop_started() {
   local i pid
   for ((i = ${#STARTED_PIDS[@]} - 1; i >= 0; i--)); do
     pid=${STARTED_PIDS[$i]}
     if kill -0 "$pid" 2>/dev/null; then
       kill -TERM "$pid" 2>/dev/null || true
-      for _ in $(seq 1 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+      for _ in $(seq 1 250); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
       kill -KILL "$pid" 2>/dev/null || true
     fi
   done
