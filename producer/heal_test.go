@@ -95,16 +95,24 @@ func (e *env) waitDone(t *testing.T, g events.Group, db string) {
 	}, 30*time.Second, 50*time.Millisecond, "%s never recorded done at the update_seq of %s", g, db)
 }
 
+// replicatedDB creates db <prefix><name> with one doc and a replicator rule for it, and returns
+// it with the _db_updates mark taken before its creation.
+func (e *env) replicatedDB(t *testing.T, name string) (string, string) {
+	t.Helper()
+	db := e.Prefix + name
+	mark := e.updatesMark(t)
+	e.Couch.CreateDB(t, db)
+	e.Couch.Put(t, db, "d", map[string]any{"x": 1})
+	e.putRule(t, "rep", map[string]any{"type": "replicator", "source": db, "target": db + "_copy"})
+	return db, mark
+}
+
 // A job JetStream acknowledged and then lost (the work stream purged, as a store rolled back
 // after a power failure leaves it) is enqueued again by the next sweep, although the db did
 // not change: no completion record says it was processed.
 func TestSweepHealsLostJob(t *testing.T) {
 	e := newEnv(t, couchtest.AlwaysSynthesize())
-	db := e.Prefix + "lost"
-	mark := e.updatesMark(t)
-	e.Couch.CreateDB(t, db)
-	e.Couch.Put(t, db, "d", map[string]any{"x": 1})
-	e.putRule(t, "rep", map[string]any{"type": "replicator", "source": db, "target": db + "_copy"})
+	db, mark := e.replicatedDB(t, "lost")
 	e.cfg.SweepInterval = 300 * time.Millisecond
 	e.startProducer(t)
 	e.waitJob(t, rep, db, 20*time.Second)
@@ -122,11 +130,7 @@ func TestSweepHealsLostJob(t *testing.T) {
 // (with a sweep interval far beyond the test, only the first sweep can).
 func TestFirstSweepAfterRestartHealsLostJob(t *testing.T) {
 	e := newEnv(t, couchtest.AlwaysSynthesize())
-	db := e.Prefix + "lost"
-	mark := e.updatesMark(t)
-	e.Couch.CreateDB(t, db)
-	e.Couch.Put(t, db, "d", map[string]any{"x": 1})
-	e.putRule(t, "rep", map[string]any{"type": "replicator", "source": db, "target": db + "_copy"})
+	db, mark := e.replicatedDB(t, "lost")
 	e.cfg.SweepInterval = time.Hour
 	stop := e.startProducer(t)
 	e.waitJob(t, rep, db, 20*time.Second)

@@ -147,25 +147,33 @@ func readN(c net.Conn, n int, d time.Duration) ([]byte, error) {
 // since the absence of an event cannot be waited for otherwise.
 const quiet = 500 * time.Millisecond
 
-// TestProxyFreeze: during a freeze no byte moves either way (the server receives nothing the
-// client sends, the client nothing the server sends) and the connection stays open (a read
-// times out, it does not end); after the freeze everything held arrives, in order, on the same
-// connection. A connection opened during the freeze is served once it ends.
-func TestProxyFreeze(t *testing.T) {
+// echoThroughProxy starts an echo server, an outage proxy in front of it and a connection
+// through the proxy that has sent "a"; the proxy and the connection are closed when the test ends.
+func echoThroughProxy(t *testing.T) (*echoServer, *outageProxy, net.Conn) {
+	t.Helper()
 	srv := startEcho(t)
 	p, err := startOutageProxy(srv.ln.Addr().String())
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer p.close()
+	t.Cleanup(p.close)
 	c, err := net.Dial("tcp", p.addr)
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer c.Close()
+	t.Cleanup(func() { _ = c.Close() })
 	if _, err := c.Write([]byte("a")); err != nil {
 		t.Fatal(err)
 	}
+	return srv, p, c
+}
+
+// TestProxyFreeze: during a freeze no byte moves either way (the server receives nothing the
+// client sends, the client nothing the server sends) and the connection stays open (a read
+// times out, it does not end); after the freeze everything held arrives, in order, on the same
+// connection. A connection opened during the freeze is served once it ends.
+func TestProxyFreeze(t *testing.T) {
+	srv, p, c := echoThroughProxy(t)
 	if b, err := readN(c, 1, 5*time.Second); err != nil || string(b) != "a" {
 		t.Fatalf("before the freeze: %q, %v", b, err)
 	}
@@ -227,27 +235,14 @@ func TestProxyFreeze(t *testing.T) {
 // not a timeout), resets new ones for its down time while the port stays open, and serves
 // again afterwards.
 func TestProxyCut(t *testing.T) {
-	srv := startEcho(t)
-	p, err := startOutageProxy(srv.ln.Addr().String())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer p.close()
-	c, err := net.Dial("tcp", p.addr)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
-	if _, err := c.Write([]byte("a")); err != nil {
-		t.Fatal(err)
-	}
+	_, p, c := echoThroughProxy(t)
 	if _, err := readN(c, 1, 5*time.Second); err != nil {
 		t.Fatal(err)
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- p.cutFor(ctx, time.Hour) }()
-	_, err = readN(c, 1, 5*time.Second)
+	_, err := readN(c, 1, 5*time.Second)
 	var ne net.Error
 	if err == nil || errors.As(err, &ne) && ne.Timeout() {
 		t.Fatalf("the open connection was not cut: %v", err)
