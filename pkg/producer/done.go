@@ -3,6 +3,7 @@ package producer
 import (
 	"context"
 	"errors"
+	"fmt"
 	"slices"
 
 	"github.com/sirupsen/logrus"
@@ -12,9 +13,10 @@ import (
 	"github.com/spiegel-nats/spiegel/pkg/reconcile"
 )
 
-// doneReader reads every completion record (*reconcile.Records).
+// doneReader reads every completion record, or one (*reconcile.Records).
 type doneReader interface {
 	Read(ctx context.Context) (reconcile.Done, error)
+	Get(ctx context.Context, g events.Group, db string) (string, error)
 }
 
 // doneRecords is what the sweep needs of the completion records: reading them, and creating
@@ -79,6 +81,7 @@ func (p *producer) sweepOnce(ctx context.Context, prev couch.Snapshot) (couch.Sn
 	}
 	slices.Sort(dbs)
 	n := 0
+	var examples []string // the first few dbs enqueued and why, for the log
 	for _, db := range dbs {
 		seq := snap[db]
 		groups := p.rules.Groups(db).Groups()
@@ -89,6 +92,9 @@ func (p *producer) sweepOnce(ctx context.Context, prev couch.Snapshot) (couch.Sn
 		case prev != nil && prev[db] != seq:
 			due = groups
 		}
+		if len(due) > 0 && derr == nil {
+			due = p.stillDue(ctx, db, seq, due)
+		}
 		if lostChanges && slices.Contains(groups, events.GroupOnChange) && !slices.Contains(due, events.GroupOnChange) {
 			due = append(due, events.GroupOnChange)
 		}
@@ -96,16 +102,36 @@ func (p *producer) sweepOnce(ctx context.Context, prev couch.Snapshot) (couch.Sn
 			continue
 		}
 		n++
+		if len(examples) < 3 {
+			examples = append(examples, fmt.Sprintf("%s %v: record %q, update_seq %q", db, due, done[reconcile.Key(due[0], db)], seq))
+		}
 		p.metrics.sweepEnqueued()
 		if err := p.pub.EnqueueNoSeq(ctx, db, events.ReasonSweep, due); err != nil {
 			return snap, err
 		}
 	}
-	log := p.log.WithFields(logrus.Fields{"dbs": len(snap), "enqueued": n})
+	log := p.log.WithFields(logrus.Fields{"dbs": len(snap), "enqueued": n, "first": examples})
 	if n > 0 {
 		log.Info("reconciliation sweep enqueued the dbs not recorded done at their update_seq")
 	} else {
 		log.Debug("reconciliation sweep found every matched db done")
 	}
 	return snap, nil
+}
+
+// stillDue returns those of due whose record of db, read again now, still differs from seq. A
+// job that succeeded after the sweep read the records is not run again: right after a start,
+// the sweep finds no record for the dbs whose rule catch-up jobs are queued or running, and by
+// the time it enqueues the last of 10,000 dbs, thousands of those jobs are done (each of them
+// ran twice before this check). One key-value read per due (group, db); a failed read keeps
+// the group due.
+func (p *producer) stillDue(ctx context.Context, db, seq string, due []events.Group) []events.Group {
+	out := due[:0:0]
+	for _, g := range due {
+		if rec, err := p.done.records.Get(ctx, g, db); err == nil && rec == seq {
+			continue
+		}
+		out = append(out, g)
+	}
+	return out
 }

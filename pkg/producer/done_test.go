@@ -83,6 +83,31 @@ func TestSweepSkipsDoneDBs(t *testing.T) {
 	e.Couch.Put(t, done, "d2", map[string]any{"x": 2})
 	e.Couch.Put(t, behind, "d2", map[string]any{"x": 2})
 	process(done)
-	sweep(prev)
+	prev = sweep(prev)
 	assert.Equal(t, map[string]uint64{work(events.GroupReplicate, behind): 1}, e.Pending(t), "only the db whose change is unprocessed")
+
+	// Both written again; behind's job succeeds after the sweep read the records and before it
+	// enqueues (as the rules' catch-up jobs do while the first sweep after a start runs): only
+	// done, still unprocessed, is enqueued.
+	e.Purge(t)
+	e.Couch.Put(t, done, "d3", map[string]any{"x": 3})
+	e.Couch.Put(t, behind, "d3", map[string]any{"x": 3})
+	p.done.records = &afterRead{doneReader: records, hook: func() { process(behind) }}
+	sweep(prev)
+	assert.Equal(t, map[string]uint64{work(events.GroupReplicate, done): 1}, e.Pending(t), "the db processed during the sweep is not run again")
+}
+
+// afterRead runs hook once, right after the records are read.
+type afterRead struct {
+	doneReader
+	hook func()
+}
+
+func (a *afterRead) Read(ctx context.Context) (reconcile.Done, error) {
+	d, err := a.doneReader.Read(ctx)
+	if a.hook != nil {
+		a.hook()
+		a.hook = nil
+	}
+	return d, err
 }

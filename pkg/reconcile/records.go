@@ -83,6 +83,18 @@ func (r *Records) Put(ctx context.Context, g events.Group, db, seq string) error
 	return nil
 }
 
+// Get returns the record of (g, db), "" when there is none.
+func (r *Records) Get(ctx context.Context, g events.Group, db string) (string, error) {
+	e, err := r.kv.Get(ctx, Key(g, db))
+	switch {
+	case errors.Is(err, jetstream.ErrKeyNotFound):
+		return "", nil
+	case err != nil:
+		return "", fmt.Errorf("read the completion record of %s for %s: %w", g, db, err)
+	}
+	return string(e.Value()), nil
+}
+
 // Done is the records read at one moment, by key (Key).
 type Done map[string]string
 

@@ -3,6 +3,7 @@ package e2e
 import (
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"net/http"
 	"os"
@@ -78,6 +79,9 @@ func startProc(t testing.TB, name, bin, addr string, env []string) *proc {
 		}
 		if t.Failed() {
 			t.Logf("%s output (tail):\n%s", name, tail(p.out.String(), 25))
+		}
+		if dir := os.Getenv("BENCH_PROC_LOG_DIR"); dir != "" { // a bench's process logs, to study a run
+			_ = os.WriteFile(filepath.Join(dir, fmt.Sprintf("%s-%d.log", name, p.cmd.Process.Pid)), []byte(p.out.String()), 0o644)
 		}
 	})
 	return p
