@@ -95,19 +95,29 @@ func (p *producer) sweepOnce(ctx context.Context, prev couch.Snapshot) (couch.Sn
 		if len(due) > 0 && derr == nil {
 			due = p.stillDue(ctx, db, seq, due)
 		}
-		if lostChanges && slices.Contains(groups, events.GroupOnChange) && !slices.Contains(due, events.GroupOnChange) {
-			due = append(due, events.GroupOnChange)
+		// The changes stream lost messages: every on_change db runs, and a job that is running
+		// now may have looked at the stream before the loss, so a refusal leaves a marker.
+		heal := lostChanges && slices.Contains(groups, events.GroupOnChange)
+		if heal {
+			due = slices.DeleteFunc(due, func(g events.Group) bool { return g == events.GroupOnChange })
 		}
-		if len(due) == 0 {
+		if len(due) == 0 && !heal {
 			continue
 		}
 		n++
-		if len(examples) < 3 {
+		if len(examples) < 3 && len(due) > 0 {
 			examples = append(examples, fmt.Sprintf("%s %v: record %q, update_seq %q", db, due, done[reconcile.Key(due[0], db)], seq))
 		}
 		p.metrics.sweepEnqueued()
-		if err := p.pub.EnqueueNoSeq(ctx, db, events.ReasonSweep, due); err != nil {
-			return snap, err
+		if len(due) > 0 {
+			if err := p.pub.EnqueueSweep(ctx, db, due); err != nil {
+				return snap, err
+			}
+		}
+		if heal {
+			if err := p.pub.EnqueueNoSeq(ctx, db, events.ReasonSweep, []events.Group{events.GroupOnChange}); err != nil {
+				return snap, err
+			}
 		}
 	}
 	log := p.log.WithFields(logrus.Fields{"dbs": len(snap), "enqueued": n, "first": examples})

@@ -72,6 +72,15 @@ func TestSweepSkipsDoneDBs(t *testing.T) {
 
 	prev := sweep(nil)
 	assert.Equal(t, map[string]uint64{work(events.GroupReplicate, done): 1, work(events.GroupReplicate, behind): 1}, e.Pending(t), "no record: both enqueued")
+	// Swept again while the jobs are queued: refused, and no wakeup marker (which would cost
+	// each db a second run after its first).
+	prev = sweep(prev)
+	jobs := natsjs.NewJobs(e.JS, events.NewSubjects(""))
+	for _, db := range []string{done, behind} {
+		marker, err := jobs.ReadWakeup(ctx, events.GroupReplicate, db)
+		require.NoError(t, err)
+		assert.Zero(t, marker, "a sweep's refused job leaves no wakeup marker for %s", db)
+	}
 	e.Purge(t) // both processed
 	process(done)
 	process(behind)

@@ -34,6 +34,7 @@ type Jobs interface {
 	PublishAsync(g events.Group, job events.Job) (jetstream.PubAckFuture, error)
 	MarkAndRetry(ctx context.Context, g events.Group, job events.Job) (deduplicated bool, err error)
 	Offer(ctx context.Context, g events.Group, job events.Job) (deduplicated bool, err error)
+	Publish(ctx context.Context, g events.Group, job events.Job) (deduplicated bool, err error)
 }
 
 // Pipeline is the producer's publish pipeline. Enqueue publishes a position's jobs
@@ -89,6 +90,9 @@ type pendingJob struct {
 	job    events.Job
 	future jetstream.PubAckFuture
 	err    error // from PublishAsync itself
+	// noMarker: a refusal (a job for the db is pending or running) leaves no wakeup marker
+	// (EnqueueSweep)
+	noMarker bool
 }
 
 // New returns a pipeline publishing through jobs (*natsjs.Jobs) with at most maxInflight feed
@@ -118,6 +122,21 @@ func (p *Pipeline) Enqueue(ctx context.Context, seq string, saveDue bool, db, re
 func (p *Pipeline) EnqueueNoSeq(ctx context.Context, db, reason string, groups []events.Group) error {
 	b := &batch{}
 	p.publish(b, db, reason, "", groups)
+	return p.push(ctx, b)
+}
+
+// EnqueueSweep is EnqueueNoSeq for the reconciliation sweep: a publish refused because a job
+// for (group, db) is pending or running leaves no wakeup marker. A pending job reads the db
+// after the sweep did; a running one was started by an event whose later changes have events
+// (and markers) of their own, and if those were lost too, the next sweep sees the db again. A
+// marker would instead cost every db whose job was queued a second run: right after a start,
+// while the rules' catch-up jobs are queued, that is every matched db.
+func (p *Pipeline) EnqueueSweep(ctx context.Context, db string, groups []events.Group) error {
+	b := &batch{}
+	p.publish(b, db, events.ReasonSweep, "", groups)
+	for i := range b.jobs {
+		b.jobs[i].noMarker = true
+	}
 	return p.push(ctx, b)
 }
 
@@ -338,6 +357,10 @@ func (p *Pipeline) settleJob(ctx context.Context, j *pendingJob) bool {
 		}
 		timer.Stop()
 	}
+	if natsjs.IsDuplicateJob(err) && j.noMarker {
+		p.metrics.settled(j.group, true)
+		return true
+	}
 	if natsjs.IsDuplicateJob(err) {
 		// A job for the db is pending or running: leave the wakeup marker (natsjs.Jobs.Offer).
 		var dedup bool
@@ -360,7 +383,11 @@ func (p *Pipeline) settleJob(ctx context.Context, j *pendingJob) bool {
 		}
 		pubCtx, cancel := context.WithTimeout(ctx, 10*time.Second)
 		var dedup bool
-		dedup, err = p.jobs.Offer(pubCtx, j.group, j.job)
+		if j.noMarker {
+			dedup, err = p.jobs.Publish(pubCtx, j.group, j.job)
+		} else {
+			dedup, err = p.jobs.Offer(pubCtx, j.group, j.job)
+		}
 		cancel()
 		if err == nil {
 			p.metrics.settled(j.group, dedup)

@@ -79,6 +79,11 @@ func (f *fakeJobs) Offer(_ context.Context, _ events.Group, job events.Job) (boo
 }
 
 // MarkAndRetry records the wakeup marker of a refused job; the job stays pending (deduplicated).
+// Publish is Offer without the marker: the answers come from the same list.
+func (f *fakeJobs) Publish(ctx context.Context, g events.Group, job events.Job) (bool, error) {
+	return f.Offer(ctx, g, job)
+}
+
 func (f *fakeJobs) MarkAndRetry(_ context.Context, _ events.Group, job events.Job) (bool, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
