@@ -31,18 +31,23 @@ type nativeEngine struct {
 	fence replicate.Fence
 }
 
-// nativeCheckpointDefer is the checkpoint batching window of the consumer's native runs: a db
-// written every few seconds gets a checkpoint pair at most every 30 s instead of every run, as
-// CouchDB's own replicator checkpoints every 30 s (a killed process costs a re-check of those
-// changes, which the target already holds).
-const nativeCheckpointDefer = 30 * time.Second
+// nativeCheckpointDefer is the checkpoint batching window of the consumer's native runs: a small
+// run (one batch of changes) less than 5 minutes after its replication's last checkpoint leaves
+// its checkpoint pair to a later run, and the next run starts from where it got to (kept in the
+// process's cache). CouchDB's own replicator checkpoints every 30 s while it runs; here a run is
+// short and most dbs are written now and then, so with 30 s nearly every run of a db written
+// less often than that (at 10,000 dbs: every 100 s) wrote two _local docs. What a longer window
+// costs: a killed process, or an entry dropped from the cache, makes the next run re-read up to
+// 5 minutes of the db's changes, which the target already holds (one _revs_diff finds them).
+const nativeCheckpointDefer = 5 * time.Minute
 
-// The consumer's native runs cache their replications' checkpoints for up to a minute, for up to
-// 10,000 replications: a db written every few seconds reads no checkpoint but the target's (the
-// verification of the cached ones, in parallel with its first _changes page), and a target
-// deleted and recreated behind the cache's back is noticed by the next run.
+// The consumer's native runs cache their replications' checkpoints for up to 10 minutes (longer
+// than the checkpoint window, so that a deferred run's progress outlives it), for up to 10,000
+// replications: a run with a cached entry reads no checkpoint but the target's (the
+// verification, in parallel with its first _changes page), and a target deleted and recreated
+// behind the cache's back is noticed by the next run.
 const (
-	nativeCheckpointCacheAge  = time.Minute
+	nativeCheckpointCacheAge  = 10 * time.Minute
 	nativeCheckpointCacheSize = 10000
 )
 

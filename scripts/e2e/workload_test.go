@@ -35,6 +35,7 @@ import (
 // Setups, all measured in the same run (BENCH_SETUPS picks some, comma-separated):
 //   - hot: the defaults (native engine, hot feeds);
 //   - nohot: native engine, SPIEGEL_HOT_FEEDS=0 (the _db_updates path alone);
+//   - capped: the defaults with each process's CouchDB connections for requests capped at 8;
 //   - couchdb: the couchdb engine (POST /_replicate), SPIEGEL_HOT_FEEDS=0 — the earlier default;
 //   - replicator: the server's own _replicator, one continuous job per user db (no on_change).
 //     On PouchDB Server that is express-pouchdb's replicator daemon (pouchdb-replicator), which
@@ -149,6 +150,7 @@ func workloadSetups() []workloadSetup {
 	all := []workloadSetup{
 		{key: "hot", name: "native engine, hot feeds (defaults)"},
 		{key: "nohot", name: "native engine, no hot feeds", vars: []string{"SPIEGEL_HOT_FEEDS=0"}},
+		{key: "capped", name: "defaults, SPIEGEL_COUCHDB_MAX_CONNECTIONS=8", vars: []string{"SPIEGEL_COUCHDB_MAX_CONNECTIONS=8"}},
 		{key: "couchdb", name: "couchdb engine, no hot feeds (earlier default)",
 			vars: []string{"SPIEGEL_HOT_FEEDS=0", "SPIEGEL_REPLICATION_ENGINE=couchdb"}},
 		{key: "replicator", name: "the server's _replicator, one continuous job per db", replicatorDB: true},
