@@ -75,6 +75,9 @@ func (p *producer) sweepOnce(ctx context.Context, prev couch.Snapshot) (couch.Sn
 			p.log.Warn(why + ": it lost messages it had acknowledged; every db of an on_change rule is enqueued, so that subject rules publish them again")
 		}
 	}
+	if derr == nil {
+		p.forgetVanished(ctx, snap, done)
+	}
 	dbs := make([]string, 0, len(snap))
 	for db := range snap {
 		dbs = append(dbs, db)
@@ -144,4 +147,42 @@ func (p *producer) stillDue(ctx context.Context, db, seq string, due []events.Gr
 		out = append(out, g)
 	}
 	return out
+}
+
+// maxVanishedChecks bounds the dbs one sweep asks CouchDB about in forgetVanished.
+const maxVanishedChecks = 1000
+
+// forgetVanished handles the dbs that have a completion record but are not in the snapshot: a
+// db deleted while its "deleted" event never reached the producer (a cluster node's
+// _db_updates drops events while it is down; a feed gap). Each one that CouchDB confirms gone
+// (GET /{db}: 404; a db that exists but no longer matches a rule is left alone) is forgotten as
+// a deleted event does it: its records and cached on_change checkpoints are dropped (off this
+// path), and an on_change rule that keeps a mirror gets a job, which deletes the db's keys. So
+// nothing of a vanished db stays in NATS for longer than one sweep interval.
+func (p *producer) forgetVanished(ctx context.Context, snap couch.Snapshot, done reconcile.Done) {
+	seen := map[string]bool{}
+	for key := range done {
+		_, db, err := reconcile.ParseKey(key)
+		if err != nil || seen[db] || len(seen) >= maxVanishedChecks {
+			continue
+		}
+		if _, ok := snap[db]; ok || p.skip(db) {
+			continue
+		}
+		seen[db] = true
+		if _, err := p.couch.DBInfo(ctx, db); !errors.Is(err, couch.ErrNotFound) {
+			continue // there (not matched any more), or no answer: the next sweep looks again
+		}
+		if groups := p.mirrorGroups(db); len(groups) > 0 {
+			if err := p.pub.EnqueueNoSeq(ctx, db, events.TypeDeleted, groups); err != nil {
+				p.log.WithError(err).WithField("db", db).Warn("enqueue the mirror clean-up of a vanished db failed: the next sweep tries again")
+				continue // its records stay, so the next sweep finds it again
+			}
+		}
+		p.log.WithField("db", db).Info("a db with completion records is gone (its deleted event never came): its records, cached checkpoints and mirror keys are dropped")
+		p.undone.Add(db)
+		if p.rules.Groups(db).Has(events.GroupOnChange) {
+			p.deleted.Add(db)
+		}
+	}
 }

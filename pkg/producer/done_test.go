@@ -2,6 +2,8 @@ package producer
 
 import (
 	"context"
+	"slices"
+	"sync"
 	"testing"
 	"time"
 
@@ -119,4 +121,79 @@ func (a *afterRead) Read(ctx context.Context) (reconcile.Done, error) {
 		a.hook = nil
 	}
 	return d, err
+}
+
+// recordingDropper records the dbs it is asked to drop.
+type recordingDropper struct {
+	mu      sync.Mutex
+	dropped []string
+}
+
+func (d *recordingDropper) DropDB(_ context.Context, db string) error {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.dropped = append(d.dropped, db)
+	return nil
+}
+
+func (d *recordingDropper) all() []string {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return slices.Clone(d.dropped)
+}
+
+// A db whose deleted event never reached the producer (a cluster node's _db_updates drops events
+// while it is down) but that still has completion records is found by the sweep: CouchDB says it
+// is gone, so its records and cached checkpoints are dropped, and a mirror rule's job deletes its
+// keys. A db that exists but matches no rule any more is left alone. A deleted event of a db of
+// a mirror rule enqueues that job too; of a db of another on_change rule, none.
+func TestSweepForgetsVanishedDBs(t *testing.T) {
+	e := spiegeltest.New(t, spiegeltest.Options{Name: "pv", Install: true})
+	ctx := t.Context()
+	gone, unmatched, plain := e.Prefix+"m_gone", e.Prefix+"unmatched", e.Prefix+"p_gone"
+	e.Couch.CreateDB(t, unmatched)
+	set := rules.NewSet()
+	_, err := set.Apply("mirror", []byte(`{"type":"on_change","db_name":"^`+e.Prefix+`m_","mirror":"PV_STATE"}`), false)
+	require.NoError(t, err)
+	_, err = set.Apply("hook", []byte(`{"type":"on_change","db_name":"^`+e.Prefix+`p_","url":"http://127.0.0.1:9/x"}`), false)
+	require.NoError(t, err)
+	kv, err := natsjs.DoneBucket(ctx, e.JS, natsjs.DefaultTopology(""))
+	require.NoError(t, err)
+	records := reconcile.New(e.JS, kv)
+	for _, db := range []string{gone, unmatched, plain} {
+		require.NoError(t, records.Put(ctx, events.GroupOnChange, db, "7-g1AAAA"))
+	}
+	undone, dropped := &recordingDropper{}, &recordingDropper{}
+	p := &producer{
+		cfg:   producerSettings{SpiegelDB: e.SpiegelDB()},
+		couch: couchClient(t, e.Couch.URL), rules: set, log: e.Logger(),
+		done: &doneRecords{records: records, ensure: func(context.Context) error { return nil }},
+	}
+	p.undone = newDeletedDBs(undone, producerMetrics{}, p.log)
+	p.deleted = newDeletedDBs(dropped, producerMetrics{}, p.log)
+	runCtx, stop := context.WithCancel(ctx)
+	var wg sync.WaitGroup
+	for _, d := range []*deletedDBs{p.undone, p.deleted} {
+		wg.Add(1)
+		go func() { defer wg.Done(); d.Run(runCtx) }()
+	}
+	p.pub = publisher.New(natsjs.NewJobs(e.JS, events.NewSubjects("")), 64, nil, p.log)
+	pubDone := make(chan struct{})
+	go func() { defer close(pubDone); p.pub.Run(runCtx, time.Second) }()
+	t.Cleanup(func() { stop(); <-pubDone; wg.Wait() })
+
+	_, err = p.sweepOnce(ctx, nil)
+	require.NoError(t, err)
+	require.NoError(t, p.pub.Flush(ctx))
+	assert.Equal(t, map[string]uint64{work(events.GroupOnChange, gone): 1}, e.Pending(t), "the vanished db of the mirror rule gets the job that deletes its keys")
+	require.Eventually(t, func() bool { return len(undone.all()) == 2 && len(dropped.all()) == 2 }, 10*time.Second, 20*time.Millisecond)
+	assert.ElementsMatch(t, []string{gone, plain}, undone.all(), "records of the vanished dbs dropped, not of the db that is there")
+	assert.ElementsMatch(t, []string{gone, plain}, dropped.all(), "cached checkpoints of the vanished dbs dropped")
+
+	// The deleted event itself: a job for the mirror rule's db, none for the other's.
+	e.Purge(t)
+	require.NoError(t, p.handle(ctx, couch.DBEvent{DB: gone, Type: couch.EventDeleted, Seq: "1"}))
+	require.NoError(t, p.handle(ctx, couch.DBEvent{DB: plain, Type: couch.EventDeleted, Seq: "2"}))
+	require.NoError(t, p.pub.Flush(ctx))
+	assert.Equal(t, map[string]uint64{work(events.GroupOnChange, gone): 1}, e.Pending(t))
 }

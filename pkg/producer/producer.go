@@ -96,7 +96,7 @@ func (p *producer) handle(ctx context.Context, ev couch.DBEvent) error {
 		if p.rules.Groups(ev.DB) != 0 {
 			p.undone.Add(ev.DB)
 		}
-		return p.pub.Enqueue(ctx, ev.Seq, true, ev.DB, events.TypeDeleted, nil)
+		return p.pub.Enqueue(ctx, ev.Seq, true, ev.DB, events.TypeDeleted, p.mirrorGroups(ev.DB))
 	}
 	groups := p.rules.Groups(ev.DB).Groups()
 	if len(groups) == 0 {
@@ -437,6 +437,19 @@ func (p *producer) enqueueMatching(ctx context.Context, r rules.Rule) error {
 	}
 	if n > 0 {
 		log.WithField("dbs", n).Info("enqueued existing dbs for new rule")
+	}
+	return nil
+}
+
+// mirrorGroups returns the on_change group when an on_change rule that keeps a doc-state mirror
+// matches db, else nothing: a deleted db's job is needed only to delete its mirror's keys (the
+// job finds the db missing and deletes them; a db recreated meanwhile rebuilds its mirror from
+// its beginning instead). Without it a db deleted for good kept its docs in the mirror.
+func (p *producer) mirrorGroups(db string) []events.Group {
+	for _, r := range p.rules.OnChanges(db) {
+		if r.Mirror != "" {
+			return []events.Group{events.GroupOnChange}
+		}
 	}
 	return nil
 }
