@@ -9,6 +9,7 @@ import (
 	"slices"
 	"strings"
 
+	"gonum.org/v1/plot"
 	"gonum.org/v1/plot/plotter"
 )
 
@@ -149,6 +150,11 @@ func renderScale(rep scaleReport, dir string) (string, error) {
 	}
 	for _, f := range figs {
 		c := newChart(f.title, "dbs", f.y).logX()
+		var ticks []plot.Tick
+		for _, p := range rep.Points {
+			ticks = append(ticks, plot.Tick{Value: float64(p.DBs), Label: fmt.Sprintf("%d", p.DBs)})
+		}
+		c.p.X.Tick.Marker = plot.ConstantTicks(ticks)
 		f.draw(c)
 		png, err := c.save(dir, f.name)
 		if err != nil {
@@ -157,9 +163,21 @@ func renderScale(rep scaleReport, dir string) (string, error) {
 		fmt.Fprintf(&b, "![%s](%s)\n\n", f.title, png)
 	}
 
-	b.WriteString("| dbs | events/s | jobs/s | heap B/db published / settled / deleted | NATS RSS MiB start / settled / deleted | goroutines start / settled / stopped | API requests per job | other msgs per job | sweep | delete every db | left in NATS after the deletes |\n")
-	b.WriteString("|---:|---:|---:|---|---|---|---|---|---|---|---|\n")
-	for _, p := range rep.Points {
+	b.WriteString("Heap B/db is the heap above the start divided by N, fixed costs (connection buffers, the workers) included; " +
+		"Δ B/db is the heap added per db from the N before, the cost of one more db.\n\n")
+	b.WriteString("| dbs | events/s | jobs/s | heap B/db published / settled / deleted | Δ B/db published / settled / deleted | NATS RSS MiB start / settled / deleted | goroutines start / settled / stopped | API requests per job | other msgs per job | sweep | delete every db | left in NATS after the deletes |\n")
+	b.WriteString("|---:|---:|---:|---|---|---|---|---|---|---|---|---|\n")
+	for i, p := range rep.Points {
+		delta := "–"
+		if i > 0 {
+			q := rep.Points[i-1]
+			var ds []string
+			for _, ph := range scaleHeapPhases {
+				d := (p.HeapPerDB[ph]*float64(p.DBs) - q.HeapPerDB[ph]*float64(q.DBs)) / float64(p.DBs-q.DBs)
+				ds = append(ds, fmt.Sprintf("%.0f", d))
+			}
+			delta = strings.Join(ds, " / ")
+		}
 		rss := "–"
 		if len(p.NATSRSSMiB) > 0 {
 			rss = fmt.Sprintf("%.0f / %.0f / %.0f", p.NATSRSSMiB["start"], p.NATSRSSMiB["settled"], p.NATSRSSMiB["deleted"])
@@ -168,8 +186,8 @@ func renderScale(rep scaleReport, dir string) (string, error) {
 		for _, l := range p.Delete.Left {
 			left += l.Msgs
 		}
-		fmt.Fprintf(&b, "| %d | %.0f | %.0f | %.0f / %.0f / %.0f | %s | %d / %d / %d | %.2f (%s) | %s | %.2f s, API %s, CouchDB %s | %.1f s, API %s | %d msgs |\n",
-			p.DBs, p.EventsPerSec, p.JobsPerSec, p.HeapPerDB["published"], p.HeapPerDB["settled"], p.HeapPerDB["deleted"], rss,
+		fmt.Fprintf(&b, "| %d | %.0f | %.0f | %.0f / %.0f / %.0f | %s | %s | %d / %d / %d | %.2f (%s) | %s | %.2f s, API %s, CouchDB %s | %.1f s, API %s | %d msgs |\n",
+			p.DBs, p.EventsPerSec, p.JobsPerSec, p.HeapPerDB["published"], p.HeapPerDB["settled"], p.HeapPerDB["deleted"], delta, rss,
 			p.Goroutines["start"], p.Goroutines["settled"], p.Goroutines["stopped"],
 			p.APIPerJobTotal, floats(p.APIPerJob), floats(p.MsgsPerJob),
 			p.Sweep.Seconds, ints(p.Sweep.API), ints(p.Sweep.Couch), p.Delete.Seconds, ints(p.Delete.API), left)
