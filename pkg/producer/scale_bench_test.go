@@ -50,6 +50,10 @@ const (
 	// scaleConsumersEnv is the number of consumer processes simulated (runners with their own
 	// connections; default 1).
 	scaleConsumersEnv = "SPIEGEL_SCALE_CONSUMERS"
+	// scaleHeapProfileEnv, when set, is the path prefix of a heap profile written at each moment
+	// of the heap figures (<prefix>.published, .settled, .deleted; go tool pprof reads them): what
+	// the heap per db is made of.
+	scaleHeapProfileEnv = "SPIEGEL_SCALE_HEAP_PROFILE"
 )
 
 // The defaults of config.Producer and config.Consumer that the simulation uses.
@@ -253,10 +257,11 @@ func runScale(b *testing.B, n, consumers int) scalePoint {
 	mark := func(phase string) {
 		pt.HeapPerDB[phase] = (float64(heap()) - float64(base)) / float64(n)
 		pt.Goroutines[phase] = goroutines()
-		if d := os.Getenv("SCALE_DEBUG"); d != "" {
-			f, _ := os.Create(d + "." + phase)
-			_ = pprof.Lookup("heap").WriteTo(f, 0)
-			f.Close()
+		if prefix := os.Getenv(scaleHeapProfileEnv); prefix != "" {
+			f, err := os.Create(prefix + "." + phase)
+			require.NoError(b, err, scaleHeapProfileEnv)
+			require.NoError(b, pprof.Lookup("heap").WriteTo(f, 0))
+			require.NoError(b, f.Close())
 		}
 		if rss := natsRSS(); rss > 0 {
 			pt.NATSRSSMiB[phase] = rss
