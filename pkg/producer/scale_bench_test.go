@@ -111,8 +111,23 @@ type scalePoint struct {
 	// JetStream API requests of the producer while it published the N jobs.
 	APIProducer map[string]int `json:"api_producer"`
 
-	Sweep  scaleSweep  `json:"sweep"`
-	Delete scaleDelete `json:"delete"`
+	Sweep   scaleSweep   `json:"sweep"`
+	Changed scaleChanged `json:"changed"`
+	Delete  scaleDelete  `json:"delete"`
+}
+
+// scaleChanged is the phase where a tenth of the dbs change while their job runs: each such db
+// gets a wakeup marker, a second run, and its marker deleted.
+type scaleChanged struct {
+	DBs     int            `json:"dbs"`
+	Seconds float64        `json:"seconds"`
+	Runs    int64          `json:"runs"`
+	API     map[string]int `json:"api"`
+	// APIPerDB is the JetStream API requests per changed db, both runs and the producer's offer
+	// of the change together.
+	APIPerDB    float64 `json:"api_per_db"`
+	MarkersLeft uint64  `json:"markers_left"`
+	JobsLeft    uint64  `json:"jobs_left"`
 }
 
 type scaleSweep struct {
@@ -138,9 +153,10 @@ type streamLeft struct {
 // _db_updates of N distinct dbs (scaleCouch) matched by one pattern rule, into JetStream
 // installed as `producer install` installs it; then consumer job paths (worker.Runner under
 // reconcile.Recorder.Wrap: GET /{db}, a handler that does nothing, the completion record put,
-// the wakeup check) run the N jobs; then one sweep runs; then every db is deleted. Per N it
-// reports events/s, jobs/s, heap per db, goroutines, JetStream API requests per job and of a
-// sweep, and what is left in NATS after the deletes. SPIEGEL_SCALE_DBS sets the list of N;
+// the wakeup check) run the N jobs; then one sweep runs; then a tenth of the dbs change while
+// their job runs (a wakeup marker each, a second run); then every db is deleted. Per N it
+// reports events/s, jobs/s, heap per db, goroutines, JetStream API requests per job, per changed
+// db and of a sweep, and what is left in NATS (markers, jobs, records) afterwards. SPIEGEL_SCALE_DBS sets the list of N;
 // SPIEGEL_SCALE_REPORT a JSON file for scripts/benchreport -scale-in. Run it alone, e.g.
 //
 //	SPIEGEL_SCALE_DBS=1000 go test -run x -bench Scale -benchtime 1x ./pkg/producer
@@ -188,6 +204,8 @@ func BenchmarkScale(b *testing.B) {
 				left += l.Msgs
 			}
 			b.ReportMetric(float64(left), "nats-msgs-left")
+			b.ReportMetric(pt.Changed.APIPerDB, "api/changed-db")
+			b.ReportMetric(float64(pt.Changed.MarkersLeft), "markers-left")
 			rep.Points = slices.DeleteFunc(rep.Points, func(p scalePoint) bool { return p.DBs == n })
 			rep.Points = append(rep.Points, pt)
 		})
@@ -318,6 +336,8 @@ func runScale(b *testing.B, n, consumers int) scalePoint {
 
 	// Phase 2: the consumers run the N jobs.
 	var jobs jobCount
+	var changing atomic.Bool // phase 4: the first run of a db changes it
+	var changedOnce sync.Map // db → its changed run came
 	cs := make([]*scaleConsumer, consumers)
 	for i := range cs {
 		nc, js := connect("spiegel-onchange")
@@ -328,7 +348,16 @@ func runScale(b *testing.B, n, consumers int) scalePoint {
 		rec := reconcile.NewRecorder(ccc, reconcile.New(js, ckv), log)
 		r, err := worker.New(js, topo.Subjects, worker.Config{
 			Group: events.GroupOnChange, Concurrency: scaleConcurrency, AckWait: scaleAckWait, Grace: scaleGrace, Observer: &jobs,
-		}, rec.Wrap(func(context.Context, *worker.Job) error { return nil }), log)
+		}, rec.Wrap(func(ctx context.Context, job *worker.Job) error {
+			if changing.Load() {
+				if _, again := changedOnce.LoadOrStore(job.DB, true); !again {
+					// A change lands while the job runs: the producer publishes the db's job, which
+					// JetStream refuses as a duplicate, and leaves a wakeup marker.
+					return p.pub.EnqueueWait(ctx, job.DB, events.TypeUpdated, []events.Group{events.GroupOnChange})
+				}
+			}
+			return nil
+		}), log)
 		require.NoError(b, err)
 		cs[i] = &scaleConsumer{nc: nc, runner: r, done: make(chan error, 1)}
 	}
@@ -387,7 +416,45 @@ func runScale(b *testing.B, n, consumers int) scalePoint {
 	}
 	pt.Sweep.Enqueued = int(testutil.ToFloat64(pm.SweepEnqueued))
 
-	// Phase 4: every db is deleted; once the producer handled the events, NATS holds nothing of
+	// Phase 4: a tenth of the dbs change while their job runs. Each gets a wakeup marker, a
+	// second run that deletes it, and nothing is left.
+	m := max(1, n/10)
+	pt.Changed.DBs = m
+	counter = natstest.NewAPICounter(b, natsURL)
+	runsBefore := jobs.ok.Load()
+	changing.Store(true)
+	start = time.Now()
+	for i := range m {
+		require.NoError(b, p.pub.EnqueueNoSeq(ctx, scaleDBName(i), events.TypeUpdated, []events.Group{events.GroupOnChange}))
+	}
+	wakeups, err := adminJS.Stream(ctx, topo.Subjects.WakeupStream())
+	require.NoError(b, err)
+	waitUntil(b, "every changed db runs twice and its marker is gone", func() bool {
+		if jobs.ok.Load()-runsBefore < int64(2*m) {
+			return false
+		}
+		for _, c := range cs {
+			if c.runner.InFlight() > 0 {
+				return false
+			}
+		}
+		wi, err := wakeups.Info(ctx)
+		return err == nil && wi.State.Msgs == 0
+	})
+	pt.Changed.Seconds = time.Since(start).Seconds()
+	changing.Store(false)
+	pt.Changed.API = counter.Stop(b)
+	pt.Changed.APIPerDB = float64(sumCounts(pt.Changed.API)) / float64(m)
+	pt.Changed.Runs = jobs.ok.Load() - runsBefore
+	require.Zero(b, jobs.other.Load(), "every job succeeds")
+	wi, err := wakeups.Info(ctx)
+	require.NoError(b, err)
+	pt.Changed.MarkersLeft = wi.State.Msgs
+	info, err = work.Info(ctx)
+	require.NoError(b, err)
+	pt.Changed.JobsLeft = info.State.Msgs
+
+	// Phase 5: every db is deleted; once the producer handled the events, NATS holds nothing of
 	// them.
 	counter = natstest.NewAPICounter(b, natsURL)
 	start = time.Now()
@@ -428,9 +495,9 @@ func runScale(b *testing.B, n, consumers int) scalePoint {
 	}
 	pt.Goroutines["stopped"] = goroutines()
 	pt.LoadAvg[1] = loadAvg()
-	b.Logf("dbs=%d: %.0f events/s, %.0f jobs/s, heap B/db %v, goroutines %v, API/job %v, msgs/job %v, sweep %.2fs %v %v, delete %.2fs %v left %v",
+	b.Logf("dbs=%d: %.0f events/s, %.0f jobs/s, heap B/db %v, goroutines %v, API/job %v, msgs/job %v, sweep %.2fs %v %v, changed %+v, delete %.2fs %v left %v",
 		n, pt.EventsPerSec, pt.JobsPerSec, pt.HeapPerDB, pt.Goroutines, pt.APIPerJob, pt.MsgsPerJob, pt.Sweep.Seconds, pt.Sweep.API, pt.Sweep.Couch,
-		pt.Delete.Seconds, pt.Delete.API, pt.Delete.Left)
+		pt.Changed, pt.Delete.Seconds, pt.Delete.API, pt.Delete.Left)
 	return pt
 }
 

@@ -22,21 +22,22 @@ type scaleReport struct {
 }
 
 type scalePoint struct {
-	DBs            int                `json:"dbs"`
-	Consumers      int                `json:"consumers"`
-	LoadAvg        [2]string          `json:"load_avg"`
-	EventsPerSec   float64            `json:"events_per_s"`
-	JobsPerSec     float64            `json:"jobs_per_s"`
-	HeapBaseMiB    float64            `json:"heap_base_mib"`
-	HeapPerDB      map[string]float64 `json:"heap_bytes_per_db"`
-	NATSRSSMiB     map[string]float64 `json:"nats_rss_mib"`
-	Goroutines     map[string]int     `json:"goroutines"`
-	APIPerJob      map[string]float64 `json:"api_per_job"`
-	APIPerJobTotal float64            `json:"api_per_job_total"`
-	MsgsPerJob     map[string]float64 `json:"msgs_per_job"`
-	Sweep          scaleSweepFigures  `json:"sweep"`
-	Delete         scaleDeleteFigures `json:"delete"`
-	APIProducer    map[string]int     `json:"api_producer"`
+	DBs            int                 `json:"dbs"`
+	Consumers      int                 `json:"consumers"`
+	LoadAvg        [2]string           `json:"load_avg"`
+	EventsPerSec   float64             `json:"events_per_s"`
+	JobsPerSec     float64             `json:"jobs_per_s"`
+	HeapBaseMiB    float64             `json:"heap_base_mib"`
+	HeapPerDB      map[string]float64  `json:"heap_bytes_per_db"`
+	NATSRSSMiB     map[string]float64  `json:"nats_rss_mib"`
+	Goroutines     map[string]int      `json:"goroutines"`
+	APIPerJob      map[string]float64  `json:"api_per_job"`
+	APIPerJobTotal float64             `json:"api_per_job_total"`
+	MsgsPerJob     map[string]float64  `json:"msgs_per_job"`
+	Sweep          scaleSweepFigures   `json:"sweep"`
+	Changed        scaleChangedFigures `json:"changed"`
+	Delete         scaleDeleteFigures  `json:"delete"`
+	APIProducer    map[string]int      `json:"api_producer"`
 }
 
 type scaleSweepFigures struct {
@@ -44,6 +45,17 @@ type scaleSweepFigures struct {
 	API      map[string]int   `json:"api"`
 	Couch    map[string]int64 `json:"couch_requests"`
 	Enqueued int              `json:"enqueued"`
+}
+
+// scaleChangedFigures are those of the dbs changed while their job ran (a wakeup marker each).
+type scaleChangedFigures struct {
+	DBs         int            `json:"dbs"`
+	Seconds     float64        `json:"seconds"`
+	Runs        int64          `json:"runs"`
+	API         map[string]int `json:"api"`
+	APIPerDB    float64        `json:"api_per_db"`
+	MarkersLeft uint64         `json:"markers_left"`
+	JobsLeft    uint64         `json:"jobs_left"`
 }
 
 type scaleDeleteFigures struct {
@@ -132,6 +144,9 @@ func renderScale(rep scaleReport, dir string) (string, error) {
 		}},
 		{"scale-api", "JetStream API requests per job (consumer job path), and other messages per job", "per job", func(c *chart) {
 			c.line("API requests, total", xs(func(p scalePoint) (float64, bool) { return p.APIPerJobTotal, true }), false, true)
+			c.line("API requests per db changed during its job (two runs)", xs(func(p scalePoint) (float64, bool) {
+				return p.Changed.APIPerDB, p.Changed.DBs > 0
+			}), false, true)
 			for _, k := range keysOf(rep.Points, func(p scalePoint) map[string]float64 { return p.APIPerJob }) {
 				c.line(k, xs(func(p scalePoint) (float64, bool) { v, ok := p.APIPerJob[k]; return v, ok }), false, true)
 			}
@@ -165,8 +180,8 @@ func renderScale(rep scaleReport, dir string) (string, error) {
 
 	b.WriteString("Heap B/db is the heap above the start divided by N, fixed costs (connection buffers, the workers) included; " +
 		"Δ B/db is the heap added per db from the N before, the cost of one more db.\n\n")
-	b.WriteString("| dbs | events/s | jobs/s | heap B/db published / settled / deleted | Δ B/db published / settled / deleted | NATS RSS MiB start / settled / deleted | goroutines start / settled / stopped | API requests per job | other msgs per job | sweep | delete every db | left in NATS after the deletes |\n")
-	b.WriteString("|---:|---:|---:|---|---|---|---|---|---|---|---|---|\n")
+	b.WriteString("| dbs | events/s | jobs/s | heap B/db published / settled / deleted | Δ B/db published / settled / deleted | NATS RSS MiB start / settled / deleted | goroutines start / settled / stopped | API requests per job | other msgs per job | changed during its job: dbs, API per db, markers left | sweep | delete every db | left in NATS after the deletes |\n")
+	b.WriteString("|---:|---:|---:|---|---|---|---|---|---|---|---|---|---|\n")
 	for i, p := range rep.Points {
 		delta := "–"
 		if i > 0 {
@@ -186,10 +201,11 @@ func renderScale(rep scaleReport, dir string) (string, error) {
 		for _, l := range p.Delete.Left {
 			left += l.Msgs
 		}
-		fmt.Fprintf(&b, "| %d | %.0f | %.0f | %.0f / %.0f / %.0f | %s | %s | %d / %d / %d | %.2f (%s) | %s | %.2f s, API %s, CouchDB %s | %.1f s, API %s | %d msgs |\n",
+		fmt.Fprintf(&b, "| %d | %.0f | %.0f | %.0f / %.0f / %.0f | %s | %s | %d / %d / %d | %.2f (%s) | %s | %d, %.2f (%s), %d | %.2f s, API %s, CouchDB %s | %.1f s, API %s | %d msgs |\n",
 			p.DBs, p.EventsPerSec, p.JobsPerSec, p.HeapPerDB["published"], p.HeapPerDB["settled"], p.HeapPerDB["deleted"], delta, rss,
 			p.Goroutines["start"], p.Goroutines["settled"], p.Goroutines["stopped"],
 			p.APIPerJobTotal, floats(p.APIPerJob), floats(p.MsgsPerJob),
+			p.Changed.DBs, p.Changed.APIPerDB, ints(p.Changed.API), p.Changed.MarkersLeft,
 			p.Sweep.Seconds, ints(p.Sweep.API), ints(p.Sweep.Couch), p.Delete.Seconds, ints(p.Delete.API), left)
 	}
 	return b.String(), nil

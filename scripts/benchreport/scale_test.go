@@ -21,6 +21,7 @@ func fakeScalePoint(n int, fixed, perDB float64) scalePoint {
 		Goroutines: map[string]int{"start": 8, "published": 23, "settled": 56, "deleted": 62, "stopped": 4},
 		APIPerJob:  map[string]float64{"STREAM.MSG.GET": 1, "CONSUMER.MSG.NEXT": 0.28}, APIPerJobTotal: 1.28,
 		MsgsPerJob: map[string]float64{"ACK +ACK": 1},
+		Changed:    scaleChangedFigures{DBs: n / 10, APIPerDB: 4.25, API: map[string]int{"STREAM.MSG.DELETE": n / 10}},
 		Sweep:      scaleSweepFigures{Seconds: 1, API: map[string]int{"STREAM.INFO": 1}, Couch: map[string]int64{"_dbs_info": int64(n / 100)}},
 		Delete:     scaleDeleteFigures{Seconds: 2, API: map[string]int{"STREAM.PURGE": 2 * n}, Left: map[string]scaleLeft{"KV_SPIEGEL_DONE": {Msgs: 3}}},
 	}
@@ -60,6 +61,7 @@ func TestScaleReport(t *testing.T) {
 	assert.True(t, strings.HasPrefix(rows[2], "| 100000 |"))
 	assert.Contains(t, rows[1], "| 100 / 100 / 100 |", "the heap added per db from 10,000 to 30,000 dbs")
 	assert.Contains(t, rows[2], "| 3 msgs |", "what NATS kept after the deletes")
+	assert.Contains(t, rows[2], "| 10000, 4.25 (STREAM.MSG.DELETE 10000), 0 |", "the dbs changed during their job")
 	assert.Contains(t, string(md), "10000: 1.00 → 2.00", "the load average of each N")
 }
 
