@@ -79,9 +79,9 @@ type scaleReport struct {
 	Points  []scalePoint `json:"points"`
 }
 
-// scalePoint holds the figures of one db count. Heap figures are runtime.MemStats.HeapInuse
-// after a GC, minus the baseline taken once the servers ran and the streams were installed,
-// divided by the db count.
+// scalePoint holds the figures of one db count. Heap figures are runtime.MemStats.HeapInuse (the
+// heap's spans in use) and HeapAlloc (its live objects) after a GC, minus the baseline taken once
+// the servers ran and the streams were installed, divided by the db count.
 type scalePoint struct {
 	DBs       int       `json:"dbs"`
 	Consumers int       `json:"consumers"`
@@ -95,6 +95,8 @@ type scalePoint struct {
 	// pending in the work stream), settled (every job run, records written), after every db was
 	// deleted.
 	HeapPerDB map[string]float64 `json:"heap_bytes_per_db"`
+	// Live heap bytes per db at the same moments.
+	LivePerDB map[string]float64 `json:"live_bytes_per_db"`
 	// NATS server RSS in MiB at the start and at the same moments (a server process only).
 	NATSRSSMiB map[string]float64 `json:"nats_rss_mib,omitempty"`
 	// Goroutines of the process (the fake CouchDB's server side aside) at the start (servers
@@ -194,6 +196,8 @@ func BenchmarkScale(b *testing.B) {
 			b.ReportMetric(pt.HeapPerDB["published"], "heap-B/db-published")
 			b.ReportMetric(pt.HeapPerDB["settled"], "heap-B/db-settled")
 			b.ReportMetric(pt.HeapPerDB["deleted"], "heap-B/db-deleted")
+			b.ReportMetric(pt.LivePerDB["settled"], "live-B/db-settled")
+			b.ReportMetric(pt.LivePerDB["deleted"], "live-B/db-deleted")
 			b.ReportMetric(float64(pt.Goroutines["settled"]-pt.Goroutines["start"]), "goroutines-added")
 			b.ReportMetric(float64(pt.Goroutines["stopped"]-pt.Goroutines["start"]), "goroutines-left")
 			b.ReportMetric(pt.APIPerJobTotal, "api/job")
@@ -237,7 +241,7 @@ func (c *jobCount) JobDone(_ events.Group, result string, _ time.Duration) {
 }
 
 func runScale(b *testing.B, n, consumers int) scalePoint {
-	pt := scalePoint{DBs: n, Consumers: consumers, HeapPerDB: map[string]float64{}, Goroutines: map[string]int{}, NATSRSSMiB: map[string]float64{}}
+	pt := scalePoint{DBs: n, Consumers: consumers, HeapPerDB: map[string]float64{}, LivePerDB: map[string]float64{}, Goroutines: map[string]int{}, NATSRSSMiB: map[string]float64{}}
 	pt.LoadAvg[0] = loadAvg()
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
@@ -257,15 +261,15 @@ func runScale(b *testing.B, n, consumers int) scalePoint {
 	adminNC, adminJS := connect("admin")
 	require.NoError(b, natsjs.Ensure(ctx, adminJS, topo), "install the streams")
 
-	heap := func() uint64 {
+	heap := func() (inUse, live float64) {
 		runtime.GC()
 		runtime.GC()
 		var ms runtime.MemStats
 		runtime.ReadMemStats(&ms)
-		return ms.HeapInuse
+		return float64(ms.HeapInuse), float64(ms.HeapAlloc)
 	}
-	base := heap()
-	pt.HeapBaseMiB = float64(base) / (1 << 20)
+	base, baseLive := heap()
+	pt.HeapBaseMiB = base / (1 << 20)
 	// The fake CouchDB's side of its connections runs in this process: not counted.
 	goroutines := func() int { return runtime.NumGoroutine() - int(fake.conns.Load()) }
 	pt.Goroutines["start"] = goroutines()
@@ -273,7 +277,9 @@ func runScale(b *testing.B, n, consumers int) scalePoint {
 		pt.NATSRSSMiB["start"] = rss
 	}
 	mark := func(phase string) {
-		pt.HeapPerDB[phase] = (float64(heap()) - float64(base)) / float64(n)
+		inUse, live := heap()
+		pt.HeapPerDB[phase] = (inUse - base) / float64(n)
+		pt.LivePerDB[phase] = (live - baseLive) / float64(n)
 		pt.Goroutines[phase] = goroutines()
 		if prefix := os.Getenv(scaleHeapProfileEnv); prefix != "" {
 			f, err := os.Create(prefix + "." + phase)

@@ -29,6 +29,7 @@ type scalePoint struct {
 	JobsPerSec     float64             `json:"jobs_per_s"`
 	HeapBaseMiB    float64             `json:"heap_base_mib"`
 	HeapPerDB      map[string]float64  `json:"heap_bytes_per_db"`
+	LivePerDB      map[string]float64  `json:"live_bytes_per_db"`
 	NATSRSSMiB     map[string]float64  `json:"nats_rss_mib"`
 	Goroutines     map[string]int      `json:"goroutines"`
 	APIPerJob      map[string]float64  `json:"api_per_job"`
@@ -127,14 +128,19 @@ func renderScale(rep scaleReport, dir string) (string, error) {
 		return xys
 	}
 	figs := []fig{
-		{"scale-memory", "Memory per db: Go heap in use after a GC (NATS server RSS dashed), minus the start", "bytes per db", func(c *chart) {
+		{"scale-memory", "Memory per db: Go heap in use after a GC (live objects dashed), minus the start", "bytes per db", func(c *chart) {
 			for _, ph := range scaleHeapPhases {
 				c.line(ph, xs(func(p scalePoint) (float64, bool) { v, ok := p.HeapPerDB[ph]; return v, ok }), false, true)
-				c.line("NATS server RSS, "+ph, xs(func(p scalePoint) (float64, bool) {
+				c.line(ph+", live", xs(func(p scalePoint) (float64, bool) { v, ok := p.LivePerDB[ph]; return v, ok }), true, true)
+			}
+		}},
+		{"scale-nats-memory", "NATS server RSS per db, minus the start (a server process only)", "bytes per db", func(c *chart) {
+			for _, ph := range scaleHeapPhases {
+				c.line(ph, xs(func(p scalePoint) (float64, bool) {
 					v, ok := p.NATSRSSMiB[ph]
 					v0, ok0 := p.NATSRSSMiB["start"]
 					return (v - v0) * (1 << 20) / float64(p.DBs), ok && ok0
-				}), true, true)
+				}), false, true)
 			}
 		}},
 		{"scale-goroutines", "Goroutines of the process", "goroutines", func(c *chart) {
@@ -178,10 +184,10 @@ func renderScale(rep scaleReport, dir string) (string, error) {
 		fmt.Fprintf(&b, "![%s](%s)\n\n", f.title, png)
 	}
 
-	b.WriteString("Heap B/db is the heap above the start divided by N, fixed costs (connection buffers, the workers) included; " +
+	b.WriteString("Heap B/db is the heap in use (live: its live objects) above the start divided by N, fixed costs (connection buffers, the workers) included; " +
 		"Δ B/db is the heap added per db from the N before, the cost of one more db.\n\n")
-	b.WriteString("| dbs | events/s | jobs/s | heap B/db published / settled / deleted | Δ B/db published / settled / deleted | NATS RSS MiB start / settled / deleted | goroutines start / settled / stopped | API requests per job | other msgs per job | changed during its job: dbs, API per db, markers left | sweep | delete every db | left in NATS after the deletes |\n")
-	b.WriteString("|---:|---:|---:|---|---|---|---|---|---|---|---|---|---|\n")
+	b.WriteString("| dbs | events/s | jobs/s | heap B/db published / settled / deleted | live B/db published / settled / deleted | Δ heap B/db published / settled / deleted | NATS RSS MiB start / settled / deleted | goroutines start / settled / stopped | API requests per job | other msgs per job | changed during its job: dbs, API per db, markers left | sweep | delete every db | left in NATS after the deletes |\n")
+	b.WriteString("|---:|---:|---:|---|---|---|---|---|---|---|---|---|---|---|\n")
 	for i, p := range rep.Points {
 		delta := "–"
 		if i > 0 {
@@ -201,8 +207,9 @@ func renderScale(rep scaleReport, dir string) (string, error) {
 		for _, l := range p.Delete.Left {
 			left += l.Msgs
 		}
-		fmt.Fprintf(&b, "| %d | %.0f | %.0f | %.0f / %.0f / %.0f | %s | %s | %d / %d / %d | %.2f (%s) | %s | %d, %.2f (%s), %d | %.2f s, API %s, CouchDB %s | %.1f s, API %s | %d msgs |\n",
-			p.DBs, p.EventsPerSec, p.JobsPerSec, p.HeapPerDB["published"], p.HeapPerDB["settled"], p.HeapPerDB["deleted"], delta, rss,
+		fmt.Fprintf(&b, "| %d | %.0f | %.0f | %.0f / %.0f / %.0f | %.0f / %.0f / %.0f | %s | %s | %d / %d / %d | %.2f (%s) | %s | %d, %.2f (%s), %d | %.2f s, API %s, CouchDB %s | %.1f s, API %s | %d msgs |\n",
+			p.DBs, p.EventsPerSec, p.JobsPerSec, p.HeapPerDB["published"], p.HeapPerDB["settled"], p.HeapPerDB["deleted"],
+			p.LivePerDB["published"], p.LivePerDB["settled"], p.LivePerDB["deleted"], delta, rss,
 			p.Goroutines["start"], p.Goroutines["settled"], p.Goroutines["stopped"],
 			p.APIPerJobTotal, floats(p.APIPerJob), floats(p.MsgsPerJob),
 			p.Changed.DBs, p.Changed.APIPerDB, ints(p.Changed.API), p.Changed.MarkersLeft,

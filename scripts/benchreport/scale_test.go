@@ -17,6 +17,7 @@ func fakeScalePoint(n int, fixed, perDB float64) scalePoint {
 	return scalePoint{
 		DBs: n, Consumers: 1, LoadAvg: [2]string{"1.00", "2.00"}, EventsPerSec: 20000, JobsPerSec: 2000,
 		HeapPerDB:  map[string]float64{"published": heap, "settled": heap, "deleted": heap},
+		LivePerDB:  map[string]float64{"published": heap, "settled": heap, "deleted": heap},
 		NATSRSSMiB: map[string]float64{"start": 18, "published": 30, "settled": 40, "deleted": 35},
 		Goroutines: map[string]int{"start": 8, "published": 23, "settled": 56, "deleted": 62, "stopped": 4},
 		APIPerJob:  map[string]float64{"STREAM.MSG.GET": 1, "CONSUMER.MSG.NEXT": 0.28}, APIPerJobTotal: 1.28,
@@ -41,7 +42,7 @@ func TestScaleReport(t *testing.T) {
 	require.NoError(t, os.WriteFile(in, data, 0o644))
 	require.NoError(t, runScale(in, dir))
 
-	for _, name := range []string{"scale-memory", "scale-goroutines", "scale-api", "scale-throughput", "scale-sweep"} {
+	for _, name := range []string{"scale-memory", "scale-nats-memory", "scale-goroutines", "scale-api", "scale-throughput", "scale-sweep"} {
 		for _, ext := range []string{".png", ".svg"} {
 			fi, err := os.Stat(filepath.Join(dir, name+ext))
 			require.NoError(t, err)
@@ -59,7 +60,7 @@ func TestScaleReport(t *testing.T) {
 	require.Len(t, rows, 3)
 	assert.True(t, strings.HasPrefix(rows[0], "| 10000 |"), "sorted by N: %s", rows[0])
 	assert.True(t, strings.HasPrefix(rows[2], "| 100000 |"))
-	assert.Contains(t, rows[1], "| 100 / 100 / 100 |", "the heap added per db from 10,000 to 30,000 dbs")
+	assert.Contains(t, rows[1], "| 133 / 133 / 133 | 100 / 100 / 100 |", "the heap added per db from 10,000 to 30,000 dbs")
 	assert.Contains(t, rows[2], "| 3 msgs |", "what NATS kept after the deletes")
 	assert.Contains(t, rows[2], "| 10000, 4.25 (STREAM.MSG.DELETE 10000), 0 |", "the dbs changed during their job")
 	assert.Contains(t, string(md), "10000: 1.00 → 2.00", "the load average of each N")
