@@ -4,7 +4,7 @@ VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
 LDFLAGS := -s -w -X github.com/spiegel-nats/spiegel/pkg/config.Version=$(VERSION)
 BIN := bin
 
-.PHONY: all build run test bench bench-e2e fuzz vet clean chaos
+.PHONY: all build run test bench bench-e2e bench-scale fuzz vet clean chaos
 
 all: build
 
@@ -24,6 +24,11 @@ bench:
 
 bench-e2e:
 	@scripts/bench-e2e.sh
+
+# The scale simulation (BenchmarkScale, no CouchDB) at SCALE_DBS (default 10000,30000,100000):
+# bench-scale/scale.md with its charts.
+bench-scale:
+	@scripts/bench-scale.sh
 
 # The long chaos run (scripts/chaos): SEED (default: drawn and printed) and DURATION of writes
 # and faults. It runs against its own PouchDB Server on disk, or the CouchDB at COUCHDB_URL or
@@ -48,4 +53,4 @@ vet:
 	cd scripts/benchreport && go vet ./...
 
 clean:
-	rm -rf $(BIN) .run .chaos
+	rm -rf $(BIN) .run .chaos bench-scale

@@ -17,6 +17,8 @@ raw="$work/bench.txt"
 log "building binaries (the workload benchmark runs them)"
 make --no-print-directory build >/dev/null
 log "running benchmarks (BENCHTIME=${BENCHTIME:-1x})"
+# The scale simulation at one small N here; `make bench-scale` runs it at 10k, 30k and 100k dbs.
+export SPIEGEL_SCALE_DBS=${SPIEGEL_SCALE_DBS:-1000}
 BENCH_REPORT_DIR="$work" go test -run '^$' -bench "${BENCH:-.}" -benchtime "${BENCHTIME:-1x}" -timeout 60m ./... | tee "$raw"
 {
   echo "# Benchmark report"

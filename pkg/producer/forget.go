@@ -18,7 +18,8 @@ type dbDropper interface {
 // deletedDBs drops the cached on_change checkpoints of deleted dbs off the feed's path: the feed
 // hands it a db (Add never blocks, nor waits for NATS) and one goroutine (Run) drops each with
 // one request, retrying while NATS fails. Best effort: a consumer that finds a cached checkpoint
-// of a db gone reads CouchDB (checkpoint.OnChangeStore). Its memory is the dbs not dropped yet.
+// of a db gone reads CouchDB (checkpoint.OnChangeStore). Its memory is the dbs not dropped yet,
+// given back once none is left.
 type deletedDBs struct {
 	drop    dbDropper
 	log     logrus.FieldLogger
@@ -90,6 +91,11 @@ func (d *deletedDBs) dropAll(ctx context.Context) bool {
 		d.mu.Lock()
 		if err == nil {
 			delete(d.pending, db)
+			if len(d.pending) == 0 {
+				// A map keeps the room of its biggest size: a fresh one gives back what a burst
+				// of deletes took.
+				d.pending = map[string]int{}
+			}
 		} else {
 			d.pending[db]++
 			attempt = max(attempt, d.pending[db])

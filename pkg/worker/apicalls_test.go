@@ -3,75 +3,16 @@ package worker
 import (
 	"context"
 	"fmt"
-	"strings"
 	"sync"
 	"testing"
 	"time"
 
-	"github.com/nats-io/nats.go"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
 	"github.com/spiegel-nats/spiegel/pkg/events"
+	"github.com/spiegel-nats/spiegel/pkg/natstest"
 )
-
-// apiCounter counts the JetStream API requests of the account by kind ("STREAM.PURGE",
-// "STREAM.MSG.GET", "DIRECT.GET", "CONSUMER.MSG.NEXT", ...), as the server sees them: it
-// subscribes to $JS.API.> on its own connection.
-type apiCounter struct {
-	nc  *nats.Conn
-	sub *nats.Subscription
-
-	mu     sync.Mutex
-	counts map[string]int
-}
-
-// apiKinds are the request kinds whose subject ends with one name (a stream) or two (stream and
-// consumer), longest first.
-var apiKinds = []string{
-	"CONSUMER.MSG.NEXT", "STREAM.MSG.GET", "STREAM.MSG.DELETE", "DIRECT.GET",
-	"STREAM.INFO", "STREAM.PURGE", "STREAM.NAMES", "STREAM.LIST", "STREAM.CREATE", "STREAM.UPDATE",
-	"CONSUMER.INFO", "CONSUMER.CREATE", "CONSUMER.DURABLE.CREATE", "CONSUMER.DELETE", "INFO",
-}
-
-func apiKind(subject string) string {
-	rest := strings.TrimPrefix(subject, "$JS.API.")
-	for _, k := range apiKinds {
-		if rest == k || strings.HasPrefix(rest, k+".") {
-			return k
-		}
-	}
-	return rest
-}
-
-func newAPICounter(t testing.TB, e *env) *apiCounter {
-	t.Helper()
-	nc, _ := e.srv.Connect(t)
-	c := &apiCounter{nc: nc, counts: map[string]int{}}
-	sub, err := nc.Subscribe("$JS.API.>", func(m *nats.Msg) {
-		c.mu.Lock()
-		c.counts[apiKind(m.Subject)]++
-		c.mu.Unlock()
-	})
-	require.NoError(t, err)
-	require.NoError(t, nc.Flush())
-	c.sub = sub
-	return c
-}
-
-// stop ends the count once every request sent so far reached the counter, and returns it.
-func (c *apiCounter) stop(t testing.TB) map[string]int {
-	t.Helper()
-	require.NoError(t, c.nc.Flush())
-	require.NoError(t, c.sub.Unsubscribe())
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	out := make(map[string]int, len(c.counts))
-	for k, v := range c.counts {
-		out[k] = v
-	}
-	return out
-}
 
 // jobPathCalls runs n jobs of distinct dbs through one runner and returns the JetStream API
 // requests counted while they ran, by kind. With changeDuringRun, a change is offered for each
@@ -99,7 +40,7 @@ func jobPathCalls(t testing.TB, n int, changeDuringRun bool) map[string]int {
 		}
 		return nil
 	})
-	counter := newAPICounter(t, e)
+	counter := natstest.NewAPICounter(t, e.srv.URL())
 	start(t, r)
 	if b, ok := t.(*testing.B); ok {
 		b.ResetTimer() // ns/op: the jobs, not the server's start
@@ -118,7 +59,7 @@ func jobPathCalls(t testing.TB, n int, changeDuringRun bool) map[string]int {
 		}
 		time.Sleep(tick)
 	}
-	counts := counter.stop(t)
+	counts := counter.Stop(t)
 	mu.Lock()
 	defer mu.Unlock()
 	require.Empty(t, offerErrs)

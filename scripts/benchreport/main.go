@@ -3,6 +3,7 @@
 // file per setup and number of dbs) and writes report.md with its charts as PNG and SVG.
 //
 //	benchreport -in DIR_OF_RUNS -out REPORT_DIR [-load-start "1.00 0.50 0.20"]
+//	benchreport -scale-in SCALE.json -out REPORT_DIR   (the scale simulation, make bench-scale)
 package main
 
 import (
@@ -17,7 +18,15 @@ func main() {
 	in := flag.String("in", "", "directory of the recorded runs (workload-<setup>-<dbs>.json)")
 	out := flag.String("out", "", "directory to write report.md and the charts into")
 	loadStart := flag.String("load-start", "", "/proc/loadavg when the bench started (first three fields)")
+	scaleIn := flag.String("scale-in", "", "the scale simulation's figures (BenchmarkScale's SPIEGEL_SCALE_REPORT): write scale.md and its charts into -out instead (scale.go)")
 	flag.Parse()
+	if *scaleIn != "" && *out != "" {
+		if err := runScale(*scaleIn, *out); err != nil {
+			fmt.Fprintln(os.Stderr, "benchreport:", err)
+			os.Exit(1)
+		}
+		return
+	}
 	if *in == "" || *out == "" {
 		flag.Usage()
 		os.Exit(2)
