@@ -8,6 +8,7 @@ import (
 	"os"
 	"path/filepath"
 	"runtime"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -37,7 +38,8 @@ import (
 // (BENCH_SERVER_PID), of the bench process (embedded NATS, webhook sink) and of the whole
 // machine (/proc/stat), and the load average. Tunables: BENCH_DBS (100), BENCH_SCALING_PROCS
 // (1,2,4), BENCH_SCALING_GROUPS (replicator,onchange), BENCH_SCALING_CONCURRENCY
-// (SPIEGEL_CONCURRENCY of each process; the product's default when unset), BENCH_SERVER_PID,
+// (SPIEGEL_CONCURRENCY of each process; the product's default when unset), BENCH_SCALING_ROUNDS
+// (1: sweeps over the process counts, every other one in reverse order), BENCH_SERVER_PID,
 // BENCH_BIN_DIR, BENCH_REPORT_DIR (one record per run for the end-to-end report).
 func BenchmarkScaling(b *testing.B) {
 	root := repoRoot(b, "producer", "replicator", "onchange")
@@ -50,21 +52,31 @@ func BenchmarkScaling(b *testing.B) {
 	var results []benchdata.ScalingRun
 	for i := range b.N {
 		results = results[:0]
-		for _, group := range cfg.groups {
-			for _, k := range cfg.procs {
-				r := runScaling(b, root, cs, up, cfg, scalingRun{prefix: prefix, users: users, group: group, procs: k, round: i})
-				b.Logf("%s ×%d: %d jobs drained in %.2f s, %.1f jobs/s (10 %%→90 %%), %.1f docs/s, server CPU %s, processes %v CPU s, machine %.0f %% busy of %d cores, load %s → %s",
-					group, k, r.Jobs, r.DrainS, r.JobsPerSec(), r.DocsPerSec(), serverCores(r), r.ProcCPUS, 100*r.MachineBusy, r.Cores, r.LoadAvgStart, r.LoadAvgEnd)
-				results = append(results, r)
+		for round := range cfg.rounds {
+			for _, group := range cfg.groups {
+				// Every other round goes down from the most processes, so that a machine whose load
+				// drifts during the sweep does not favour one end of it.
+				ks := slices.Clone(cfg.procs)
+				if round%2 == 1 {
+					slices.Reverse(ks)
+				}
+				for _, k := range ks {
+					r := runScaling(b, root, cs, up, cfg, scalingRun{prefix: prefix, users: users, group: group, procs: k, round: round, iteration: i})
+					b.Logf("round %d, %s ×%d: %d jobs drained in %.2f s, %.1f jobs/s (10 %%→90 %%), %.1f docs/s, server CPU %s, processes %v CPU s, machine %.0f %% busy of %d cores, load %s → %s",
+						round, group, k, r.Jobs, r.DrainS, r.JobsPerSec(), r.DocsPerSec(), serverCores(r), r.ProcCPUS, 100*r.MachineBusy, r.Cores, r.LoadAvgStart, r.LoadAvgEnd)
+					results = append(results, r)
+				}
 			}
 		}
 	}
 	for _, r := range results {
-		b.ReportMetric(r.JobsPerSec(), fmt.Sprintf("%s-x%d-jobs/s", r.Group, r.Procs))
+		if r.Round == 0 {
+			b.ReportMetric(r.JobsPerSec(), fmt.Sprintf("%s-x%d-jobs/s", r.Group, r.Procs))
+		}
 	}
 	if dir := os.Getenv("BENCH_REPORT_DIR"); dir != "" {
 		for _, r := range results {
-			if err := benchdata.WriteScalingFile(filepath.Join(dir, benchdata.ScalingFileName(r.Group, r.Procs, r.DBs)), r); err != nil {
+			if err := benchdata.WriteScalingFile(filepath.Join(dir, benchdata.ScalingFileName(r.Group, r.Procs, r.DBs, r.Round)), r); err != nil {
 				b.Fatal(err)
 			}
 		}
@@ -79,11 +91,12 @@ type scalingConfig struct {
 	procs       []int
 	groups      []string // replicator, onchange
 	concurrency int      // 0: the product's default
+	rounds      int      // sweeps over procs
 	serverPID   int
 }
 
 func scalingFromEnv(b *testing.B) scalingConfig {
-	c := scalingConfig{dbs: 100, procs: []int{1, 2, 4}, groups: []string{"replicator", "onchange"}}
+	c := scalingConfig{dbs: 100, procs: []int{1, 2, 4}, groups: []string{"replicator", "onchange"}, rounds: 1}
 	if v := os.Getenv("BENCH_DBS"); v != "" {
 		n, err := strconv.Atoi(v)
 		if err != nil || n < 10 {
@@ -118,6 +131,13 @@ func scalingFromEnv(b *testing.B) scalingConfig {
 		}
 		c.concurrency = n
 	}
+	if v := os.Getenv("BENCH_SCALING_ROUNDS"); v != "" {
+		n, err := strconv.Atoi(v)
+		if err != nil || n < 1 || n > 20 {
+			b.Fatalf("BENCH_SCALING_ROUNDS=%q: want the sweeps over the process counts, from 1 to 20", v)
+		}
+		c.rounds = n
+	}
 	if v := os.Getenv("BENCH_SERVER_PID"); v != "" {
 		pid, err := strconv.Atoi(v)
 		if err != nil || pid <= 0 {
@@ -147,13 +167,14 @@ func loadScalingDBs(b *testing.B, writer *couchtest.Server, prefix string, n, do
 	return users
 }
 
-// scalingRun names one run: a group, a number of processes, and the round (b.N) it belongs to.
+// scalingRun names one run: a group, a number of processes, the sweep (round) and the
+// benchmark's iteration (b.N) it belongs to.
 type scalingRun struct {
-	prefix string
-	users  []string
-	group  string
-	procs  int
-	round  int
+	prefix           string
+	users            []string
+	group            string
+	procs            int
+	round, iteration int
 }
 
 // runScaling builds the backlog of one run with the producer alone, stops it, and measures k
@@ -164,7 +185,7 @@ func runScaling(b *testing.B, root string, cs *couchtest.Server, up *couchtest.U
 	bin := func(name string) string { return filepath.Join(binDir, name) }
 	// Names of this run start with the bench's prefix and a letter other than the users' "u", so
 	// the pattern rule does not match them.
-	runPrefix := fmt.Sprintf("%s%s%d_%d_", sr.prefix, sr.group[:1], sr.procs, sr.round)
+	runPrefix := fmt.Sprintf("%s%s%d_%d_%d_", sr.prefix, sr.group[:1], sr.procs, sr.round, sr.iteration)
 	spiegelDB, target := runPrefix+"spiegel", runPrefix+"target"
 	ns := natstest.Start(b)
 	defer ns.Stop()
@@ -184,7 +205,7 @@ func runScaling(b *testing.B, root string, cs *couchtest.Server, up *couchtest.U
 	sink := newLatencySink(b)
 	defer sink.Close()
 	pattern := "^" + sr.prefix + "u"
-	ruleID := fmt.Sprintf("scaling_%s_%d_%d", sr.group, sr.procs, sr.round) // on_change checkpoints are per rule id
+	ruleID := fmt.Sprintf("scaling_%s_%d_%d_%d", sr.group, sr.procs, sr.round, sr.iteration) // on_change checkpoints are per rule id
 	writer := up.Server()
 	if sr.group == "replicator" {
 		cs.CreateDB(b, target)
@@ -221,7 +242,7 @@ func runScaling(b *testing.B, root string, cs *couchtest.Server, up *couchtest.U
 	}
 	backlog, _ := jobs()
 
-	res := benchdata.ScalingRun{Group: sr.group, Procs: sr.procs, Concurrency: cfg.concurrency, Server: serverName(cs),
+	res := benchdata.ScalingRun{Group: sr.group, Procs: sr.procs, Round: sr.round, Concurrency: cfg.concurrency, Server: serverName(cs),
 		DBs: len(sr.users), DocsPerDB: scalingDocsPerDB, Jobs: backlog, Cores: runtime.NumCPU(), ServerCPUS: -1}
 	res.LoadAvgStart = loadAvg()
 	serverStart, benchStart, machineStart := cpuOf(cfg.serverPID), cpuOf(os.Getpid()), machineCPU()

@@ -15,6 +15,7 @@ import (
 type ScalingRun struct {
 	Group       string `json:"group"` // replicator or onchange
 	Procs       int    `json:"procs"`
+	Round       int    `json:"round"`       // 0, 1, ...: the sweep over the numbers of processes it belongs to
 	Concurrency int    `json:"concurrency"` // SPIEGEL_CONCURRENCY of each process; 0: the product's default
 	Server      string `json:"server"`
 
@@ -97,8 +98,8 @@ func (r ScalingRun) CoresOf(cpuS float64) float64 {
 }
 
 // ScalingFileName is the name under which a scaling run is written.
-func ScalingFileName(group string, procs, dbs int) string {
-	return fmt.Sprintf("scaling-%s-%d-%d.json", group, procs, dbs)
+func ScalingFileName(group string, procs, dbs, round int) string {
+	return fmt.Sprintf("scaling-%s-%d-%d-r%d.json", group, procs, dbs, round)
 }
 
 // WriteScalingFile writes r as JSON to path.

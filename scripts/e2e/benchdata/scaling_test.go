@@ -26,9 +26,9 @@ func TestScalingRates(t *testing.T) {
 
 func TestScalingFile(t *testing.T) {
 	t.Parallel()
-	r := ScalingRun{Group: "onchange", Procs: 2, DBs: 200, Jobs: 200, ProcCPUS: []float64{1, 2}, ServerCPUS: -1}
-	path := filepath.Join(t.TempDir(), ScalingFileName(r.Group, r.Procs, r.DBs))
-	assert.Equal(t, "scaling-onchange-2-200.json", filepath.Base(path))
+	r := ScalingRun{Group: "onchange", Procs: 2, Round: 1, DBs: 200, Jobs: 200, ProcCPUS: []float64{1, 2}, ServerCPUS: -1}
+	path := filepath.Join(t.TempDir(), ScalingFileName(r.Group, r.Procs, r.DBs, r.Round))
+	assert.Equal(t, "scaling-onchange-2-200-r1.json", filepath.Base(path))
 	require.NoError(t, WriteScalingFile(path, r))
 	got, err := ReadScalingFile(path)
 	require.NoError(t, err)

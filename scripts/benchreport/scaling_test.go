@@ -1,0 +1,95 @@
+package main
+
+import (
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/spiegel-nats/spiegel/scripts/e2e/benchdata"
+)
+
+// fakeScaling is a run of group with k processes draining 100 jobs at jobsPerSec, steadily, with
+// the server using serverCores and the machine busy.
+func fakeScaling(group string, k, round int, jobsPerSec, serverCores, busy float64) benchdata.ScalingRun {
+	drain := 100 / jobsPerSec
+	r := benchdata.ScalingRun{Group: group, Procs: k, Round: round, Server: "Apache CouchDB 3.3.3", DBs: 100, DocsPerDB: 10,
+		Jobs: 100, JobsRun: 100, Delivered: 1000, Started: time.Unix(0, 0), LoadAvgStart: "1.00 1.00 1.00", LoadAvgEnd: "2.00 1.00 1.00",
+		Cores: 2, DrainS: drain, ServerCPUS: serverCores * drain, BenchCPUS: 0.1 * drain, MachineBusy: busy}
+	for range k {
+		r.ProcCPUS = append(r.ProcCPUS, 0.2*drain)
+		r.JobsByProc = append(r.JobsByProc, 100/k)
+	}
+	for i := 0; i <= 20; i++ {
+		r.Progress = append(r.Progress, benchdata.Progress{AtS: float64(i) * drain / 20, Done: i * 5})
+	}
+	return r
+}
+
+func TestScalingSection(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	runs := []benchdata.ScalingRun{
+		// replicator, two rounds: k = 1 at 100 and 120 (median: the lower middle, 100), k = 2 at 190,
+		// k = 4 at 240 with CouchDB on 1.8 of 2 cores: 2.4× is below 0.8 × 4.
+		fakeScaling("replicator", 1, 0, 100, 0.8, 0.5), fakeScaling("replicator", 1, 1, 120, 0.9, 0.5),
+		fakeScaling("replicator", 2, 0, 190, 1.4, 0.8), fakeScaling("replicator", 2, 1, 180, 1.4, 0.8),
+		fakeScaling("replicator", 4, 0, 240, 1.8, 0.95), fakeScaling("replicator", 4, 1, 250, 1.8, 0.95),
+		// onchange scales: 2 processes, 1.9×.
+		fakeScaling("onchange", 1, 0, 50, 0.3, 0.3), fakeScaling("onchange", 2, 0, 95, 0.6, 0.5),
+	}
+	for _, r := range runs {
+		require.NoError(t, benchdata.WriteScalingFile(filepath.Join(dir, benchdata.ScalingFileName(r.Group, r.Procs, r.DBs, r.Round)), r))
+	}
+	out := filepath.Join(dir, "out")
+	require.NoError(t, run(dir, out, "0.5 0.4 0.3"), "a report of scaling runs alone")
+	b, err := os.ReadFile(filepath.Join(out, "report.md"))
+	require.NoError(t, err)
+	md := string(b)
+	assert.Contains(t, md, "at the start: 0.5 0.4 0.3")
+	assert.Contains(t, md, "| 1 | 100 (100–120) | 1000 | 1.00× | 1× |")
+	assert.Contains(t, md, "| 2 | 180 (180–190) | 1800 | 1.80× | 2× |")
+	assert.Contains(t, md, "| 4 | 240 (240–250) | 2400 | 2.40× | 4× |")
+	assert.Contains(t, md, "**replicator stops scaling at k = 4**: 2.40× against 4× linear (below 0.8 × k); CouchDB is saturated: it used 1.80 of the machine's 2 cores.")
+	assert.Contains(t, md, "**onchange scales to k = 2**: 1.90× against 2× linear")
+	assert.Contains(t, md, "| 1.40 cores | 0.20 / 0.20 | 0.10 | 80 % | 50, 50 | 1000 of 1000 docs | 1.00 1.00 1.00 → 2.00 1.00 1.00 |")
+	assert.Less(t, strings.Index(md, "### replicator processes"), strings.Index(md, "### onchange processes"))
+	for _, f := range []string{"scaling-replicator-100", "scaling-cpu-replicator-100", "scaling-onchange-100", "scaling-cpu-onchange-100"} {
+		assert.Contains(t, md, "]("+f+".png)")
+		for _, ext := range []string{".png", ".svg"} {
+			st, err := os.Stat(filepath.Join(out, f+ext))
+			if assert.NoError(t, err, f+ext) {
+				assert.Positive(t, st.Size())
+			}
+		}
+	}
+}
+
+func TestSaturationCause(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name  string
+		run   benchdata.ScalingRun
+		short string
+	}{
+		{"CouchDB", fakeScaling("replicator", 2, 0, 100, 1.7, 0.9), "CouchDB saturated, 1.70 of 2 cores"},
+		{"machine", fakeScaling("replicator", 2, 0, 100, 0.9, 0.97), "machine saturated, 97 % busy"},
+		{"unknown server", func() benchdata.ScalingRun {
+			r := fakeScaling("onchange", 2, 0, 100, 0, 0.5)
+			r.ServerCPUS = -1
+			return r
+		}(), "CouchDB's CPU unknown"},
+		{"elsewhere", fakeScaling("onchange", 2, 0, 100, 0.5, 0.5), "neither CouchDB nor the machine at its limit"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			short, why := saturationCause(tc.run)
+			assert.Equal(t, tc.short, short)
+			assert.NotEmpty(t, why)
+		})
+	}
+}
