@@ -129,6 +129,33 @@ func (c scalingCurve) speedup(pt scalingPoint) float64 {
 	return 0
 }
 
+// serverCPUPerJob is the median, over every run of the curve, of the CouchDB server's CPU
+// seconds per job; ok is false when the server's CPU is unknown.
+func (c scalingCurve) serverCPUPerJob() (float64, bool) {
+	var per []float64
+	for _, pt := range c.points {
+		for _, r := range pt.runs {
+			if r.ServerCPUS >= 0 && r.Jobs > 0 {
+				per = append(per, r.ServerCPUS/float64(r.Jobs))
+			}
+		}
+	}
+	if len(per) == 0 {
+		return 0, false
+	}
+	return benchdata.Percentile(per, 0.5), true
+}
+
+// ceiling is the most jobs/s CouchDB could serve with every core of the machine at the curve's
+// CPU per job; ok is false when that is unknown.
+func (c scalingCurve) ceiling() (float64, bool) {
+	per, ok := c.serverCPUPerJob()
+	if !ok || per <= 0 {
+		return 0, false
+	}
+	return float64(c.points[0].rep().Cores) / per, true
+}
+
 // saturation returns the first run whose speedup is below scalingEfficiencyFloor of linear, and
 // why, from the CPU figures; ok is false when every run scales.
 func (c scalingCurve) saturation() (at scalingPoint, short, why string, ok bool) {
@@ -213,6 +240,15 @@ func scalingSection(runs []benchdata.ScalingRun, dir string) (string, error) {
 			fmt.Fprintf(&sb, "**%s scales to k = %d**: %.2f× against %d× linear (at or above %.1f × k at every k); CouchDB used %s, the machine was %s busy.\n\n",
 				c.group, last.procs, c.speedup(last), last.procs, scalingEfficiencyFloor, serverCoresText(last.rep()), busyText(last.rep().MachineBusy))
 		}
+		if per, ok := c.serverCPUPerJob(); ok {
+			ceiling, _ := c.ceiling()
+			fmt.Fprintf(&sb, "CouchDB spent %.1f ms of CPU per job (median of the runs above; its CPU includes any other client's requests in the "+
+				"same seconds), so with all %d cores of this machine it could serve at most %s jobs/s", 1000*per, c.points[0].rep().Cores, num(ceiling))
+			if pp := c.perProc(); pp > 0 {
+				fmt.Fprintf(&sb, ": linear scaling from k = 1 (%s jobs/s a process) would reach that at k ≈ %.1f", num(pp), ceiling/pp)
+			}
+			sb.WriteString(". The chart draws that ceiling.\n\n")
+		}
 		if first := c.points[0].rep(); first.MachineBusy >= scalingBusyFloor {
 			fmt.Fprintf(&sb, "The machine was already %s busy at k = %d: what more processes gain here is bounded by the cores left, not by CouchDB alone.\n\n",
 				busyText(first.MachineBusy), first.Procs)
@@ -285,6 +321,17 @@ func scalingCharts(c scalingCurve, dir string) ([]string, error) {
 		mark.GlyphStyle = draw.GlyphStyle{Color: color.RGBA{R: 200, A: 255}, Radius: vg.Points(8), Shape: draw.CrossGlyph{}}
 		jobs.p.Add(mark)
 		jobs.p.Legend.Add(fmt.Sprintf("stops scaling at k = %d (%s)", at.procs, short), mark)
+	}
+	if ceiling, ok := c.ceiling(); ok {
+		xys := plotter.XYs{{X: 0, Y: ceiling}, {X: float64(c.points[len(c.points)-1].procs) + 0.5, Y: ceiling}}
+		l, err := plotter.NewLine(xys)
+		if err != nil {
+			return nil, fmt.Errorf("ceiling line: %w", err)
+		}
+		l.Color, l.Dashes, l.Width = color.RGBA{R: 200, A: 255}, []vg.Length{vg.Points(2), vg.Points(2)}, vg.Points(1.5)
+		jobs.track(xys)
+		jobs.p.Add(l)
+		jobs.p.Legend.Add(fmt.Sprintf("CouchDB's ceiling: %d cores ÷ its CPU per job", c.points[0].rep().Cores), l)
 	}
 	procTicks(jobs, c.points)
 	f, err := jobs.save(dir, fmt.Sprintf("scaling-%s-%d", c.group, c.dbs))
