@@ -130,13 +130,14 @@ func (c scalingCurve) speedup(pt scalingPoint) float64 {
 }
 
 // serverCPUPerJob is the median, over every run of the curve, of the CouchDB server's CPU
-// seconds per job; ok is false when the server's CPU is unknown.
+// seconds per job, less its CPU at the rate of the seconds before each run; ok is false when
+// the server's CPU is unknown.
 func (c scalingCurve) serverCPUPerJob() (float64, bool) {
 	var per []float64
 	for _, pt := range c.points {
 		for _, r := range pt.runs {
-			if r.ServerCPUS >= 0 && r.Jobs > 0 {
-				per = append(per, r.ServerCPUS/float64(r.Jobs))
+			if v, ok := r.ServerCPUPerJob(); ok {
+				per = append(per, v)
 			}
 		}
 	}
@@ -203,7 +204,7 @@ func scalingSection(runs []benchdata.ScalingRun, dir string) (string, error) {
 		"throughput while the backlog went from 10 %% to 90 %% done (polled every 50 ms from the JetStream consumer), which leaves "+
 		"out the processes' start and the last jobs' tail; the whole drain's rate is beside it. Speedup is jobs/s over k = %d's "+
 		"(per process), linear is k×. CPU is /proc's, over the drain, in cores (1 = one core busy throughout): CouchDB's "+
-		"server process, each consumer process (its start included), the bench process (the embedded NATS server and the webhook "+
+		"server process (and, in brackets, in the 2 s before the run, when no job ran: what other clients cost it), each consumer process (its start included), the bench process (the embedded NATS server and the webhook "+
 		"sink), and the machine's busy share of all its cores, other users' work included. A group stops scaling at the first k "+
 		"whose speedup is below %.1f × k; the report says what was saturated there (CouchDB at %.0f %% of the cores or more, "+
 		"else the machine at %.0f %% busy or more). Concurrency per process: %s.\n\n",
@@ -224,7 +225,7 @@ func scalingSection(runs []benchdata.ScalingRun, dir string) (string, error) {
 			}
 			server := "unknown"
 			if r.ServerCPUS >= 0 {
-				server = fmt.Sprintf("%.2f cores", r.CoresOf(r.ServerCPUS))
+				server = fmt.Sprintf("%.2f cores (%.2f before)", r.CoresOf(r.ServerCPUS), r.ServerBeforeCores)
 			}
 			fmt.Fprintf(&sb, "| %d | %s%s | %s | %.2f× | %d× | %d jobs in %.2f s (%s jobs/s) | %s | %s | %.2f | %s | %s | %d of %d docs | %s → %s |\n",
 				r.Procs, num(r.JobsPerSec()), pt.spread(), num(r.DocsPerSec()), c.speedup(pt), r.Procs, r.Jobs, r.DrainS, num(r.DrainJobsPerSec()),
@@ -242,8 +243,8 @@ func scalingSection(runs []benchdata.ScalingRun, dir string) (string, error) {
 		}
 		if per, ok := c.serverCPUPerJob(); ok {
 			ceiling, _ := c.ceiling()
-			fmt.Fprintf(&sb, "CouchDB spent %.1f ms of CPU per job (median of the runs above; its CPU includes any other client's requests in the "+
-				"same seconds), so with all %d cores of this machine it could serve at most %s jobs/s", 1000*per, c.points[0].rep().Cores, num(ceiling))
+			fmt.Fprintf(&sb, "CouchDB spent %.1f ms of CPU per job (median of the runs above, each less the server's CPU at the rate of the 2 s "+
+				"before it, when no job ran: other clients of a shared server), so with all %d cores of this machine it could serve at most %s jobs/s", 1000*per, c.points[0].rep().Cores, num(ceiling))
 			if pp := c.perProc(); pp > 0 {
 				fmt.Fprintf(&sb, ": linear scaling from k = 1 (%s jobs/s a process) would reach that at k ≈ %.1f", num(pp), ceiling/pp)
 			}

@@ -35,7 +35,8 @@ import (
 //
 // Per run it records the progress of the backlog (polled every 50 ms from the JetStream
 // consumer), the drain time, the CPU time of each process, of the CouchDB server
-// (BENCH_SERVER_PID), of the bench process (embedded NATS, webhook sink) and of the whole
+// (BENCH_SERVER_PID; and its CPU in the 2 s before the run, which other clients of a shared
+// server cost it), of the bench process (embedded NATS, webhook sink) and of the whole
 // machine (/proc/stat), and the load average. Tunables: BENCH_DBS (100), BENCH_SCALING_PROCS
 // (1,2,4), BENCH_SCALING_GROUPS (replicator,onchange), BENCH_SCALING_CONCURRENCY
 // (SPIEGEL_CONCURRENCY of each process; the product's default when unset), BENCH_SCALING_ROUNDS
@@ -245,6 +246,13 @@ func runScaling(b *testing.B, root string, cs *couchtest.Server, up *couchtest.U
 	res := benchdata.ScalingRun{Group: sr.group, Procs: sr.procs, Round: sr.round, Concurrency: cfg.concurrency, Server: serverName(cs),
 		DBs: len(sr.users), DocsPerDB: scalingDocsPerDB, Jobs: backlog, Cores: runtime.NumCPU(), ServerCPUS: -1}
 	res.LoadAvgStart = loadAvg()
+	if before := cpuOf(cfg.serverPID); before >= 0 { // the shared server's load from other clients
+		t0 := time.Now()
+		time.Sleep(2 * time.Second)
+		if after := cpuOf(cfg.serverPID); after >= before {
+			res.ServerBeforeCores = (after - before) / time.Since(t0).Seconds()
+		}
+	}
 	serverStart, benchStart, machineStart := cpuOf(cfg.serverPID), cpuOf(os.Getpid()), machineCPU()
 	extra := []string{}
 	if cfg.concurrency > 0 {

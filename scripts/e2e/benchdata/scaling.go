@@ -39,6 +39,9 @@ type ScalingRun struct {
 
 	// ServerCPUS is the CouchDB server's CPU time over the drain (-1: its process is unknown).
 	ServerCPUS float64 `json:"server_cpu_s"`
+	// ServerBeforeCores is the server's CPU, in cores, in the seconds before the consumers
+	// started (no job ran): what other clients of a shared server cost it meanwhile.
+	ServerBeforeCores float64 `json:"server_before_cores"`
 	// ProcCPUS is each consumer process's CPU time from its start to the drain's end.
 	ProcCPUS []float64 `json:"proc_cpu_s"`
 	// BenchCPUS is the bench process's: the embedded NATS server and the webhook sink.
@@ -87,6 +90,19 @@ func (r ScalingRun) DocsPerSec() float64 {
 		return 0
 	}
 	return r.JobsPerSec() * float64(r.Delivered) / float64(r.Jobs)
+}
+
+// ServerCPUPerJob is the server's CPU seconds per job over the drain, less what it spent at the
+// rate of the seconds before (other clients); ok is false when unknown or not above that.
+func (r ScalingRun) ServerCPUPerJob() (float64, bool) {
+	if r.ServerCPUS < 0 || r.Jobs == 0 {
+		return 0, false
+	}
+	net := r.ServerCPUS - r.ServerBeforeCores*r.DrainS
+	if net <= 0 {
+		return 0, false
+	}
+	return net / float64(r.Jobs), true
 }
 
 // CoresOf returns CPU seconds over the drain as cores in use (1 = one core busy throughout).

@@ -19,6 +19,14 @@ func TestScalingRates(t *testing.T) {
 	assert.InDelta(t, 400, r.DocsPerSec(), 1e-9, "10 docs a job")
 	assert.InDelta(t, 0.5, r.CoresOf(2.5), 1e-9)
 
+	r.ServerCPUS, r.ServerBeforeCores = 3, 0.2 // 3 s over the 5 s drain, 1 s of it at the rate before
+	perJob, ok := r.ServerCPUPerJob()
+	assert.True(t, ok)
+	assert.InDelta(t, 0.02, perJob, 1e-9, "2 s of the server's CPU for 100 jobs")
+	r.ServerBeforeCores = 0.7
+	_, ok = r.ServerCPUPerJob()
+	assert.False(t, ok, "no more than before: unknown")
+
 	coarse := ScalingRun{Jobs: 100, DrainS: 4, Progress: []Progress{{AtS: 1, Done: 20}, {AtS: 2, Done: 95}}}
 	assert.InDelta(t, 25, coarse.JobsPerSec(), 1e-9, "no poll between 10 % and 90 %: the whole drain")
 	assert.Zero(t, ScalingRun{Jobs: 10}.JobsPerSec())
