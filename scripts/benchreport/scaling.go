@@ -130,31 +130,59 @@ func (c scalingCurve) speedup(pt scalingPoint) float64 {
 }
 
 // serverCPUPerJob is the median, over every run of the curve, of the CouchDB server's CPU
-// seconds per job, less its CPU at the rate of the seconds before each run; ok is false when
-// the server's CPU is unknown.
-func (c scalingCurve) serverCPUPerJob() (float64, bool) {
-	var per []float64
+// seconds per job: gross is all of its CPU over the drains, net less its CPU at the rate of the
+// seconds before each run (other clients of a shared server); ok is false when the server's CPU
+// is unknown.
+func (c scalingCurve) serverCPUPerJob() (gross, net float64, ok bool) {
+	var grosses, nets []float64
 	for _, pt := range c.points {
 		for _, r := range pt.runs {
+			if r.ServerCPUS >= 0 && r.Jobs > 0 {
+				grosses = append(grosses, r.ServerCPUS/float64(r.Jobs))
+			}
 			if v, ok := r.ServerCPUPerJob(); ok {
-				per = append(per, v)
+				nets = append(nets, v)
 			}
 		}
 	}
-	if len(per) == 0 {
-		return 0, false
+	if len(grosses) == 0 {
+		return 0, 0, false
 	}
-	return benchdata.Percentile(per, 0.5), true
+	gross = benchdata.Percentile(grosses, 0.5)
+	net = gross
+	if len(nets) > 0 {
+		net = min(gross, benchdata.Percentile(nets, 0.5))
+	}
+	return gross, net, gross > 0
 }
 
-// ceiling is the most jobs/s CouchDB could serve with every core of the machine at the curve's
-// CPU per job; ok is false when that is unknown.
-func (c scalingCurve) ceiling() (float64, bool) {
-	per, ok := c.serverCPUPerJob()
-	if !ok || per <= 0 {
-		return 0, false
+// consumerCPUPerJob is the median, over every run of the curve, of the consumer processes' CPU
+// seconds per job, all processes together.
+func (c scalingCurve) consumerCPUPerJob() float64 {
+	var per []float64
+	for _, pt := range c.points {
+		for _, r := range pt.runs {
+			sum := 0.0
+			for _, s := range r.ProcCPUS {
+				sum += max(0, s)
+			}
+			if r.Jobs > 0 {
+				per = append(per, sum/float64(r.Jobs))
+			}
+		}
 	}
-	return float64(c.points[0].rep().Cores) / per, true
+	return benchdata.Percentile(per, 0.5)
+}
+
+// ceilings are the most jobs/s CouchDB could serve with every core of the machine at the
+// curve's gross and net CPU per job (low ≤ high); ok is false when that is unknown.
+func (c scalingCurve) ceilings() (low, high float64, ok bool) {
+	gross, net, ok := c.serverCPUPerJob()
+	if !ok {
+		return 0, 0, false
+	}
+	cores := float64(c.points[0].rep().Cores)
+	return cores / gross, cores / net, true
 }
 
 // saturation returns the first run whose speedup is below scalingEfficiencyFloor of linear, and
@@ -241,12 +269,14 @@ func scalingSection(runs []benchdata.ScalingRun, dir string) (string, error) {
 			fmt.Fprintf(&sb, "**%s scales to k = %d**: %.2f× against %d× linear (at or above %.1f × k at every k); CouchDB used %s, the machine was %s busy.\n\n",
 				c.group, last.procs, c.speedup(last), last.procs, scalingEfficiencyFloor, serverCoresText(last.rep()), busyText(last.rep().MachineBusy))
 		}
-		if per, ok := c.serverCPUPerJob(); ok {
-			ceiling, _ := c.ceiling()
-			fmt.Fprintf(&sb, "CouchDB spent %.1f ms of CPU per job (median of the runs above, each less the server's CPU at the rate of the 2 s "+
-				"before it, when no job ran: other clients of a shared server), so with all %d cores of this machine it could serve at most %s jobs/s", 1000*per, c.points[0].rep().Cores, num(ceiling))
+		if gross, net, ok := c.serverCPUPerJob(); ok {
+			low, high, _ := c.ceilings()
+			fmt.Fprintf(&sb, "CouchDB spent %.1f ms of CPU per job, %.1f ms less what it spent at the rate of the 2 s before each run, "+
+				"when no job ran (other clients of a shared server; medians of the runs above); the consumer processes %.1f ms together. "+
+				"So with all %d cores of this machine CouchDB could serve %s–%s jobs/s of this group", 1000*gross, 1000*net,
+				1000*c.consumerCPUPerJob(), c.points[0].rep().Cores, num(low), num(high))
 			if pp := c.perProc(); pp > 0 {
-				fmt.Fprintf(&sb, ": linear scaling from k = 1 (%s jobs/s a process) would reach that at k ≈ %.1f", num(pp), ceiling/pp)
+				fmt.Fprintf(&sb, ": linear scaling from k = 1 (%s jobs/s a process) would reach that at k ≈ %.1f–%.1f", num(pp), low/pp, high/pp)
 			}
 			sb.WriteString(". The chart draws that ceiling.\n\n")
 		}
@@ -323,16 +353,23 @@ func scalingCharts(c scalingCurve, dir string) ([]string, error) {
 		jobs.p.Add(mark)
 		jobs.p.Legend.Add(fmt.Sprintf("stops scaling at k = %d (%s)", at.procs, short), mark)
 	}
-	if ceiling, ok := c.ceiling(); ok {
-		xys := plotter.XYs{{X: 0, Y: ceiling}, {X: float64(c.points[len(c.points)-1].procs) + 0.5, Y: ceiling}}
-		l, err := plotter.NewLine(xys)
-		if err != nil {
-			return nil, fmt.Errorf("ceiling line: %w", err)
+	if low, high, ok := c.ceilings(); ok {
+		for i, y := range []float64{low, high} {
+			if i == 1 && high <= low*1.01 {
+				break
+			}
+			xys := plotter.XYs{{X: 0, Y: y}, {X: float64(c.points[len(c.points)-1].procs) + 0.5, Y: y}}
+			l, err := plotter.NewLine(xys)
+			if err != nil {
+				return nil, fmt.Errorf("ceiling line: %w", err)
+			}
+			l.Color, l.Dashes, l.Width = color.RGBA{R: 200, A: 255}, []vg.Length{vg.Points(2), vg.Points(2)}, vg.Points(1.5)
+			jobs.track(xys)
+			jobs.p.Add(l)
+			if i == 0 {
+				jobs.p.Legend.Add(fmt.Sprintf("CouchDB's ceiling: %d cores ÷ its CPU per job (with and without other clients')", c.points[0].rep().Cores), l)
+			}
 		}
-		l.Color, l.Dashes, l.Width = color.RGBA{R: 200, A: 255}, []vg.Length{vg.Points(2), vg.Points(2)}, vg.Points(1.5)
-		jobs.track(xys)
-		jobs.p.Add(l)
-		jobs.p.Legend.Add(fmt.Sprintf("CouchDB's ceiling: %d cores ÷ its CPU per job", c.points[0].rep().Cores), l)
 	}
 	procTicks(jobs, c.points)
 	f, err := jobs.save(dir, fmt.Sprintf("scaling-%s-%d", c.group, c.dbs))
