@@ -4,6 +4,7 @@ import (
 	"cmp"
 	"fmt"
 	"image/color"
+	"maps"
 	"path/filepath"
 	"runtime"
 	"slices"
@@ -257,7 +258,7 @@ func scalingSection(runs []benchdata.ScalingRun, dir string) (string, error) {
 			}
 			fmt.Fprintf(&sb, "| %d | %s%s | %s | %.2f× | %d× | %d jobs in %.2f s (%s jobs/s) | %s | %s | %.2f | %s | %s | %d of %d docs | %s → %s |\n",
 				r.Procs, num(r.JobsPerSec()), pt.spread(), num(r.DocsPerSec()), c.speedup(pt), r.Procs, r.Jobs, r.DrainS, num(r.DrainJobsPerSec()),
-				server, strings.Join(procCPU, " / "), r.CoresOf(r.BenchCPUS), busyText(r.MachineBusy), joinInts(r.JobsByProc),
+				server, strings.Join(procCPU, " / "), r.CoresOf(r.BenchCPUS), busyText(r.MachineBusy), jobsByProcText(r),
 				r.Delivered, r.DBs*r.DocsPerDB, r.LoadAvgStart, r.LoadAvgEnd)
 		}
 		sb.WriteString("\n")
@@ -424,4 +425,18 @@ func procTicks(c *chart, points []scalingPoint) {
 	}
 	c.p.X.Tick.Marker = plot.ConstantTicks(ticks)
 	c.p.X.Min, c.p.X.Max = 0, float64(points[len(points)-1].procs)+0.5
+}
+
+// jobsByProcText renders the jobs each process ran, and, when the processes ran more or fewer
+// jobs than the backlog held, how many by result.
+func jobsByProcText(r benchdata.ScalingRun) string {
+	s := joinInts(r.JobsByProc)
+	if r.JobsRun == r.Jobs || len(r.JobsByResult) == 0 {
+		return s
+	}
+	var results []string
+	for _, k := range slices.Sorted(maps.Keys(r.JobsByResult)) {
+		results = append(results, fmt.Sprintf("%s %d", k, r.JobsByResult[k]))
+	}
+	return fmt.Sprintf("%s (%d runs for %d jobs: %s)", s, r.JobsRun, r.Jobs, strings.Join(results, ", "))
 }

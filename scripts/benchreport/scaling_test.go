@@ -42,6 +42,7 @@ func TestScalingSection(t *testing.T) {
 		// onchange scales: 2 processes, 1.9×.
 		fakeScaling("onchange", 1, 0, 50, 0.3, 0.3), fakeScaling("onchange", 2, 0, 95, 0.6, 0.5),
 	}
+	runs[len(runs)-1].JobsRun, runs[len(runs)-1].JobsByResult = 110, map[string]int{"ok": 100, "retry": 10}
 	for _, r := range runs {
 		require.NoError(t, benchdata.WriteScalingFile(filepath.Join(dir, benchdata.ScalingFileName(r.Group, r.Procs, r.DBs, r.Round)), r))
 	}
@@ -55,6 +56,7 @@ func TestScalingSection(t *testing.T) {
 	assert.Contains(t, md, "| 2 | 180 (180–190) | 1800 | 1.80× | 2× |")
 	assert.Contains(t, md, "| 4 | 240 (240–250) | 2400 | 2.40× | 4× |")
 	assert.Contains(t, md, "**replicator stops scaling at k = 4**: 2.40× against 4× linear (below 0.8 × k); CouchDB is saturated: it used 1.80 of the machine's 2 cores.")
+	assert.Contains(t, md, "| 50, 50 (110 runs for 100 jobs: ok 100, retry 10) |")
 	assert.Contains(t, md, "**onchange scales to k = 2**: 1.90× against 2× linear")
 	// CouchDB's CPU per job is cores × drain ÷ 100 jobs, gross, and (cores − 0.1 before) × drain ÷
 	// 100 jobs, net. The replicator's six runs, gross: 8, 7.5, 7.37, 7.78, 7.5 and 7.2 ms (median

@@ -207,6 +207,14 @@ func runScaling(b *testing.B, root string, cs *couchtest.Server, up *couchtest.U
 	defer sink.Close()
 	pattern := "^" + sr.prefix + "u"
 	ruleID := fmt.Sprintf("scaling_%s_%d_%d_%d", sr.group, sr.procs, sr.round, sr.iteration) // on_change checkpoints are per rule id
+	// The backlog: the producer enqueues every user db for the rule, put once it runs; it stops
+	// before any consumer starts.
+	producerAddr := freeAddr(b)
+	// SPIEGEL_START=now: the new rule alone enqueues the dbs. From the feed's beginning, the dbs'
+	// loading would enqueue them a second time while their jobs wait (a wakeup marker each), and
+	// each job would run twice.
+	producer := startProc(b, "producer", bin("producer"), producerAddr, env(up.URL(), "SPIEGEL_HTTP_ADDR="+producerAddr, "SPIEGEL_START=now"))
+	waitFor(b, 30*time.Second, "producer ready", []*proc{producer}, func() bool { code, _ := producer.get("/readyz"); return code == http.StatusOK })
 	writer := up.Server()
 	if sr.group == "replicator" {
 		cs.CreateDB(b, target)
@@ -216,10 +224,6 @@ func runScaling(b *testing.B, root string, cs *couchtest.Server, up *couchtest.U
 			"params": map[string]any{"id": "$change.id"}})
 	}
 
-	// The backlog: the producer enqueues every user db for the new rule; it stops before any
-	// consumer starts.
-	producerAddr := freeAddr(b)
-	producer := startProc(b, "producer", bin("producer"), producerAddr, env(up.URL(), "SPIEGEL_HTTP_ADDR="+producerAddr))
 	ctx := b.Context()
 	cons, err := js.Consumer(ctx, events.NewSubjects("").WorkStream(), sr.group)
 	if err != nil {
@@ -298,15 +302,19 @@ func runScaling(b *testing.B, root string, cs *couchtest.Server, up *couchtest.U
 	res.BenchCPUS = cpuOf(os.Getpid()) - benchStart
 	res.MachineBusy = machineStart.busyUntil(machineCPU())
 	res.LoadAvgEnd = loadAvg()
+	res.JobsByResult = map[string]int{}
 	for _, p := range procs {
-		n := 0.0
+		n := 0
 		for series, v := range healthtest.Scrape(b, p.addr) {
-			if strings.HasPrefix(series, "spiegel_jobs_total{") {
-				n += v
+			if rest, ok := strings.CutPrefix(series, "spiegel_jobs_total{"); ok {
+				n += int(v)
+				_, result, _ := strings.Cut(rest, `result="`)
+				result, _, _ = strings.Cut(result, `"`)
+				res.JobsByResult[result] += int(v)
 			}
 		}
-		res.JobsByProc = append(res.JobsByProc, int(n))
-		res.JobsRun += int(n)
+		res.JobsByProc = append(res.JobsByProc, n)
+		res.JobsRun += n
 	}
 	// A job is acknowledged after its docs arrived: they are all there now, unless a job failed.
 	want := len(sr.users) * scalingDocsPerDB

@@ -24,8 +24,11 @@ type ScalingRun struct {
 	Jobs      int `json:"jobs"`      // the backlog: jobs pending when the consumers started
 	JobsRun   int `json:"jobs_run"`  // jobs the processes ran (spiegel_jobs_total, any result)
 	Delivered int `json:"delivered"` // docs on the target (replicator) or at the webhook (onchange) at the end
-	// JobsByProc are the jobs each process ran, in start order.
-	JobsByProc []int `json:"jobs_by_proc"`
+	// JobsByProc are the jobs each process ran, in start order; JobsByResult all of them by
+	// result (ok, retry, delayed, failed). A job runs more than once when it is retried, or when a
+	// change came while it waited (a wakeup marker enqueues it again).
+	JobsByProc   []int          `json:"jobs_by_proc"`
+	JobsByResult map[string]int `json:"jobs_by_result"`
 
 	Started      time.Time `json:"started"`
 	LoadAvgStart string    `json:"loadavg_start"`
