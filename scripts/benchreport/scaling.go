@@ -274,10 +274,11 @@ func scalingSection(runs []benchdata.ScalingRun, dir string) (string, error) {
 			low, high, _ := c.ceilings()
 			fmt.Fprintf(&sb, "CouchDB spent %.1f ms of CPU per job, %.1f ms less what it spent at the rate of the 2 s before each run, "+
 				"when no job ran (other clients of a shared server; medians of the runs above); the consumer processes %.1f ms together. "+
-				"So with all %d cores of this machine CouchDB could serve %s–%s jobs/s of this group", 1000*gross, 1000*net,
-				1000*c.consumerCPUPerJob(), c.points[0].rep().Cores, num(low), num(high))
+				"So with all %d cores of this machine CouchDB could serve %s jobs/s of this group", 1000*gross, 1000*net,
+				1000*c.consumerCPUPerJob(), c.points[0].rep().Cores, numRange(low, high, num))
 			if pp := c.perProc(); pp > 0 {
-				fmt.Fprintf(&sb, ": linear scaling from k = 1 (%s jobs/s a process) would reach that at k ≈ %.1f–%.1f", num(pp), low/pp, high/pp)
+				fmt.Fprintf(&sb, ": linear scaling from k = 1 (%s jobs/s a process) would reach that at k ≈ %s", num(pp),
+					numRange(low/pp, high/pp, func(v float64) string { return fmt.Sprintf("%.1f", v) }))
 			}
 			sb.WriteString(". The chart draws that ceiling.\n\n")
 		}
@@ -439,4 +440,12 @@ func jobsByProcText(r benchdata.ScalingRun) string {
 		results = append(results, fmt.Sprintf("%s %d", k, r.JobsByResult[k]))
 	}
 	return fmt.Sprintf("%s (%d runs for %d jobs: %s)", s, r.JobsRun, r.Jobs, strings.Join(results, ", "))
+}
+
+// numRange renders low–high, or one figure when both render the same.
+func numRange(low, high float64, f func(float64) string) string {
+	if f(low) == f(high) {
+		return f(low)
+	}
+	return f(low) + "–" + f(high)
 }
