@@ -280,7 +280,11 @@ func scalingSection(runs []benchdata.ScalingRun, dir string) (string, error) {
 				fmt.Fprintf(&sb, ": linear scaling from k = 1 (%s jobs/s a process) would reach that at k ≈ %s", num(pp),
 					numRange(low/pp, high/pp, func(v float64) string { return fmt.Sprintf("%.1f", v) }))
 			}
-			sb.WriteString(". The chart draws that ceiling.\n\n")
+			sb.WriteString(". The chart draws that ceiling.")
+			if strings.HasPrefix(c.points[0].rep().Server, "PouchDB") {
+				sb.WriteString(" PouchDB Server runs its JavaScript on one thread, so its own ceiling is nearer one core's worth: about half of that.")
+			}
+			sb.WriteString("\n\n")
 		}
 		if first := c.points[0].rep(); first.MachineBusy >= scalingBusyFloor {
 			fmt.Fprintf(&sb, "The machine was already %s busy at k = %d: what more processes gain here is bounded by the cores left, not by CouchDB alone.\n\n",
