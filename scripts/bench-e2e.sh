@@ -6,8 +6,12 @@
 # that its plotting library stays out of the product's go.mod). Figures are compared as
 # ratios against the baseline measured in the same run; nothing here asserts a timing.
 #
-# Variables: BENCH_NS (100,1000), BENCH_SETUPS (hot,replicator), BENCH_OUT (bench-e2e), and
-# those of the benchmark: BENCH_RATE, BENCH_DURATION, BENCH_IDLE, BENCH_SYNC_LIMIT,
+# With `scaling` among BENCH_SETUPS it also runs, per N, the horizontal scaling benchmark
+# (BenchmarkScaling: 1, 2, 4 replicator and then onchange processes draining a backlog of N jobs).
+#
+# Variables: BENCH_NS (100,1000), BENCH_SETUPS (hot,replicator; add scaling), BENCH_OUT
+# (bench-e2e), and those of the benchmarks: BENCH_RATE, BENCH_DURATION, BENCH_IDLE,
+# BENCH_SYNC_LIMIT, BENCH_SCALING_PROCS, BENCH_SCALING_GROUPS, BENCH_SCALING_CONCURRENCY,
 # BENCH_SERVER_PID (set here when PouchDB Server is started here), BENCH_TIMEOUT (go test's,
 # 120m per N).
 set -euo pipefail
@@ -16,6 +20,12 @@ cd "$ROOT"
 out=${BENCH_OUT:-$ROOT/bench-e2e}
 ns=${BENCH_NS:-100,1000}
 setups=${BENCH_SETUPS:-hot,replicator}
+scaling=0 # the scaling benchmark is a setup of its own; the others are the workload's
+workload_setups=()
+for s in ${setups//,/ }; do
+  if [ "$s" = scaling ]; then scaling=1; else workload_setups+=("$s"); fi
+done
+setups=$(IFS=,; echo "${workload_setups[*]}")
 work=$(mktemp -d "${TMPDIR:-/tmp}/spiegel-bench-e2e.XXXXXX")
 trap 'stop_started; rm -rf "$work"' EXIT
 load_start=$(cut -d' ' -f1-3 /proc/loadavg)
@@ -32,6 +42,18 @@ mkdir -p "$out/runs"
 out=$(cd "$out" && pwd) # the report generator runs in its own module's directory
 failed=()
 for n in ${ns//,/ }; do
+  if [ "$scaling" = 1 ]; then
+    log "horizontal scaling at N=$n; output in $out/runs/scaling-$n.txt"
+    if ! BENCH_DBS=$n BENCH_REPORT_DIR="$out/runs" \
+      go test -run '^$' -bench BenchmarkScaling -benchtime 1x -timeout "${BENCH_TIMEOUT:-120m}" ./scripts/e2e \
+      >"$out/runs/scaling-$n.txt" 2>&1; then
+      log "the scaling benchmark at N=$n failed; its output (tail):"
+      tail -20 "$out/runs/scaling-$n.txt" >&2
+      failed+=("$n (scaling)")
+    fi
+    grep -E '^\s+scaling_test.go' "$out/runs/scaling-$n.txt" >&2 || true
+  fi
+  [ -n "$setups" ] || continue
   log "workload at N=$n ($setups); output in $out/runs/bench-$n.txt"
   if ! BENCH_DBS=$n BENCH_SETUPS=$setups BENCH_REPORT_DIR="$out/runs" \
     go test -run '^$' -bench BenchmarkWorkload -benchtime 1x -timeout "${BENCH_TIMEOUT:-120m}" ./scripts/e2e \

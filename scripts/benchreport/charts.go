@@ -90,7 +90,9 @@ func (c *chart) line(name string, xys plotter.XYs, dashed, points bool) {
 		c.p.Legend.Add(name, l, s)
 		return
 	}
-	c.p.Legend.Add(name, l)
+	if name != "" { // a series without a name shares the legend entry of the one before it
+		c.p.Legend.Add(name, l)
+	}
 }
 
 func (c *chart) scatter(name string, xys plotter.XYs) {

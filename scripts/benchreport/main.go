@@ -1,6 +1,7 @@
 // Command benchreport writes the end-to-end benchmark report (make bench-e2e): it reads the runs
 // the workload benchmark recorded (scripts/e2e, BenchmarkWorkload with BENCH_REPORT_DIR; one
-// file per setup and number of dbs) and writes report.md with its charts as PNG and SVG.
+// file per setup and number of dbs; BenchmarkScaling's runs, one per group and number of
+// processes) and writes report.md with its charts as PNG and SVG.
 //
 //	benchreport -in DIR_OF_RUNS -out REPORT_DIR [-load-start "1.00 0.50 0.20"]
 //	benchreport -scale-in SCALE.json -out REPORT_DIR   (the scale simulation, make bench-scale)
@@ -42,7 +43,11 @@ func run(in, out, loadStart string) error {
 	if err != nil {
 		return err
 	}
-	if len(runs) == 0 {
+	scaling, err := readScalingRuns(in)
+	if err != nil {
+		return err
+	}
+	if len(runs) == 0 && len(scaling) == 0 {
 		return fmt.Errorf("no runs in %s", in)
 	}
 	if err := os.MkdirAll(out, 0o755); err != nil {
@@ -53,9 +58,19 @@ func run(in, out, loadStart string) error {
 		f := strings.Fields(string(b))
 		loadEnd = strings.Join(f[:min(3, len(f))], " ")
 	}
-	md, err := render(runs, out, machine{loadStart: loadStart, loadEnd: loadEnd})
-	if err != nil {
-		return err
+	m := machine{loadStart: loadStart, loadEnd: loadEnd}
+	md := scalingOnlyHeader(scaling, m)
+	if len(runs) > 0 {
+		if md, err = render(runs, out, m); err != nil {
+			return err
+		}
+	}
+	if len(scaling) > 0 {
+		section, err := scalingSection(scaling, out)
+		if err != nil {
+			return err
+		}
+		md += section
 	}
 	path := filepath.Join(out, "report.md")
 	if err := os.WriteFile(path, []byte(md), 0o644); err != nil {
