@@ -31,6 +31,7 @@ const payloadMargin = 1024
 type kvManager interface {
 	KeyValue(ctx context.Context, bucket string) (jetstream.KeyValue, error)
 	CreateKeyValue(ctx context.Context, cfg jetstream.KeyValueConfig) (jetstream.KeyValue, error)
+	Stream(ctx context.Context, name string) (jetstream.Stream, error)
 }
 
 // mirrorWriter keeps the doc-state mirrors of `mirror` rules: the winning revision of every
@@ -48,7 +49,8 @@ type mirrorWriter struct {
 
 type mirrorBucket struct {
 	kv       jetstream.KeyValue
-	maxValue int // the largest value written as is
+	stream   jetstream.Stream // the bucket's stream: a key's last message, delete markers included
+	maxValue int              // the largest value written as is
 	opened   time.Time
 }
 
@@ -81,6 +83,10 @@ func (m *mirrorWriter) bucket(ctx context.Context, name string) (*mirrorBucket, 
 	if err != nil {
 		return nil, fmt.Errorf("read mirror bucket %s: %w", name, err)
 	}
+	stream, err := m.js.Stream(ctx, "KV_"+name)
+	if err != nil {
+		return nil, fmt.Errorf("open the stream of mirror bucket %s: %w", name, err)
+	}
 	limit := int64(1<<31 - 1)
 	if v := st.Config().MaxValueSize; v > 0 {
 		limit = int64(v)
@@ -90,7 +96,7 @@ func (m *mirrorWriter) bucket(ctx context.Context, name string) (*mirrorBucket, 
 			limit = min(limit, p-payloadMargin)
 		}
 	}
-	b = &mirrorBucket{kv: kv, maxValue: int(limit), opened: time.Now()}
+	b = &mirrorBucket{kv: kv, stream: stream, maxValue: int(limit), opened: time.Now()}
 	m.mu.Lock()
 	m.buckets[name] = b
 	m.mu.Unlock()
@@ -125,18 +131,27 @@ func (m *mirrorWriter) attempt(bucket, db string, c change, timeout time.Duratio
 			return 0, fmt.Errorf("%w: mirror %s: doc %s: db name and doc id too long for a KV key (%d bytes of subject, at most %d)",
 				webhook.ErrBadRequest, bucket, logIDOf(c.ID), n, maxSubject)
 		}
+		// The key's last message, a delete marker included: every write below is conditional on
+		// its revision. (kv.Create would write over whatever delete marker is there when it is
+		// sent: a holder paused between its lease check and its write would then bring back a
+		// doc that its successor deleted, or that a dropped db held.)
 		var last uint64
+		var gone bool // the last message is a delete marker
 		var held struct {
 			Rev string `json:"_rev"`
 		}
-		cur, err := b.kv.Get(ctx, key)
+		cur, err := b.stream.GetLastMsgForSubject(ctx, "$KV."+bucket+"."+key)
 		switch {
-		case errors.Is(err, jetstream.ErrKeyNotFound): // absent, or deleted: Create writes over a delete marker
+		case errors.Is(err, jetstream.ErrMsgNotFound): // never written
 		case err != nil:
 			return 0, fmt.Errorf("mirror %s: read key %s: %w", bucket, key, err)
 		default:
-			last = cur.Revision()
-			_ = json.Unmarshal(cur.Value(), &held)
+			last = cur.Sequence
+			if op := cur.Header.Get("KV-Operation"); op == "DEL" || op == "PURGE" {
+				gone = true
+			} else {
+				_ = json.Unmarshal(cur.Data, &held)
+			}
 		}
 		// The lease is checked again after the read, right before the write, as before a publish:
 		// a write sent while it is held reaches the bucket before a successor can have started
@@ -145,7 +160,7 @@ func (m *mirrorWriter) attempt(bucket, db string, c change, timeout time.Duratio
 			return 0, worker.ErrLeaseLost
 		}
 		if c.Deleted {
-			if last == 0 {
+			if last == 0 || gone {
 				return 0, nil
 			}
 			if err := b.kv.Delete(ctx, key, jetstream.LastRevision(last)); err != nil {
@@ -153,7 +168,7 @@ func (m *mirrorWriter) attempt(bucket, db string, c change, timeout time.Duratio
 			}
 			return 0, nil
 		}
-		if last != 0 && held.Rev == c.rev() {
+		if last != 0 && !gone && held.Rev == c.rev() {
 			return 0, nil // already mirrored
 		}
 		if len(c.Doc) == 0 {
@@ -163,11 +178,7 @@ func (m *mirrorWriter) attempt(bucket, db string, c change, timeout time.Duratio
 		if large {
 			value, _ = json.Marshal(tooLarge{ID: c.ID, Rev: c.rev(), TooLarge: true, Size: len(c.Doc)})
 		}
-		if last == 0 {
-			_, err = b.kv.Create(ctx, key, value)
-		} else {
-			_, err = b.kv.Update(ctx, key, value, last)
-		}
+		_, err = b.kv.Update(ctx, key, value, last) // last 0: only if the key has no message at all
 		if err != nil {
 			return 0, fmt.Errorf("mirror %s: write key %s (doc %s rev %s): %w", bucket, key, c.ID, c.rev(), err)
 		}

@@ -60,6 +60,9 @@ type racingKV struct {
 }
 
 func (r *racingKV) Update(ctx context.Context, key string, value []byte, last uint64) (uint64, error) {
+	if last == 0 { // a creation: not raced here (see deletingKV)
+		return r.KeyValue.Update(ctx, key, value, last)
+	}
 	r.mu.Lock()
 	first := !r.raced[key]
 	r.raced[key] = true
@@ -71,6 +74,80 @@ func (r *racingKV) Update(ctx context.Context, key string, value []byte, last ui
 		}
 	}
 	return r.KeyValue.Update(ctx, key, value, last)
+}
+
+// deletingKV is a mirror bucket where a successor deletes each key (a drop of the db, or a
+// deleted doc) between the mirror's read and its first write of that key, leaving a delete marker.
+type deletingKV struct {
+	jetstream.KeyValue
+	mu      sync.Mutex
+	raced   map[string]bool
+	refused int
+	writes  int
+}
+
+func (d *deletingKV) write(ctx context.Context, key string, w func() (uint64, error)) (uint64, error) {
+	d.mu.Lock()
+	first := !d.raced[key]
+	d.raced[key] = true
+	d.writes++
+	d.mu.Unlock()
+	if first {
+		if err := d.KeyValue.Delete(ctx, key); err != nil {
+			return 0, err
+		}
+	}
+	rev, err := w()
+	if err != nil && first {
+		d.mu.Lock()
+		d.refused++
+		d.mu.Unlock()
+	}
+	return rev, err
+}
+
+func (d *deletingKV) Update(ctx context.Context, key string, value []byte, last uint64) (uint64, error) {
+	return d.write(ctx, key, func() (uint64, error) { return d.KeyValue.Update(ctx, key, value, last) })
+}
+
+func (d *deletingKV) Create(ctx context.Context, key string, value []byte, opts ...jetstream.KVCreateOpt) (uint64, error) {
+	return d.write(ctx, key, func() (uint64, error) { return d.KeyValue.Create(ctx, key, value, opts...) })
+}
+
+type deletingJS struct {
+	jetstream.JetStream
+	kv *deletingKV
+}
+
+func (d deletingJS) KeyValue(context.Context, string) (jetstream.KeyValue, error) { return d.kv, nil }
+
+// TestMirrorWriteAfterADeleteIsRefused: a key deleted between the mirror's read and its write
+// (the successor of a holder paused there dropped the db, or mirrored a deleted doc) refuses the
+// write, absent key or not: the write is conditional on the key's last message, delete markers
+// included, so a stale holder cannot bring back what its successor deleted. The holder here still
+// holds its job, so its retry, over a fresh read, writes.
+func TestMirrorWriteAfterADeleteIsRefused(t *testing.T) {
+	ns := natstest.Start(t)
+	nc, js := ns.Connect(t)
+	log := logrus.New()
+	log.SetOutput(io.Discard)
+	r, err := rules.Parse("mir", []byte(`{"type":"on_change","mirror":"M","retry":`+fastRetry+`}`))
+	require.NoError(t, err)
+	bucket, err := js.CreateKeyValue(t.Context(), jetstream.KeyValueConfig{Bucket: "M", History: 1})
+	require.NoError(t, err)
+	del := &deletingKV{KeyValue: bucket, raced: map[string]bool{}}
+	h := &handler{mirrors: newMirrorWriter(deletingJS{JetStream: js, kv: del}, 1, nc.MaxPayload), dead: &noDeadLetters{}, log: log,
+		inlineRetry: time.Second, book: newRetryBook(), requestConcurrency: 10}
+	page := make([]couch.Change, 3)
+	for j := range page {
+		id := fmt.Sprintf("d%d", j)
+		page[j] = couch.Change{Seq: fmt.Sprint(j + 1), ID: id, Revs: []string{"1-x"}, Doc: fmt.Appendf(nil, `{"_id":%q,"_rev":"1-x"}`, id)}
+	}
+	res := h.processBatch(t.Context(), "db", r.(*rules.OnChange), "", "", page, log)
+	require.NoError(t, res.err)
+	require.Equal(t, 3, res.done)
+	assert.Equal(t, 3, del.refused, "each write sent after the key's deletion is refused")
+	assert.Equal(t, 6, del.writes, "and retried once over a fresh read")
 }
 
 type racingJS struct {
