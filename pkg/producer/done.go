@@ -155,10 +155,11 @@ const maxVanishedChecks = 1000
 // forgetVanished handles the dbs that have a completion record but are not in the snapshot: a
 // db deleted while its "deleted" event never reached the producer (a cluster node's
 // _db_updates drops events while it is down; a feed gap). Each one that CouchDB confirms gone
-// (GET /{db}: 404; a db that exists but no longer matches a rule is left alone) is forgotten as
-// a deleted event does it: its records and cached on_change checkpoints are dropped (off this
-// path), and an on_change rule that keeps a mirror gets a job, which deletes the db's keys. So
-// nothing of a vanished db stays in NATS for longer than one sweep interval.
+// (GET /{db}: 404) is forgotten as a deleted event does it: its records and cached on_change
+// checkpoints are dropped (off this path), and an on_change rule that keeps a mirror gets a job,
+// which deletes the db's keys. So
+// nothing of a vanished db stays in NATS for longer than one sweep interval. The records of a db
+// that no rule matches any more are dropped without asking CouchDB.
 func (p *producer) forgetVanished(ctx context.Context, snap couch.Snapshot, done reconcile.Done) {
 	seen := map[string]bool{}
 	for key := range done {
@@ -170,8 +171,14 @@ func (p *producer) forgetVanished(ctx context.Context, snap couch.Snapshot, done
 			continue
 		}
 		seen[db] = true
+		if p.rules.Groups(db) == 0 {
+			// No rule matches the db any more (a rule removed or narrowed): its records serve
+			// nothing, and a rule that matches it again enqueues it anyway.
+			p.undone.Add(db)
+			continue
+		}
 		if _, err := p.couch.DBInfo(ctx, db); !errors.Is(err, couch.ErrNotFound) {
-			continue // there (not matched any more), or no answer: the next sweep looks again
+			continue // there (created after the snapshot listed the dbs), or no answer: the next sweep looks again
 		}
 		if groups := p.mirrorGroups(db); len(groups) > 0 {
 			if err := p.pub.EnqueueNoSeq(ctx, db, events.TypeDeleted, groups); err != nil {
