@@ -114,12 +114,30 @@ func (d *deletingKV) Create(ctx context.Context, key string, value []byte, opts 
 	return d.write(ctx, key, func() (uint64, error) { return d.KeyValue.Create(ctx, key, value, opts...) })
 }
 
-type deletingJS struct {
+// bucketJS hands the mirror writer kv as every bucket.
+type bucketJS struct {
 	jetstream.JetStream
-	kv *deletingKV
+	kv jetstream.KeyValue
 }
 
-func (d deletingJS) KeyValue(context.Context, string) (jetstream.KeyValue, error) { return d.kv, nil }
+func (b bucketJS) KeyValue(context.Context, string) (jetstream.KeyValue, error) { return b.kv, nil }
+
+// mirrorTestHandler returns a handler whose mirror rule "mir" writes into bucket M of an embedded
+// NATS through the bucket wrap makes of it, the rule, and the connection's JetStream.
+func mirrorTestHandler(t *testing.T, wrap func(jetstream.KeyValue) jetstream.KeyValue) (*handler, *rules.OnChange, jetstream.JetStream, *logrus.Logger) {
+	t.Helper()
+	ns := natstest.Start(t)
+	nc, js := ns.Connect(t)
+	log := logrus.New()
+	log.SetOutput(io.Discard)
+	r, err := rules.Parse("mir", []byte(`{"type":"on_change","mirror":"M","retry":`+fastRetry+`}`))
+	require.NoError(t, err)
+	bucket, err := js.CreateKeyValue(t.Context(), jetstream.KeyValueConfig{Bucket: "M", History: 1})
+	require.NoError(t, err)
+	h := &handler{mirrors: newMirrorWriter(bucketJS{JetStream: js, kv: wrap(bucket)}, 1, nc.MaxPayload), dead: &noDeadLetters{}, log: log,
+		inlineRetry: time.Second, book: newRetryBook(), requestConcurrency: 10}
+	return h, r.(*rules.OnChange), js, log
+}
 
 // TestMirrorWriteAfterADeleteIsRefused: a key deleted between the mirror's read and its write
 // (the successor of a holder paused there dropped the db, or mirrored a deleted doc) refuses the
@@ -127,52 +145,33 @@ func (d deletingJS) KeyValue(context.Context, string) (jetstream.KeyValue, error
 // included, so a stale holder cannot bring back what its successor deleted. The holder here still
 // holds its job, so its retry, over a fresh read, writes.
 func TestMirrorWriteAfterADeleteIsRefused(t *testing.T) {
-	ns := natstest.Start(t)
-	nc, js := ns.Connect(t)
-	log := logrus.New()
-	log.SetOutput(io.Discard)
-	r, err := rules.Parse("mir", []byte(`{"type":"on_change","mirror":"M","retry":`+fastRetry+`}`))
-	require.NoError(t, err)
-	bucket, err := js.CreateKeyValue(t.Context(), jetstream.KeyValueConfig{Bucket: "M", History: 1})
-	require.NoError(t, err)
-	del := &deletingKV{KeyValue: bucket, raced: map[string]bool{}}
-	h := &handler{mirrors: newMirrorWriter(deletingJS{JetStream: js, kv: del}, 1, nc.MaxPayload), dead: &noDeadLetters{}, log: log,
-		inlineRetry: time.Second, book: newRetryBook(), requestConcurrency: 10}
+	var del *deletingKV
+	h, oc, _, log := mirrorTestHandler(t, func(b jetstream.KeyValue) jetstream.KeyValue {
+		del = &deletingKV{KeyValue: b, raced: map[string]bool{}}
+		return del
+	})
 	page := make([]couch.Change, 3)
 	for j := range page {
 		id := fmt.Sprintf("d%d", j)
 		page[j] = couch.Change{Seq: fmt.Sprint(j + 1), ID: id, Revs: []string{"1-x"}, Doc: fmt.Appendf(nil, `{"_id":%q,"_rev":"1-x"}`, id)}
 	}
-	res := h.processBatch(t.Context(), "db", r.(*rules.OnChange), "", "", page, log)
+	res := h.processBatch(t.Context(), "db", oc, "", "", page, log)
 	require.NoError(t, res.err)
 	require.Equal(t, 3, res.done)
 	assert.Equal(t, 3, del.refused, "each write sent after the key's deletion is refused")
 	assert.Equal(t, 6, del.writes, "and retried once over a fresh read")
 }
 
-type racingJS struct {
-	jetstream.JetStream
-	kv *racingKV
-}
-
-func (r racingJS) KeyValue(context.Context, string) (jetstream.KeyValue, error) { return r.kv, nil }
-
 // TestMirrorWritesAreConditional: a page written again (a re-dispatch) writes nothing; a key
 // changed by another writer between the mirror's read and its write makes the write fail and be
 // retried over a fresh read, so the change's revision ends in the key and the other write is not
 // lost silently in between.
 func TestMirrorWritesAreConditional(t *testing.T) {
-	ns := natstest.Start(t)
-	nc, js := ns.Connect(t)
-	log := logrus.New()
-	log.SetOutput(io.Discard)
-	r, err := rules.Parse("mir", []byte(`{"type":"on_change","mirror":"M","retry":`+fastRetry+`}`))
-	require.NoError(t, err)
-	bucket, err := js.CreateKeyValue(t.Context(), jetstream.KeyValueConfig{Bucket: "M", History: 1})
-	require.NoError(t, err)
-	race := racingJS{JetStream: js, kv: &racingKV{KeyValue: bucket, raced: map[string]bool{}}}
-	h := &handler{mirrors: newMirrorWriter(race, 1, nc.MaxPayload), dead: &noDeadLetters{}, log: log,
-		inlineRetry: time.Second, book: newRetryBook(), requestConcurrency: 10}
+	race := &racingKV{raced: map[string]bool{}}
+	h, oc, js, log := mirrorTestHandler(t, func(b jetstream.KeyValue) jetstream.KeyValue {
+		race.KeyValue = b
+		return race
+	})
 	page := func(gen int) []couch.Change {
 		out := make([]couch.Change, 5)
 		for j := range out {
@@ -188,7 +187,6 @@ func TestMirrorWritesAreConditional(t *testing.T) {
 		require.NoError(t, err)
 		return st.(*jetstream.KeyValueBucketStatus).StreamInfo().State.LastSeq
 	}
-	oc := r.(*rules.OnChange)
 	res := h.processBatch(t.Context(), "db", oc, "", "", page(1), log) // creates: no race
 	require.NoError(t, res.err)
 	require.Equal(t, 5, res.done)
@@ -200,8 +198,8 @@ func TestMirrorWritesAreConditional(t *testing.T) {
 	res = h.processBatch(t.Context(), "db", oc, "", "", page(2), log) // every update raced once
 	require.NoError(t, res.err)
 	require.Equal(t, 5, res.done)
-	assert.Len(t, race.kv.raced, 5)
-	assert.Equal(t, 10, race.kv.updates, "each raced update failed and was retried over a fresh read")
+	assert.Len(t, race.raced, 5)
+	assert.Equal(t, 10, race.updates, "each raced update failed and was retried over a fresh read")
 	kv, err := js.KeyValue(t.Context(), "M")
 	require.NoError(t, err)
 	for j := range 5 {
