@@ -1,6 +1,7 @@
 package chaos
 
 import (
+	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -8,6 +9,8 @@ import (
 	"strconv"
 	"strings"
 	"time"
+
+	"github.com/spiegel-nats/spiegel/pkg/couch"
 )
 
 // Config is one chaos run. Everything the plan contains (writer operations and faults) derives
@@ -49,6 +52,14 @@ type Config struct {
 	// sh -c); empty: the CouchDB-restart fault is an outage of the proxy between the Spiegel
 	// processes and the server at CouchURL, which is never restarted (outage.go).
 	CouchRestartCmd string
+	// CouchNodeCmd kills and starts one node of a CouchDB cluster (CHAOS_COUCHDB_NODE_CMD, run
+	// with sh -c, CHAOS_NODE_ACTION=kill|start and CHAOS_NODE=<1-based index in the URL list> in
+	// its environment). With it, and CHAOS_COUCHDB_URL listing the cluster's nodes, the plan gets
+	// the kill-couchdb-node fault; the run's own requests go to the last node, which that fault
+	// never kills.
+	CouchNodeCmd string
+	// CouchNodes is how many nodes CHAOS_COUCHDB_URL lists (0 or 1: one server).
+	CouchNodes int
 	// Q is the shard count of the source dbs on Apache CouchDB: 1 (default) gives each db one
 	// total feed order, which the change-stream oracle checks.
 	Q int
@@ -129,13 +140,20 @@ func longConfig(root string) (Config, error) {
 }
 
 // fromEnv applies the variables every run honours: the server (CHAOS_COUCHDB_URL,
-// CHAOS_COUCHDB_RESTART_CMD, CHAOS_Q), the sink's baseline fractions (CHAOS_SINK_FAIL,
+// CHAOS_COUCHDB_RESTART_CMD, CHAOS_COUCHDB_NODE_CMD, CHAOS_Q), the sink's baseline fractions (CHAOS_SINK_FAIL,
 // CHAOS_SINK_STALL), CHAOS_RECREATE and CHAOS_QUICK_RECREATE (plan), CHAOS_SKIP_FAULTS,
 // CHAOS_PARTITIONS and CHAOS_STORE_LOSS (plan), CHAOS_LOG_LEVEL, the output dir (CHAOS_OUT),
 // CHAOS_KEEP and CHAOS_STRICT.
 func (c *Config) fromEnv() error {
 	c.CouchURL = os.Getenv("CHAOS_COUCHDB_URL")
 	c.CouchRestartCmd = os.Getenv("CHAOS_COUCHDB_RESTART_CMD")
+	c.CouchNodeCmd = os.Getenv("CHAOS_COUCHDB_NODE_CMD")
+	if c.CouchURL != "" {
+		c.CouchNodes = len(couch.SplitURLs(c.CouchURL))
+	}
+	if c.CouchNodeCmd != "" && c.CouchNodes < 2 {
+		return errors.New("CHAOS_COUCHDB_NODE_CMD needs CHAOS_COUCHDB_URL to list the cluster's nodes (comma-separated)")
+	}
 	for _, f := range []struct {
 		name string
 		dst  *float64

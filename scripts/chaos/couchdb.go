@@ -15,20 +15,30 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"sync"
 	"syscall"
 	"time"
+
+	"github.com/spiegel-nats/spiegel/pkg/couch"
 )
 
 // couchServer is the CouchDB of the run: its own PouchDB Server on disk (a restart keeps the
 // data), or any CouchDB named by CHAOS_COUCHDB_URL, restarted only through
 // CHAOS_COUCHDB_RESTART_CMD; without that command the Spiegel processes reach an external
 // server through an outageProxy, and the restart fault is an outage of the proxy.
+//
+// CHAOS_COUCHDB_URL may list the nodes of a cluster, comma-separated: the Spiegel processes get
+// the whole list (through one outage proxy per node without a restart command), and the run's
+// own requests (writer, oracle, probes) go to the last node, which the kill-couchdb-node fault
+// never kills.
 type couchServer struct {
-	url        string       // with credentials, no trailing slash: never print it
-	pouch      *proc        // own PouchDB Server; nil for an external server
-	proxy      *outageProxy // external server without a restart command; else nil
-	procURL    string       // the URL the Spiegel processes use: url, or the proxy's
+	url        string          // with credentials, no trailing slash: never print it
+	nodes      []string        // every node's URL with the first one's credentials (one: url)
+	pouch      *proc           // own PouchDB Server; nil for an external server
+	proxies    []*outageProxy  // external server without a restart command: one per node; else nil
+	procURL    string          // SPIEGEL_COUCHDB_URL of the Spiegel processes: the node list, or the proxies'
 	restartCmd string
+	nodeCmd    string
 	isPouch    bool
 	http       *http.Client
 	run        *run
@@ -36,22 +46,31 @@ type couchServer struct {
 
 // startCouch starts or connects to the run's CouchDB and waits until it answers.
 func startCouch(ctx context.Context, r *run) (*couchServer, error) {
-	s := &couchServer{run: r, restartCmd: r.cfg.CouchRestartCmd,
+	s := &couchServer{run: r, restartCmd: r.cfg.CouchRestartCmd, nodeCmd: r.cfg.CouchNodeCmd,
 		http: &http.Client{Transport: &http.Transport{DisableCompression: true, MaxIdleConnsPerHost: 64}}}
 	if r.cfg.CouchURL != "" {
-		s.url = strings.TrimRight(r.cfg.CouchURL, "/")
-		s.procURL = s.url
+		var err error
+		if s.nodes, err = nodeURLs(r.cfg.CouchURL); err != nil {
+			return nil, err
+		}
+		s.url = s.nodes[len(s.nodes)-1]
+		s.procURL = strings.Join(s.nodes, ",")
 		if s.restartCmd == "" {
-			u, err := url.Parse(s.url)
-			if err != nil {
-				return nil, errors.New("CHAOS_COUCHDB_URL does not parse") // never print it: it has the password
+			proxied := make([]string, len(s.nodes))
+			for i, node := range s.nodes {
+				u, _ := url.Parse(node) // nodeURLs parsed it
+				p, err := startOutageProxy(u.Host)
+				if err != nil {
+					s.closeProxies()
+					return nil, err
+				}
+				s.proxies = append(s.proxies, p)
+				if proxied[i], err = p.url(node); err != nil {
+					s.closeProxies()
+					return nil, err
+				}
 			}
-			if s.proxy, err = startOutageProxy(u.Host); err != nil {
-				return nil, err
-			}
-			if s.procURL, err = s.proxy.url(s.url); err != nil {
-				return nil, err
-			}
+			s.procURL = strings.Join(proxied, ",")
 		}
 	} else {
 		tools, err := installPouchDisk(ctx, r)
@@ -94,6 +113,69 @@ func startCouch(ctx context.Context, r *run) (*couchServer, error) {
 	return s, nil
 }
 
+// nodeURLs splits a CHAOS_COUCHDB_URL into its nodes' URLs (couch.SplitURLs), each without a
+// trailing slash and with the first URL's credentials when it has none.
+func nodeURLs(raw string) ([]string, error) {
+	var first *url.Userinfo
+	var out []string
+	for i, node := range couch.SplitURLs(raw) {
+		u, err := url.Parse(strings.TrimRight(node, "/"))
+		if err != nil || u.Host == "" {
+			return nil, fmt.Errorf("CHAOS_COUCHDB_URL: node %d does not parse as a URL", i+1) // never print it: it has the password
+		}
+		if i == 0 {
+			first = u.User
+		} else if u.User == nil {
+			u.User = first
+		}
+		out = append(out, u.String())
+	}
+	return out, nil
+}
+
+// closeProxies stops the outage proxies.
+func (s *couchServer) closeProxies() {
+	for _, p := range s.proxies {
+		p.close()
+	}
+}
+
+// killNode runs the node command to kill node i (0-based), waits down, starts it again and
+// waits until it answers. mark is called once the kill command returned.
+func (s *couchServer) killNode(ctx context.Context, i int, down time.Duration, mark func()) error {
+	node := func(ctx context.Context, action string) error {
+		cmd := exec.CommandContext(ctx, "sh", "-c", s.nodeCmd)
+		cmd.Env = append(os.Environ(), "CHAOS_NODE_ACTION="+action, fmt.Sprintf("CHAOS_NODE=%d", i+1))
+		if out, err := cmd.CombinedOutput(); err != nil {
+			return fmt.Errorf("CHAOS_COUCHDB_NODE_CMD (%s node %d): %v: %s", action, i+1, err, bytes.TrimSpace(out))
+		}
+		return nil
+	}
+	if err := node(ctx, "kill"); err != nil {
+		return err
+	}
+	mark()
+	werr := sleepCtx(ctx, down)
+	// Started even when ctx ended: the run's clean-up and the next run need the node.
+	if err := node(context.WithoutCancel(ctx), "start"); err != nil {
+		return err
+	}
+	bctx := context.WithoutCancel(ctx)
+	err := waitUntil(bctx, 120*time.Second, 200*time.Millisecond, fmt.Sprintf("CouchDB node %d back", i+1), func() bool {
+		req, err := http.NewRequestWithContext(bctx, http.MethodGet, s.nodes[i]+"/_up", nil)
+		if err != nil {
+			return false
+		}
+		resp, err := s.http.Do(req)
+		if err != nil {
+			return false
+		}
+		resp.Body.Close()
+		return resp.StatusCode == http.StatusOK
+	})
+	return errors.Join(werr, err)
+}
+
 // describe says which server this is and whether it can be restarted; it never shows the
 // credentials.
 func (s *couchServer) describe() string {
@@ -106,6 +188,17 @@ func (s *couchServer) describe() string {
 	switch {
 	case s.pouch != nil:
 		return fmt.Sprintf("%s on disk at %s (started by the run; restart fault on)", kind, host)
+	case len(s.nodes) > 1:
+		restart := "restart fault runs CHAOS_COUCHDB_RESTART_CMD"
+		if s.restartCmd == "" {
+			restart = "restart fault: an outage of every node at its proxy"
+		}
+		kill := "no node kills: CHAOS_COUCHDB_NODE_CMD unset"
+		if s.nodeCmd != "" {
+			kill = "kill-couchdb-node runs CHAOS_COUCHDB_NODE_CMD on any node but the last"
+		}
+		return fmt.Sprintf("%s cluster of %d nodes (CHAOS_COUCHDB_URL; the processes get every node, the run's own requests go to the last, %s; %s; %s)",
+			kind, len(s.nodes), host, restart, kill)
 	case s.restartCmd != "":
 		return fmt.Sprintf("%s at %s (CHAOS_COUCHDB_URL; restart fault runs CHAOS_COUCHDB_RESTART_CMD)", kind, host)
 	default:
@@ -146,7 +239,9 @@ func (s *couchServer) schedulerNote(ctx context.Context) string {
 // restartWhat names what the restart fault does to this server.
 func (s *couchServer) restartWhat(term bool) string {
 	switch {
-	case s.proxy != nil:
+	case len(s.proxies) > 1:
+		return "CouchDB outage of every node at its proxy (connections cut, new ones refused; the shared servers are not restarted)"
+	case s.proxies != nil:
 		return "CouchDB outage at the proxy (connections cut, new ones refused; the shared server is not restarted)"
 	case s.pouch == nil:
 		return "CHAOS_COUCHDB_RESTART_CMD"
@@ -161,8 +256,14 @@ func (s *couchServer) restartWhat(term bool) string {
 // it answers. With an external server it runs the restart command instead, or, without one,
 // makes the proxy refuse the Spiegel processes for down.
 func (s *couchServer) restart(ctx context.Context, term bool, down time.Duration) error {
-	if s.proxy != nil {
-		return s.proxy.outage(ctx, down)
+	if s.proxies != nil {
+		errs := make([]error, len(s.proxies))
+		var wg sync.WaitGroup
+		for i, p := range s.proxies {
+			wg.Go(func() { errs[i] = p.outage(ctx, down) })
+		}
+		wg.Wait()
+		return errors.Join(errs...)
 	}
 	if s.pouch == nil {
 		cmd := exec.CommandContext(ctx, "sh", "-c", s.restartCmd)

@@ -22,8 +22,8 @@ type faultRecord struct {
 // faults runs the plan's faults, each at its planned moment in its own goroutine. Faults on
 // one resource are serialized (a fault waits for the previous one on the same resource to
 // end, so it may run later than planned; its record says when it was over): one NATS node down
-// at a time (the streams keep a quorum of two), one CouchDB restart, one sink period, one
-// fault per process.
+// at a time (the streams keep a quorum of two), one CouchDB restart or node kill, one sink
+// period, one fault per process.
 type faults struct {
 	r     *run
 	start time.Time
@@ -109,6 +109,12 @@ func (f *faults) execute(ctx context.Context, ft Fault, mark func()) (what, skip
 		defer f.couchMu.Unlock()
 		mark()
 		return r.couch.restartWhat(ft.Term), "", r.couch.restart(ctx, ft.Term, ft.Down)
+	case FaultCouchNode:
+		f.couchMu.Lock()
+		defer f.couchMu.Unlock()
+		i := ft.Target % (len(r.couch.nodes) - 1)
+		what := fmt.Sprintf("CouchDB node %d of %d killed (CHAOS_COUCHDB_NODE_CMD), started again after its down time", i+1, len(r.couch.nodes))
+		return what, "", r.couch.killNode(ctx, i, ft.Down, mark)
 	case FaultSink500, FaultSinkStall:
 		f.sinkMu.Lock()
 		defer f.sinkMu.Unlock()
@@ -127,7 +133,7 @@ func (f *faults) execute(ctx context.Context, ft Fault, mark func()) (what, skip
 		defer p.Unlock()
 		ps, with := p.links.nats, "NATS"
 		if ft.Kind == FaultPartitionCouch {
-			ps, with = []*outageProxy{p.links.couch}, "CouchDB"
+			ps, with = p.links.couch, "CouchDB"
 		}
 		what := fmt.Sprintf("%s frozen off %s (no byte moves, connections stay open)", p.name, with)
 		if ft.Cut {

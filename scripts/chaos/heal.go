@@ -56,7 +56,7 @@ func (r *run) probeDB(k FaultKind) string {
 func (p *prober) createProbeDBs(ctx context.Context) error {
 	for k := range numFaultKinds {
 		status, err := p.r.couch.do(ctx, http.MethodPut, "/"+p.r.probeDB(k), nil, nil)
-		if err != nil || status != http.StatusCreated && status != http.StatusPreconditionFailed {
+		if err != nil || status != http.StatusCreated && status != http.StatusAccepted && status != http.StatusPreconditionFailed {
 			return fmt.Errorf("create probe db %s: status %d, %v", p.r.probeDB(k), status, err)
 		}
 	}

@@ -6,21 +6,23 @@ import (
 	"net/url"
 	"strings"
 	"time"
+
+	"github.com/spiegel-nats/spiegel/pkg/couch"
 )
 
 // links are one product process's own proxies: one to each NATS node (its SPIEGEL_NATS_URL
-// lists them) and one to CouchDB (its SPIEGEL_COUCHDB_URL). A partition fault freezes or cuts
+// lists them) and one to each CouchDB node (its SPIEGEL_COUCHDB_URL lists them). A partition fault freezes or cuts
 // them, separating that process, and no other, from NATS or from CouchDB. The NATS nodes do not
 // advertise their own addresses to clients (cluster no_advertise), so a client never reaches a
 // node around its proxies.
 type links struct {
 	nats  []*outageProxy
-	couch *outageProxy
+	couch []*outageProxy
 }
 
-// startLinks starts the proxies of one process: to every node of c and to the server behind
-// couchURL (the URL the processes would use without links: CouchDB, or the outage proxy of an
-// external server).
+// startLinks starts the proxies of one process: to every node of c and to every server behind
+// couchURL (the URL list the processes would use without links: CouchDB's nodes, or the outage
+// proxies of an external server).
 func startLinks(c *cluster, couchURL string) (*links, error) {
 	l := &links{}
 	for _, n := range c.nodes {
@@ -31,14 +33,18 @@ func startLinks(c *cluster, couchURL string) (*links, error) {
 		}
 		l.nats = append(l.nats, p)
 	}
-	u, err := url.Parse(couchURL)
-	if err != nil {
-		l.close()
-		return nil, fmt.Errorf("the CouchDB URL does not parse") // never print it: it has the password
-	}
-	if l.couch, err = startOutageProxy(u.Host); err != nil {
-		l.close()
-		return nil, err
+	for _, node := range couch.SplitURLs(couchURL) {
+		u, err := url.Parse(node)
+		if err != nil {
+			l.close()
+			return nil, fmt.Errorf("the CouchDB URL does not parse") // never print it: it has the password
+		}
+		p, err := startOutageProxy(u.Host)
+		if err != nil {
+			l.close()
+			return nil, err
+		}
+		l.couch = append(l.couch, p)
 	}
 	return l, nil
 }
@@ -49,11 +55,15 @@ func (l *links) env(couchURL string) ([]string, error) {
 	for _, p := range l.nats {
 		urls = append(urls, "nats://"+p.addr)
 	}
-	cu, err := l.couch.url(couchURL)
-	if err != nil {
-		return nil, err
+	var cus []string
+	for i, node := range couch.SplitURLs(couchURL) {
+		cu, err := l.couch[i].url(node)
+		if err != nil {
+			return nil, err
+		}
+		cus = append(cus, cu)
 	}
-	return []string{"SPIEGEL_NATS_URL=" + strings.Join(urls, ","), "SPIEGEL_COUCHDB_URL=" + cu}, nil
+	return []string{"SPIEGEL_NATS_URL=" + strings.Join(urls, ","), "SPIEGEL_COUCHDB_URL=" + strings.Join(cus, ",")}, nil
 }
 
 // partition freezes (or, with cut, resets) every proxy of ps for down, or until ctx ends. mark
@@ -91,7 +101,7 @@ func (l *links) close() {
 	for _, p := range l.nats {
 		p.close()
 	}
-	if l.couch != nil {
-		l.couch.close()
+	for _, p := range l.couch {
+		p.close()
 	}
 }

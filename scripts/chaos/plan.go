@@ -62,12 +62,13 @@ const (
 	FaultPartitionCouch                    // partition process Target from CouchDB for Down: freeze, or Cut
 	FaultNATSStoreLoss                     // NATS node Target restarted from a copy of its store taken Lag before its SIGKILL
 	FaultNATSStoreLossAll                  // every NATS node SIGKILLed at once and restarted from copies of their stores taken Lag before
+	FaultCouchNode                         // kill CouchDB cluster node Target (never the last of the list), start it after Down
 	numFaultKinds
 )
 
 var faultNames = [...]string{"kill", "stop", "kill-nats-work-leader", "kill-nats-meta-leader", "kill-nats-node",
 	"restart-couchdb", "sink-500", "sink-stall", "rotate-passwords", "partition-nats", "partition-couchdb",
-	"nats-store-loss", "nats-store-loss-all"}
+	"nats-store-loss", "nats-store-loss-all", "kill-couchdb-node"}
 
 func (k FaultKind) String() string { return faultNames[k] }
 
@@ -247,9 +248,15 @@ var partitionFaults = []requiredFault{{FaultPartitionNATS, []int{4, 5}}, {FaultP
 // storeLossFaults are required with Config.StoreLoss.
 var storeLossFaults = []requiredFault{{FaultNATSStoreLoss, nil}, {FaultNATSStoreLossAll, nil}}
 
+// nodeKill reports whether cfg kills CouchDB cluster nodes: a node command and a list of nodes.
+func (c Config) nodeKill() bool { return c.CouchNodeCmd != "" && c.CouchNodes >= 2 }
+
 // requiredFor is the required faults of cfg: requiredFaults, then the opt-in classes it turns on.
 func requiredFor(cfg Config) []requiredFault {
 	req := slices.Clone(requiredFaults)
+	if cfg.nodeKill() {
+		req = append(req, requiredFault{FaultCouchNode, nil})
+	}
 	if cfg.Partitions {
 		req = append(req, partitionFaults...)
 	}
@@ -262,7 +269,7 @@ func requiredFor(cfg Config) []requiredFault {
 // faultWeights are the odds of each class after the required ones; an opt-in class the config
 // does not turn on has none (weightsFor), so that a plan without them draws exactly as before
 // they existed.
-var faultWeights = [numFaultKinds]int{30, 10, 8, 6, 6, 6, 8, 6, 6, 10, 8, 3, 2}
+var faultWeights = [numFaultKinds]int{30, 10, 8, 6, 6, 6, 8, 6, 6, 10, 8, 3, 2, 6}
 
 // weightsFor is faultWeights with the opt-in classes cfg does not turn on left out.
 func weightsFor(cfg Config) [numFaultKinds]int {
@@ -272,6 +279,9 @@ func weightsFor(cfg Config) [numFaultKinds]int {
 	}
 	if !cfg.StoreLoss {
 		w[FaultNATSStoreLoss], w[FaultNATSStoreLossAll] = 0, 0
+	}
+	if !cfg.nodeKill() {
+		w[FaultCouchNode] = 0
 	}
 	return w
 }
@@ -341,6 +351,11 @@ func planFaults(cfg Config) []Fault {
 			}
 			f.Lag = time.Duration(2000+r.IntN(6000)) * time.Millisecond
 			f.Down = time.Duration(500+r.IntN(2000)) * time.Millisecond
+		case FaultCouchNode:
+			// Any node but the last, which the run's own requests use; down long enough for
+			// the processes to move to another node and work there.
+			f.Target = r.IntN(cfg.CouchNodes - 1)
+			f.Down = time.Duration(5000+r.IntN(20000)) * time.Millisecond
 		case FaultRotatePasswords:
 			if at-lastRotation < rotationGap {
 				continue
@@ -407,6 +422,8 @@ func (p Plan) Summary() string {
 			name += " " + procNames[f.Target]
 		case FaultPartitionNATS, FaultPartitionCouch:
 			name += " " + procNames[f.Target] + map[bool]string{false: " freeze", true: " cut"}[f.Cut]
+		case FaultCouchNode:
+			name += fmt.Sprintf(" %d", f.Target+1)
 		}
 		faults[name]++
 	}

@@ -167,3 +167,38 @@ func TestPlanPartitionsAndStoreLoss(t *testing.T) {
 		assert.True(t, found, "seed %d: no freeze of an onchange consumer's NATS link longer than AckWait + the rule's timeout", seed)
 	}
 }
+
+// With CHAOS_COUCHDB_NODE_CMD and a cluster's nodes in CHAOS_COUCHDB_URL, the plan kills CouchDB
+// nodes: at least one, never the last node (the run's own requests use it), each down long enough
+// for the processes to move to another node. A node list without the command plans as one
+// server does.
+func TestPlanCouchNodeKill(t *testing.T) {
+	t.Parallel()
+	for _, seed := range []uint64{1, 2, 3, 42, 4242} {
+		cfg, err := longConfig("/repo")
+		require.NoError(t, err)
+		cfg.Seed, cfg.CouchNodes = seed, 3
+		base := newPlan(cfg)
+		one := cfg
+		one.CouchNodes = 0
+		assert.Equal(t, newPlan(one).Digest(), base.Digest(), "seed %d: a node list alone changes the plan", seed)
+
+		cfg.CouchNodeCmd = "cluster-ctl $CHAOS_NODE_ACTION $CHAOS_NODE"
+		kills := 0
+		targets := map[int]bool{}
+		for _, f := range newPlan(cfg).Faults {
+			if f.Kind != FaultCouchNode {
+				continue
+			}
+			kills++
+			targets[f.Target] = true
+			assert.Less(t, f.Target, cfg.CouchNodes-1, "seed %d: the last node is killed", seed)
+			assert.GreaterOrEqual(t, f.Down, 5*time.Second)
+			assert.Less(t, f.Down, 25*time.Second)
+		}
+		assert.Positive(t, kills, "seed %d: no node killed", seed)
+		if kills > 3 {
+			assert.Len(t, targets, 2, "seed %d: %d kills, always the same node", seed, kills)
+		}
+	}
+}

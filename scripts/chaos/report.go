@@ -104,6 +104,12 @@ func (res *Result) replay() string {
 	if c.CouchURL != "" {
 		env = append(env, "CHAOS_COUCHDB_URL=…")
 	}
+	if c.CouchRestartCmd != "" {
+		env = append(env, "CHAOS_COUCHDB_RESTART_CMD=…")
+	}
+	if c.CouchNodeCmd != "" {
+		env = append(env, "CHAOS_COUCHDB_NODE_CMD=…")
+	}
 	return strings.TrimSpace(strings.Join(env, " ") + " " + cmd)
 }
 

@@ -288,9 +288,7 @@ func (r *run) shutdown(res *Result) {
 			res.addExits(r.couch.pouch)
 			r.couch.pouch.stop(syscall.SIGTERM, 10*time.Second)
 		} else {
-			if r.couch.proxy != nil {
-				r.couch.proxy.close()
-			}
+			r.couch.closeProxies()
 			if !r.cfg.Keep {
 				r.dropDBs()
 			}
