@@ -32,11 +32,11 @@ import (
 // own requests (writer, oracle, probes) go to the last node, which the kill-couchdb-node fault
 // never kills.
 type couchServer struct {
-	url        string          // with credentials, no trailing slash: never print it
-	nodes      []string        // every node's URL with the first one's credentials (one: url)
-	pouch      *proc           // own PouchDB Server; nil for an external server
-	proxies    []*outageProxy  // external server without a restart command: one per node; else nil
-	procURL    string          // SPIEGEL_COUCHDB_URL of the Spiegel processes: the node list, or the proxies'
+	url        string         // with credentials, no trailing slash: never print it
+	nodes      []string       // every node's URL with the first one's credentials (one: url)
+	pouch      *proc          // own PouchDB Server; nil for an external server
+	proxies    []*outageProxy // external server without a restart command: one per node; else nil
+	procURL    string         // SPIEGEL_COUCHDB_URL of the Spiegel processes: the node list, or the proxies'
 	restartCmd string
 	nodeCmd    string
 	isPouch    bool
