@@ -5,6 +5,7 @@ import (
 	"context"
 	"math"
 	"math/rand/v2"
+	"sync"
 	"time"
 )
 
@@ -58,4 +59,40 @@ func Sleep(ctx context.Context, d time.Duration) error {
 	case <-t.C:
 		return nil
 	}
+}
+
+// Streak paces retries by how long a run of failures has lasted, not by how many failures it
+// counted: many callers failing at the same moment (one outage seen by every job in flight) wait
+// as long as one caller would, and the wait grows only while the failures go on. For one
+// caller retrying alone it doubles like Policy.Delay. The zero value is ready; it is safe for
+// concurrent use.
+type Streak struct {
+	mu    sync.Mutex
+	since time.Time // when the current run of failures began; zero: none
+}
+
+// Failed records a failure at now and returns the wait before its retry: how long the failures
+// have lasted, at least p.Initial and at most p.Max, less up to p.Jitter of it.
+func (s *Streak) Failed(p Policy, now time.Time) time.Duration {
+	s.mu.Lock()
+	if s.since.IsZero() {
+		s.since = now
+	}
+	d := now.Sub(s.since)
+	s.mu.Unlock()
+	d = max(d, p.Initial)
+	if p.Max > 0 {
+		d = min(d, p.Max)
+	}
+	if p.Jitter > 0 {
+		d -= time.Duration(float64(d) * p.Jitter * rand.Float64())
+	}
+	return max(d, 0)
+}
+
+// Succeeded ends the run of failures.
+func (s *Streak) Succeeded() {
+	s.mu.Lock()
+	s.since = time.Time{}
+	s.mu.Unlock()
 }

@@ -36,3 +36,25 @@ func TestSleepEndsWithContext(t *testing.T) {
 	assert.ErrorIs(t, Sleep(ctx, time.Hour), context.Canceled)
 	assert.NoError(t, Sleep(t.Context(), time.Millisecond))
 }
+
+// A streak's wait follows how long the failures have lasted: a burst of failures at one moment
+// waits Initial each (not Initial doubled per failure), later failures wait the streak's age up
+// to Max, and a success starts over.
+func TestStreakGrowsWithTimeNotCount(t *testing.T) {
+	t.Parallel()
+	p := Policy{Initial: 500 * time.Millisecond, Max: 30 * time.Second}
+	var s Streak
+	t0 := time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
+	for range 20 {
+		assert.Equal(t, 500*time.Millisecond, s.Failed(p, t0), "a burst escalated")
+	}
+	assert.Equal(t, 500*time.Millisecond, s.Failed(p, t0.Add(300*time.Millisecond)))
+	assert.Equal(t, 4*time.Second, s.Failed(p, t0.Add(4*time.Second)))
+	assert.Equal(t, 30*time.Second, s.Failed(p, t0.Add(10*time.Minute)))
+	s.Succeeded()
+	assert.Equal(t, 500*time.Millisecond, s.Failed(p, t0.Add(11*time.Minute)))
+
+	p.Jitter = 0.2
+	d := s.Failed(p, t0.Add(21*time.Minute))
+	assert.True(t, d > 24*time.Second && d <= 30*time.Second, "jittered wait %s", d)
+}

@@ -55,6 +55,9 @@ type Config struct {
 	// worker died between reading one and enqueueing its job again) and enqueues their jobs: a
 	// marker found unchanged by two sweeps in a row is offered again (default AckWait).
 	WakeupSweep time.Duration
+	// wakeupPause paces the jobs enqueued again after a failed lost-wakeup check
+	// (wakeupFailurePause; tests lengthen it).
+	wakeupPause backoff.Policy
 	// Grace is how long running jobs may take to finish once shutdown starts before their
 	// context is cancelled and they are nak'ed (default 20s).
 	Grace time.Duration
@@ -84,6 +87,9 @@ func (c Config) withDefaults() (Config, error) {
 	}
 	if c.Retry == (backoff.Policy{}) {
 		c.Retry = DefaultRetry()
+	}
+	if c.wakeupPause == (backoff.Policy{}) {
+		c.wakeupPause = wakeupFailurePause
 	}
 	return c, nil
 }

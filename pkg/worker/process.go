@@ -21,8 +21,11 @@ const (
 )
 
 // process runs one job, delivered in answer to a pull request sent at pulled, and settles its
-// message. handlerCtx ends when the grace period of a shutdown is over.
-func (r *Runner) process(handlerCtx context.Context, msg jetstream.Msg, pulled time.Time) {
+// message. handlerCtx ends when the grace period of a shutdown is over. What it returns, when not
+// nil, is the rest of the job's lost-wakeup check (a pause, then enqueueing the job again: see
+// checkWakeup), which the caller runs after it freed the job's slot, so that waits do not hold
+// slots that other jobs could use.
+func (r *Runner) process(handlerCtx context.Context, msg jetstream.Msg, pulled time.Time) (then func()) {
 	attempt := 1
 	if md, err := msg.Metadata(); err == nil && md.NumDelivered > 0 {
 		attempt = int(md.NumDelivered)
@@ -33,7 +36,7 @@ func (r *Runner) process(handlerCtx context.Context, msg jetstream.Msg, pulled t
 	}
 	if err != nil {
 		r.rejectSubject(handlerCtx, msg, attempt, pulled, err)
-		return
+		return nil
 	}
 	job := &Job{Group: group, DB: db, Attempt: attempt, wakeupSeq: natsjs.WakeupSeq(msg.Headers())}
 	log := r.log.WithFields(logrus.Fields{"db": db, "attempt": attempt})
@@ -48,7 +51,7 @@ func (r *Runner) process(handlerCtx context.Context, msg jetstream.Msg, pulled t
 		// The process stalled between the pull and now: another consumer may have the job.
 		log.WithError(ErrLeaseLost).Warn("job came after its lease ran out: not run, left for a redelivery")
 		r.observe(ResultRetry, 0)
-		return
+		return nil
 	}
 	ctx, cancel := context.WithCancelCause(withJob(handlerCtx, job))
 	defer cancel(nil)
@@ -67,8 +70,9 @@ func (r *Runner) process(handlerCtx context.Context, msg jetstream.Msg, pulled t
 	result := r.settle(handlerCtx, msg, job, herr, stopKeepAlive, log)
 	r.observe(result, took)
 	if result == ResultOK || result == ResultFailed {
-		r.checkWakeup(handlerCtx, job, log)
+		return r.checkWakeup(handlerCtx, job, log)
 	}
+	return nil
 }
 
 // runHandler calls the handler, turning a panic into a transient error.
@@ -240,8 +244,10 @@ func (r *Runner) observe(result string, d time.Duration) {
 	}
 }
 
-// wakeupFailurePause paces the jobs enqueued again because their lost-wakeup check failed.
-var wakeupFailurePause = backoff.Policy{Initial: 500 * time.Millisecond, Max: 30 * time.Second, Multiplier: 2, Jitter: 0.2}
+// wakeupFailurePause paces the jobs enqueued again because their lost-wakeup check failed, by
+// how long the checks have been failing (backoff.Streak): the jobs in flight when the wakeup
+// stream's leader moves all fail their check at once, and wait as one would.
+var wakeupFailurePause = backoff.Policy{Initial: 500 * time.Millisecond, Max: 30 * time.Second, Jitter: 0.2}
 
 // checkWakeup runs the lost-wakeup check of a settled job (acked, or terminated with a dead
 // letter): it reads the db's wakeup marker (one API request) and
@@ -254,23 +260,27 @@ var wakeupFailurePause = backoff.Policy{Initial: 500 * time.Millisecond, Max: 30
 //   - cannot read it: the job is offered again to be safe, after a pause that grows while checks
 //     keep failing (the wakeup stream missing, NATS down): a run must not follow a run without end.
 //
+// Enqueueing the job again, and the pause before it, are returned as then, for the caller to
+// run once the job's slot is free: a burst of failed checks (a NATS leader election) must not
+// leave the worker without slots for the pause's length.
+//
 // A marker is never deleted before a job that covers it is stored, so a process that dies here
 // loses nothing: the marker stays, and the sweep (sweepWakeups) offers its job again.
-func (r *Runner) checkWakeup(handlerCtx context.Context, job *Job, log logrus.FieldLogger) {
+func (r *Runner) checkWakeup(handlerCtx context.Context, job *Job, log logrus.FieldLogger) (then func()) {
 	ctx, cancel := context.WithTimeout(handlerCtx, settleTimeout)
 	seq, err := r.jobs.ReadWakeup(ctx, job.Group, job.DB)
 	cancel()
 	if err != nil {
-		n := r.wakeupFailures.Add(1)
-		delay := wakeupFailurePause.Delay(int(n))
+		delay := r.wakeupStreak.Failed(r.cfg.wakeupPause, time.Now())
 		log.WithError(err).WithField("delay", delay.String()).Warn("lost-wakeup check failed: enqueueing the job again to be safe")
-		if backoff.Sleep(handlerCtx, delay) != nil {
-			return
+		return func() {
+			if backoff.Sleep(handlerCtx, delay) != nil {
+				return
+			}
+			r.offerWakeup(handlerCtx, job, 0, log)
 		}
-		r.offerWakeup(handlerCtx, job, 0, log)
-		return
 	}
-	r.wakeupFailures.Store(0)
+	r.wakeupStreak.Succeeded()
 	switch {
 	case seq == 0:
 	case seq == job.wakeupSeq:
@@ -280,8 +290,9 @@ func (r *Runner) checkWakeup(handlerCtx context.Context, job *Job, log logrus.Fi
 			log.WithError(err).Debug("clear wakeup marker failed: the sweep offers the job once more than needed")
 		}
 	default:
-		r.offerWakeup(handlerCtx, job, seq, log)
+		return func() { r.offerWakeup(handlerCtx, job, seq, log) }
 	}
+	return nil
 }
 
 // readWakeupAtStart reads the db's wakeup marker before a redelivered job runs (postponed by

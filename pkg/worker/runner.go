@@ -45,9 +45,9 @@ type Runner struct {
 	log         logrus.FieldLogger
 	now         func() time.Time // the clock of job leases (a test moves it past AckWait)
 
-	inFlight       atomic.Int64
-	running        atomic.Bool
-	wakeupFailures atomic.Int64 // lost-wakeup checks failed in a row
+	inFlight     atomic.Int64
+	running      atomic.Bool
+	wakeupStreak backoff.Streak // lost-wakeup checks failing since
 }
 
 // New returns a runner for cfg.Group's durable consumer on the work stream. It looks the
@@ -241,8 +241,14 @@ func (r *Runner) pull(ctx, handlerCtx context.Context, n int, slots chan struct{
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			defer func() { r.inFlight.Add(-1); <-slots }()
-			r.process(handlerCtx, msg, pulled)
+			var then func()
+			func() {
+				defer func() { r.inFlight.Add(-1); <-slots }()
+				then = r.process(handlerCtx, msg, pulled)
+			}()
+			if then != nil {
+				then() // the job's slot is free again meanwhile
+			}
 		}()
 	}
 	release(slots, n-got)

@@ -12,6 +12,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/spiegel-nats/spiegel/pkg/backoff"
 	"github.com/spiegel-nats/spiegel/pkg/events"
 	"github.com/spiegel-nats/spiegel/pkg/natsjs"
 	"github.com/spiegel-nats/spiegel/pkg/natstest"
@@ -163,6 +164,29 @@ func TestWakeupCheckFailureRunsTheJobAgain(t *testing.T) {
 	close(release)
 	require.Eventually(t, func() bool { return rec.count() >= 2 }, waitFor, tick)
 	assert.Equal(t, events.ReasonWakeup, reasons(&rec, "unknown")[1])
+}
+
+// The pause after a failed lost-wakeup check does not hold the job's slot: with one slot and a
+// pause that outlasts the test, another db's job still runs. (The slots were held through the
+// pauses: a burst of failed checks during a NATS leader election stopped a worker's jobs for
+// up to 30 s.) The paused job is enqueued again once the pause is over.
+func TestWakeupCheckPauseFreesTheSlot(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 0)
+	running, release := make(chan struct{}), make(chan struct{})
+	var rec recorder
+	cfg := testConfig()
+	cfg.Concurrency = 1
+	cfg.wakeupPause = backoff.Policy{Initial: time.Hour, Max: time.Hour}
+	start(t, e.newRunner(t, nil, cfg, blockFirst(&rec, running, release, nil)))
+	e.publish(t, "first", events.TypeUpdated)
+	waitClosed(t, running, "the job did not start")
+	require.NoError(t, e.js.DeleteStream(t.Context(), e.topo.Subjects.WakeupStream()))
+	close(release)
+	e.publish(t, "second", events.TypeUpdated)
+	require.Eventually(t, func() bool { return len(reasons(&rec, "second")) == 1 }, waitFor, tick,
+		"the second job did not run while the first one's check paused")
+	assert.Len(t, reasons(&rec, "first"), 1, "the first job ran again before its pause was over")
 }
 
 // A worker that read a marker and then could not enqueue the job again (here: NATS refuses its
