@@ -188,7 +188,11 @@ type classHeal struct {
 	Kind        FaultKind
 	Faults      int
 	Max, Median time.Duration
-	Unhealed    []string // probes that never reached a destination, and why
+	// Slowest names the destination that was last for the class's slowest probe, and when each
+	// destination got that probe after its fault ended (0: before): where the time went.
+	Slowest              string
+	Target, Hook, Stream time.Duration
+	Unhealed             []string // probes that never reached a destination, and why
 }
 
 // summary returns the time to heal of every fault class that ran, in class order.
@@ -223,6 +227,17 @@ func (p *prober) summary() []classHeal {
 			continue
 		}
 		times[pr.Kind] = append(times[pr.Kind], d)
+		if d >= c.Max {
+			c.Max = d
+			after := func(at time.Duration) time.Duration { return max(0, at-pr.Ended) }
+			c.Target, c.Hook, c.Stream = after(pr.Target), after(pr.Hook), after(pr.Stream)
+			c.Slowest = "target"
+			if pr.Hook >= pr.Target && pr.Hook >= pr.Stream {
+				c.Slowest = "webhook"
+			} else if pr.Stream >= pr.Target {
+				c.Slowest = "stream"
+			}
+		}
 	}
 	var out []classHeal
 	for k := range numFaultKinds {
@@ -242,7 +257,11 @@ func (p *prober) summary() []classHeal {
 
 // String is one class's time to heal, as the verdict prints it.
 func (c classHeal) String() string {
-	s := fmt.Sprintf("%s max %s, median %s (%d)", c.Kind, c.Max.Round(100*time.Millisecond), c.Median.Round(100*time.Millisecond), c.Faults)
+	r := func(d time.Duration) time.Duration { return d.Round(100 * time.Millisecond) }
+	s := fmt.Sprintf("%s max %s, median %s (%d)", c.Kind, r(c.Max), r(c.Median), c.Faults)
+	if c.Slowest != "" && c.Max > 0 {
+		s += fmt.Sprintf(" [max: %s last; target %s, webhook %s, stream %s]", c.Slowest, r(c.Target), r(c.Hook), r(c.Stream))
+	}
 	if len(c.Unhealed) > 0 {
 		s += fmt.Sprintf(", %d not healed", len(c.Unhealed))
 	}
