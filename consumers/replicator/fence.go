@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"encoding/base64"
 	"errors"
 	"fmt"
 	"sync"
@@ -10,17 +11,31 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/spiegel-nats/spiegel/pkg/natsjs"
+	"github.com/spiegel-nats/spiegel/pkg/worker"
 )
 
 // fencePrefix starts the key of a native replication's fencing token in the checkpoint bucket.
 // The on_change keys there are two base64url tokens joined by a dot, never holding a '/'.
 const fencePrefix = "replication/"
 
+// fenceKey is the key of replication id's token: "replication/<id>.<db>", db (the job's, the
+// replication's source) base64url-encoded as in the on_change keys, so that dropping a deleted
+// db's cached checkpoints (checkpoint.CacheDropper: every "*.<db>" subject) drops its tokens
+// too. Without a job in ctx (no worker runs it), the key is "replication/<id>".
+func fenceKey(ctx context.Context, id string) string {
+	if job, ok := worker.FromContext(ctx); ok {
+		return fencePrefix + id + "." + base64.RawURLEncoding.EncodeToString([]byte(job.DB))
+	}
+	return fencePrefix + id
+}
+
 // kvFence keeps the fencing token of each native replication (replicate.Fence) as the revision
-// of a NATS key-value entry, "replication/<replication id>", in the bucket of the on_change
-// checkpoints: a run reads it when it starts and moves it by compare-and-set before each
-// checkpoint write, so a run that lost its job to a newer one cannot write its checkpoint over
-// the newer run's, on Apache CouchDB too (which does not check the revs of _local docs). The
+// of a NATS key-value entry (fenceKey) in the bucket of the on_change checkpoints: a run reads
+// it when it starts and moves it by compare-and-set before each checkpoint write, so a run that
+// lost its job to a newer one cannot write its checkpoint over the newer run's, on Apache
+// CouchDB too (which does not check the revs of _local docs). A deleted db's tokens go with its
+// cached checkpoints: nothing of it stays in the bucket, and a run of an earlier incarnation
+// cannot advance the token of a run of the db created again (the entry it read is gone). The
 // bucket is opened on first use; a missing one fails the run (run `producer install`).
 //
 // Every NATS request here has a deadline of its own (fenceTimeout), not the run's (up to
@@ -66,7 +81,7 @@ func (f *kvFence) Token(ctx context.Context, id string) (uint64, error) {
 	}
 	ctx, cancel := context.WithTimeout(ctx, fenceTimeout)
 	defer cancel()
-	e, err := kv.Get(ctx, fencePrefix+id)
+	e, err := kv.Get(ctx, fenceKey(ctx, id))
 	switch {
 	case errors.Is(err, jetstream.ErrKeyNotFound):
 		return 0, nil
@@ -87,9 +102,9 @@ func (f *kvFence) Advance(ctx context.Context, id string, token uint64) (uint64,
 	v := []byte(time.Now().UTC().Format(time.RFC3339Nano))
 	var next uint64
 	if token == 0 {
-		next, err = kv.Create(ctx, fencePrefix+id, v)
+		next, err = kv.Create(ctx, fenceKey(ctx, id), v)
 	} else {
-		next, err = kv.Update(ctx, fencePrefix+id, v, token)
+		next, err = kv.Update(ctx, fenceKey(ctx, id), v, token)
 	}
 	var apiErr *jetstream.APIError
 	switch {

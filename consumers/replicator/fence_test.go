@@ -10,8 +10,10 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/spiegel-nats/spiegel/pkg/checkpoint"
 	"github.com/spiegel-nats/spiegel/pkg/natsjs"
 	"github.com/spiegel-nats/spiegel/pkg/natstest"
+	"github.com/spiegel-nats/spiegel/pkg/worker"
 )
 
 // TestKVFence: the token of a replication is the revision of its key-value entry; a run that
@@ -102,4 +104,44 @@ func TestKVFenceLostAnswerHoldsNoOtherRun(t *testing.T) {
 	case <-time.After(2 * fenceTimeout):
 		t.Fatal("the run with the lost answer waited past fenceTimeout")
 	}
+}
+
+// A replication's token is keyed by its source db as well, so dropping a deleted db's cached
+// checkpoints drops its tokens: nothing of the db stays in the bucket, a run of the earlier
+// incarnation cannot advance the token any more, and other dbs keep theirs.
+func TestKVFenceTokensGoWithTheirDB(t *testing.T) {
+	t.Parallel()
+	ns := natstest.Start(t)
+	_, js := ns.Connect(t)
+	topo := natsjs.DefaultTopology("")
+	require.NoError(t, natsjs.Ensure(t.Context(), js, topo))
+	f := &kvFence{js: js, topo: topo}
+	gone := worker.ContextWithJob(t.Context(), &worker.Job{DB: "userdb-1"})
+	kept := worker.ContextWithJob(t.Context(), &worker.Job{DB: "userdb-2"})
+
+	old, ok, err := f.Advance(gone, "abc", 0)
+	require.NoError(t, err)
+	require.True(t, ok)
+	other, ok, err := f.Advance(kept, "def", 0)
+	require.NoError(t, err)
+	require.True(t, ok)
+
+	kv, err := natsjs.OnChangeBucket(t.Context(), js, topo)
+	require.NoError(t, err)
+	dropper, err := checkpoint.NewCacheDropper(t.Context(), js, kv)
+	require.NoError(t, err)
+	require.NoError(t, dropper.DropDB(t.Context(), "userdb-1"))
+
+	cur, err := f.Token(gone, "abc")
+	require.NoError(t, err)
+	assert.Zero(t, cur, "the deleted db's token is gone")
+	_, ok, err = f.Advance(gone, "abc", old)
+	require.NoError(t, err)
+	assert.False(t, ok, "a run of the deleted incarnation advanced a token")
+	cur, err = f.Token(kept, "def")
+	require.NoError(t, err)
+	assert.Equal(t, other, cur, "another db's token went too")
+	info, err := kv.Status(t.Context())
+	require.NoError(t, err)
+	assert.Equal(t, uint64(1), info.Values(), "entries left besides the other db's token")
 }

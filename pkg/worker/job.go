@@ -52,6 +52,10 @@ func FromContext(ctx context.Context) (*Job, bool) {
 	return j, ok
 }
 
+// ContextWithJob returns ctx carrying job, as a handler's context does: for code that a handler
+// calls, run outside a Runner (tests).
+func ContextWithJob(ctx context.Context, job *Job) context.Context { return withJob(ctx, job) }
+
 func withJob(ctx context.Context, j *Job) context.Context {
 	return context.WithValue(ctx, jobKey{}, j)
 }
