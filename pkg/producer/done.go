@@ -188,8 +188,6 @@ func (p *producer) forgetVanished(ctx context.Context, snap couch.Snapshot, done
 		}
 		p.log.WithField("db", db).Info("a db with completion records is gone (its deleted event never came): its records, cached checkpoints and mirror keys are dropped")
 		p.undone.Add(db)
-		if p.rules.Groups(db).Has(events.GroupOnChange) {
-			p.deleted.Add(db)
-		}
+		p.deleted.Add(db) // cached on_change checkpoints and fencing tokens
 	}
 }

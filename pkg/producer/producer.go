@@ -90,10 +90,10 @@ func (p *producer) handle(ctx context.Context, ev couch.DBEvent) error {
 	}
 	if ev.Type == couch.EventDeleted {
 		p.hot.Close(ev.DB, publisher.CloseDeleted)
-		if p.rules.Groups(ev.DB).Has(events.GroupOnChange) {
-			p.deleted.Add(ev.DB)
-		}
 		if p.rules.Groups(ev.DB) != 0 {
+			// Cached on_change checkpoints, and the native replications' fencing tokens, which
+			// share their bucket and their purge.
+			p.deleted.Add(ev.DB)
 			p.undone.Add(ev.DB)
 		}
 		return p.pub.Enqueue(ctx, ev.Seq, true, ev.DB, events.TypeDeleted, p.mirrorGroups(ev.DB))
