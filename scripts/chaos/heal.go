@@ -108,22 +108,67 @@ func (p *prober) ended(pr *probe, at time.Duration) {
 }
 
 // watch records when each written probe reaches each destination, every interval, until ctx ends.
+// The target is looked at in a loop of its own: the stream's catch-up can take seconds while
+// NATS elects a leader, and must not delay (and so lengthen) the target's times.
 func (p *prober) watch(ctx context.Context, interval time.Duration) {
+	go func() {
+		for sleepCtx(ctx, interval) == nil {
+			p.checkTargets(ctx)
+		}
+	}()
 	for sleepCtx(ctx, interval) == nil {
-		p.check(ctx)
+		p.checkStreams(ctx)
 	}
 }
 
 // check looks once for every written probe that has not reached all three destinations.
 func (p *prober) check(ctx context.Context) {
+	p.checkTargets(ctx)
+	p.checkStreams(ctx)
+}
+
+// openProbes returns copies of the written probes that miss a destination.
+func (p *prober) openProbes() []probe {
 	p.mu.Lock()
+	defer p.mu.Unlock()
 	var open []probe
 	for _, pr := range p.probes {
 		if pr.Rev != "" && (pr.Target == 0 || pr.Hook == 0 || pr.Stream == 0) {
 			open = append(open, *pr)
 		}
 	}
-	p.mu.Unlock()
+	return open
+}
+
+// checkTargets records the probes found on their replication target, each timed when its GET
+// answers.
+func (p *prober) checkTargets(ctx context.Context) {
+	for _, o := range p.openProbes() {
+		if o.Target != 0 {
+			continue
+		}
+		var doc struct {
+			Rev string `json:"_rev"`
+		}
+		status, err := p.r.couch.do(ctx, http.MethodGet, "/"+url.PathEscape(p.r.targetDB(o.DB))+"/"+o.ID, nil, &doc)
+		if err != nil || status != http.StatusOK || doc.Rev != o.Rev {
+			continue
+		}
+		at := p.r.since()
+		p.mu.Lock()
+		for _, pr := range p.probes {
+			if pr.DB == o.DB && pr.ID == o.ID && pr.Target == 0 {
+				pr.Target = at
+			}
+		}
+		p.mu.Unlock()
+	}
+}
+
+// checkStreams records the probes the webhook sink got and the change stream holds, at the
+// sink's and the message's own times.
+func (p *prober) checkStreams(ctx context.Context) {
+	open := p.openProbes()
 	if len(open) == 0 {
 		return
 	}
@@ -139,7 +184,6 @@ func (p *prober) check(ctx context.Context) {
 			}
 		}
 	}
-	now := p.r.since()
 	onRunClock := func(t time.Time) time.Duration { return max(t.Sub(p.r.started), 0).Round(time.Millisecond) }
 	for i := range open {
 		o := &open[i]
@@ -150,21 +194,12 @@ func (p *prober) check(ctx context.Context) {
 		if t, ok := stored[key]; ok && o.Stream == 0 {
 			o.Stream = onRunClock(t)
 		}
-		if o.Target == 0 {
-			var doc struct {
-				Rev string `json:"_rev"`
-			}
-			status, err := p.r.couch.do(ctx, http.MethodGet, "/"+url.PathEscape(p.r.targetDB(o.DB))+"/"+o.ID, nil, &doc)
-			if err == nil && status == http.StatusOK && doc.Rev == o.Rev {
-				o.Target = now
-			}
-		}
 	}
 	p.mu.Lock()
 	for _, o := range open {
 		for _, pr := range p.probes {
 			if pr.DB == o.DB && pr.ID == o.ID {
-				pr.Target, pr.Hook, pr.Stream = o.Target, o.Hook, o.Stream
+				pr.Hook, pr.Stream = o.Hook, o.Stream
 			}
 		}
 	}
