@@ -123,9 +123,9 @@ func (p *producer) sweepOnce(ctx context.Context, prev couch.Snapshot) (couch.Sn
 			}
 		}
 	}
-	log := p.log.WithFields(logrus.Fields{"dbs": len(snap), "enqueued": n, "first": examples})
+	log := p.log.WithFields(logrus.Fields{"dbs": len(snap), "due": n, "first": examples})
 	if n > 0 {
-		log.Info("reconciliation sweep enqueued the dbs not recorded done at their update_seq")
+		log.Info("reconciliation sweep offered the jobs of the dbs not recorded done at their update_seq (a job pending or running refuses the offer)")
 	} else {
 		log.Debug("reconciliation sweep found every matched db done")
 	}
