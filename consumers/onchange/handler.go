@@ -128,10 +128,14 @@ func (h *handler) handle(ctx context.Context, job *worker.Job) error {
 		return nil
 	}
 	ctx = withFences(ctx) // this job's view of the subjects it publishes to (see fence.go)
+	pages := newPageShare(ctx, len(rs), func(ctx context.Context, since string) pageRead {
+		page, err := h.couch.Changes(ctx, job.DB, couch.ChangesOptions{Since: since, Limit: h.batchSize, IncludeDocs: true})
+		return pageRead{page, err}
+	})
 	results := make([]ruleResult, len(rs))
 	var wg sync.WaitGroup
 	for i, r := range rs {
-		wg.Go(func() { results[i] = h.runRule(ctx, job.DB, r) })
+		wg.Go(func() { results[i] = h.runRule(ctx, job.DB, r, pages.reader()) })
 	}
 	wg.Wait()
 	for i, res := range results {
@@ -168,7 +172,7 @@ func (h *handler) handle(ctx context.Context, job *worker.Job) error {
 // read, and a checkpoint is written while the next page is acted on. Only one checkpoint write
 // is in flight at a time, and runRule returns only once the last one is stored (or failed: the
 // result then names the last stored seq and the error).
-func (h *handler) runRule(ctx context.Context, db string, rule *rules.OnChange) ruleResult {
+func (h *handler) runRule(ctx context.Context, db string, rule *rules.OnChange, pages *pageReader) ruleResult {
 	log := h.log.WithFields(logrus.Fields{"db": db, "rule": rule.ID()})
 	cp, since, err := h.start(ctx, db, rule)
 	if errors.Is(err, couch.ErrNotFound) {
@@ -202,7 +206,7 @@ func (h *handler) runRule(ctx context.Context, db string, rule *rules.OnChange) 
 	// before anything of that page is acted on (see checkpoint.OnChangeStore.Verify).
 	verifying := h.verify(ctx, cps.cp)
 	streamChecked := false // the subject's stream was checked for lost changes (healStream)
-	readFrom, pending := since, h.readPage(ctx, db, since)
+	readFrom, pending := since, pages.page(since)
 	for {
 		cur, ok := h.current(rule.ID(), db)
 		if !ok {
@@ -222,7 +226,7 @@ func (h *handler) runRule(ctx context.Context, db string, rule *rules.OnChange) 
 			}
 		}
 		if pending == nil || readFrom != since { // no page read ahead, or one that starts elsewhere
-			readFrom, pending = since, h.readPage(ctx, db, since)
+			readFrom, pending = since, pages.page(since)
 		}
 		got := <-pending
 		pending = nil // used up: a page read twice is read again (starting over may come back to the same seq)
@@ -269,7 +273,7 @@ func (h *handler) runRule(ctx context.Context, db string, rule *rules.OnChange) 
 		}
 		full := h.batchSize <= 0 || len(page.Results) >= h.batchSize
 		if full && page.LastSeq != "" {
-			readFrom, pending = page.LastSeq, h.readPage(ctx, db, page.LastSeq)
+			readFrom, pending = page.LastSeq, pages.page(page.LastSeq)
 		}
 		b := h.processBatch(ctx, db, rule, since, replay, page.Results, log)
 		next := since
@@ -355,16 +359,6 @@ func (h *handler) caughtUp(ctx context.Context, cps *checkpointWriter, log logru
 type pageRead struct {
 	page couch.ChangesPage
 	err  error
-}
-
-// readPage reads the page of db's changes after since in the background.
-func (h *handler) readPage(ctx context.Context, db, since string) <-chan pageRead {
-	out := make(chan pageRead, 1)
-	go func() {
-		page, err := h.couch.Changes(ctx, db, couch.ChangesOptions{Since: since, Limit: h.batchSize, IncludeDocs: true})
-		out <- pageRead{page, err}
-	}()
-	return out
 }
 
 // checkpointWriter writes one rule's checkpoints in a db in the background, one at a time and in
