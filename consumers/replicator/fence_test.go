@@ -16,15 +16,21 @@ import (
 	"github.com/spiegel-nats/spiegel/pkg/worker"
 )
 
-// TestKVFence: the token of a replication is the revision of its key-value entry; a run that
-// read it advances it once, and a run that read it before cannot advance it any more.
-func TestKVFence(t *testing.T) {
-	t.Parallel()
+// newKVFence returns a fence on a NATS server of its own with the topology installed.
+func newKVFence(t *testing.T) *kvFence {
+	t.Helper()
 	ns := natstest.Start(t)
 	_, js := ns.Connect(t)
 	topo := natsjs.DefaultTopology("")
 	require.NoError(t, natsjs.Ensure(t.Context(), js, topo))
-	f := &kvFence{js: js, topo: topo}
+	return &kvFence{js: js, topo: topo}
+}
+
+// TestKVFence: the token of a replication is the revision of its key-value entry; a run that
+// read it advances it once, and a run that read it before cannot advance it any more.
+func TestKVFence(t *testing.T) {
+	t.Parallel()
+	f := newKVFence(t)
 	ctx := t.Context()
 
 	stale, err := f.Token(ctx, "abc")
@@ -111,11 +117,8 @@ func TestKVFenceLostAnswerHoldsNoOtherRun(t *testing.T) {
 // incarnation cannot advance the token any more, and other dbs keep theirs.
 func TestKVFenceTokensGoWithTheirDB(t *testing.T) {
 	t.Parallel()
-	ns := natstest.Start(t)
-	_, js := ns.Connect(t)
-	topo := natsjs.DefaultTopology("")
-	require.NoError(t, natsjs.Ensure(t.Context(), js, topo))
-	f := &kvFence{js: js, topo: topo}
+	f := newKVFence(t)
+	js, topo := f.js, f.topo
 	gone := worker.ContextWithJob(t.Context(), &worker.Job{DB: "userdb-1"})
 	kept := worker.ContextWithJob(t.Context(), &worker.Job{DB: "userdb-2"})
 
