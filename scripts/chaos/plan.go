@@ -352,9 +352,13 @@ func planFaults(cfg Config) []Fault {
 			f.Lag = time.Duration(2000+r.IntN(6000)) * time.Millisecond
 			f.Down = time.Duration(500+r.IntN(2000)) * time.Millisecond
 		case FaultCouchNode:
-			// Any node but the last, which the run's own requests use; down long enough for
-			// the processes to move to another node and work there.
+			// Any node but the last, which the run's own requests use; the required one kills
+			// the first, which the processes use until it fails. Down long enough for the
+			// processes to move to another node and work there.
 			f.Target = r.IntN(cfg.CouchNodes - 1)
+			if isRequired {
+				f.Target = 0
+			}
 			f.Down = time.Duration(5000+r.IntN(20000)) * time.Millisecond
 		case FaultRotatePasswords:
 			if at-lastRotation < rotationGap {

@@ -169,8 +169,8 @@ func TestPlanPartitionsAndStoreLoss(t *testing.T) {
 }
 
 // With CHAOS_COUCHDB_NODE_CMD and a cluster's nodes in CHAOS_COUCHDB_URL, the plan kills CouchDB
-// nodes: at least one, never the last node (the run's own requests use it), each down long enough
-// for the processes to move to another node. A node list without the command plans as one
+// nodes: node 1 (the processes use it first) among them, never the last node (the run's own
+// requests use it), each down long enough for the processes to move to another node. A node list without the command plans as one
 // server does.
 func TestPlanCouchNodeKill(t *testing.T) {
 	t.Parallel()
@@ -197,6 +197,7 @@ func TestPlanCouchNodeKill(t *testing.T) {
 			assert.Less(t, f.Down, 25*time.Second)
 		}
 		assert.Positive(t, kills, "seed %d: no node killed", seed)
+		assert.True(t, targets[0], "seed %d: node 1, which the processes use first, never killed", seed)
 		if kills > 3 {
 			assert.Len(t, targets, 2, "seed %d: %d kills, always the same node", seed, kills)
 		}
