@@ -109,8 +109,18 @@ func (p *outageProxy) pipe(c net.Conn) {
 	go cp(up, c)
 	go cp(c, up)
 	<-done
-	_ = c.Close()
-	_ = up.Close()
+	// During a cut the other side is reset too, not closed: a cut that reset one side first
+	// would otherwise end the pipe with a FIN on the other before the cut got to it.
+	p.mu.Lock()
+	cutting := p.resetNew
+	p.mu.Unlock()
+	if cutting {
+		resetConn(c)
+		resetConn(up)
+	} else {
+		_ = c.Close()
+		_ = up.Close()
+	}
 	<-done
 	p.mu.Lock()
 	delete(p.conns, c)
