@@ -56,13 +56,24 @@ func (r *run) commonEnv() []string {
 	)
 }
 
-// install runs `producer install` (streams with 3 replicas) — up to three times, as an operator
-// would on a timeout of a freshly formed cluster: install is idempotent — and writes the three
-// rules.
+// install runs `producer install` (streams with 3 replicas) — again, 2 s later, while it fails
+// for up to 90 s, as an operator would with a freshly formed cluster: install is idempotent —
+// and writes the rules.
 func (r *run) install(ctx context.Context) error {
 	logPath := filepath.Join(r.logDir, "producer-install.log")
 	var err error
-	for attempt := 1; attempt <= 3; attempt++ {
+	// A cluster that formed moments ago may answer at once that a peer is offline ("no suitable
+	// peers for placement"): the attempts are paced, 2 s apart, 90 s in all at most.
+	deadline := time.Now().Add(90 * time.Second)
+	for attempt := 1; ; attempt++ {
+		if attempt > 1 {
+			if time.Now().After(deadline) {
+				break
+			}
+			if serr := sleepCtx(ctx, 2*time.Second); serr != nil {
+				break
+			}
+		}
 		cctx, cancel := context.WithTimeout(ctx, 60*time.Second)
 		// --timeout: a freshly formed cluster may take a while to elect its meta leader.
 		cmd := exec.CommandContext(cctx, filepath.Join(r.cfg.Root, "bin", "producer"), "install", "--timeout", "45s")
