@@ -54,21 +54,35 @@ func BenchmarkMirrorPage(b *testing.B) {
 // its write, once per key.
 type racingKV struct {
 	jetstream.KeyValue
-	mu      sync.Mutex
-	raced   map[string]bool
-	updates int
+	keyRace // over the updates
+}
+
+// keyRace counts a fault-injecting bucket's writes and tells which is a key's first: the one
+// raced.
+type keyRace struct {
+	mu     sync.Mutex
+	raced  map[string]bool
+	writes int
+}
+
+// first records a write of key and reports whether it is the key's first.
+func (k *keyRace) first(key string) bool {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	if k.raced == nil {
+		k.raced = map[string]bool{}
+	}
+	first := !k.raced[key]
+	k.raced[key] = true
+	k.writes++
+	return first
 }
 
 func (r *racingKV) Update(ctx context.Context, key string, value []byte, last uint64) (uint64, error) {
 	if last == 0 { // a creation: not raced here (see deletingKV)
 		return r.KeyValue.Update(ctx, key, value, last)
 	}
-	r.mu.Lock()
-	first := !r.raced[key]
-	r.raced[key] = true
-	r.updates++
-	r.mu.Unlock()
-	if first {
+	if r.first(key) {
 		if _, err := r.KeyValue.Put(ctx, key, []byte(`{"_rev":"9-other"}`)); err != nil {
 			return 0, err
 		}
@@ -80,18 +94,12 @@ func (r *racingKV) Update(ctx context.Context, key string, value []byte, last ui
 // deleted doc) between the mirror's read and its first write of that key, leaving a delete marker.
 type deletingKV struct {
 	jetstream.KeyValue
-	mu      sync.Mutex
-	raced   map[string]bool
+	keyRace
 	refused int
-	writes  int
 }
 
 func (d *deletingKV) write(ctx context.Context, key string, w func() (uint64, error)) (uint64, error) {
-	d.mu.Lock()
-	first := !d.raced[key]
-	d.raced[key] = true
-	d.writes++
-	d.mu.Unlock()
+	first := d.first(key)
 	if first {
 		if err := d.KeyValue.Delete(ctx, key); err != nil {
 			return 0, err
@@ -147,7 +155,7 @@ func mirrorTestHandler(t *testing.T, wrap func(jetstream.KeyValue) jetstream.Key
 func TestMirrorWriteAfterADeleteIsRefused(t *testing.T) {
 	var del *deletingKV
 	h, oc, _, log := mirrorTestHandler(t, func(b jetstream.KeyValue) jetstream.KeyValue {
-		del = &deletingKV{KeyValue: b, raced: map[string]bool{}}
+		del = &deletingKV{KeyValue: b}
 		return del
 	})
 	page := make([]couch.Change, 3)
@@ -167,7 +175,7 @@ func TestMirrorWriteAfterADeleteIsRefused(t *testing.T) {
 // retried over a fresh read, so the change's revision ends in the key and the other write is not
 // lost silently in between.
 func TestMirrorWritesAreConditional(t *testing.T) {
-	race := &racingKV{raced: map[string]bool{}}
+	race := &racingKV{}
 	h, oc, js, log := mirrorTestHandler(t, func(b jetstream.KeyValue) jetstream.KeyValue {
 		race.KeyValue = b
 		return race
@@ -199,7 +207,7 @@ func TestMirrorWritesAreConditional(t *testing.T) {
 	require.NoError(t, res.err)
 	require.Equal(t, 5, res.done)
 	assert.Len(t, race.raced, 5)
-	assert.Equal(t, 10, race.updates, "each raced update failed and was retried over a fresh read")
+	assert.Equal(t, 10, race.writes, "each raced update failed and was retried over a fresh read")
 	kv, err := js.KeyValue(t.Context(), "M")
 	require.NoError(t, err)
 	for j := range 5 {
