@@ -1,6 +1,7 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -14,6 +15,7 @@ import (
 	"github.com/spiegel-nats/spiegel/pkg/consumer"
 	"github.com/spiegel-nats/spiegel/pkg/couch"
 	"github.com/spiegel-nats/spiegel/pkg/metrics"
+	"github.com/spiegel-nats/spiegel/pkg/reconcile"
 	"github.com/spiegel-nats/spiegel/pkg/rules"
 	"github.com/spiegel-nats/spiegel/pkg/status"
 	"github.com/spiegel-nats/spiegel/pkg/webhook"
@@ -90,6 +92,7 @@ func newHandler(app consumer.Deps, cfg *config.OnChange) *handler {
 type ruleResult struct {
 	seq      string // the rule's checkpoint when it stopped
 	caughtUp bool   // every change up to the end of the feed was acted on
+	end      string // with caughtUp: the feed's last_seq where the rule found its end
 	retryIn  time.Duration
 	deferErr error // why the rule deferred (with retryIn)
 	err      error // a transient failure: the job must run again
@@ -140,6 +143,9 @@ func (h *handler) handle(ctx context.Context, job *worker.Job) error {
 	wg.Wait()
 	for i, res := range results {
 		h.record(rs[i].ID(), res)
+		if res.caughtUp {
+			reconcile.Vouch(ctx, res.end) // the completion record (reconcile.Recorder.Wrap)
+		}
 	}
 
 	var errs []error
@@ -269,7 +275,7 @@ func (h *handler) runRule(ctx context.Context, db string, rule *rules.OnChange, 
 			return finish(ruleResult{err: fmt.Errorf("rule %s: %w", rule.ID(), err)})
 		}
 		if len(page.Results) == 0 {
-			return finish(h.caughtUp(ctx, cps, log))
+			return finish(h.caughtUp(ctx, cps, cmp.Or(page.LastSeq, since), log))
 		}
 		full := h.batchSize <= 0 || len(page.Results) >= h.batchSize
 		if full && page.LastSeq != "" {
@@ -299,7 +305,7 @@ func (h *handler) runRule(ctx context.Context, db string, rule *rules.OnChange, 
 			// A short page is the end of the feed as it was read: no need to ask again for an
 			// empty one. A change landing after it left a wakeup marker, which the worker's
 			// lost-wakeup check takes after the ack to run the db again (natsjs.Jobs.Offer).
-			return finish(h.caughtUp(ctx, cps, log))
+			return finish(h.caughtUp(ctx, cps, next, log))
 		}
 	}
 }
@@ -336,13 +342,13 @@ func replayOf(cp checkpoint.OnChangePoint) string {
 // caughtUp is the result of a run that reached the end of the feed. A replay under way ends
 // there: the checkpoint records it (once), so that later changes are first publications again
 // and `producer replay` sees the replay done.
-func (h *handler) caughtUp(ctx context.Context, cps *checkpointWriter, log logrus.FieldLogger) ruleResult {
+func (h *handler) caughtUp(ctx context.Context, cps *checkpointWriter, end string, log logrus.FieldLogger) ruleResult {
 	if err := cps.wait(); err != nil {
 		return ruleResult{err: err}
 	}
 	id, active := cps.cp.Replay()
 	if !active {
-		return ruleResult{caughtUp: true}
+		return ruleResult{caughtUp: true, end: end}
 	}
 	if !worker.Held(ctx) {
 		return ruleResult{err: worker.ErrLeaseLost}
@@ -352,7 +358,7 @@ func (h *handler) caughtUp(ctx context.Context, cps *checkpointWriter, log logru
 		return ruleResult{err: err}
 	}
 	log.WithField("replay", id).Info("replay reached the end of the feed")
-	return ruleResult{caughtUp: true}
+	return ruleResult{caughtUp: true, end: end}
 }
 
 // pageRead is the outcome of one _changes page read.

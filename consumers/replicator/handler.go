@@ -96,15 +96,13 @@ func (h *replicator) handle(ctx context.Context, job *worker.Job) error {
 		}
 		job.Postponed = 1 // the first delivery was the delay, not a failure
 	}
+	var sourceSeq string // the source's update_seq read before a couchdb-engine run
 	if h.needsSourceCheck(rs) {
 		// The couchdb engine asks the server's _replicate, which on PouchDB Server silently
 		// creates a missing source: check first. The native engine tells a missing source
-		// itself, without this request. The info the completion recorder read before the run
-		// serves (reconcile.StartInfo): no second request.
-		_, ok, err := reconcile.StartInfo(ctx)
-		if !ok {
-			_, err = h.dbs.DBInfo(ctx, job.DB)
-		}
+		// itself, without this request. The update_seq read here is what a successful
+		// _replicate vouches for (the run replicates at least up to it).
+		info, err := h.dbs.DBInfo(ctx, job.DB)
 		if errors.Is(err, couch.ErrNotFound) {
 			h.missingSource(rs, log)
 			return nil
@@ -112,6 +110,7 @@ func (h *replicator) handle(ctx context.Context, job *worker.Job) error {
 		if err != nil {
 			return err // transient: the watched server did not answer
 		}
+		sourceSeq = info.UpdateSeq
 	}
 
 	var failures []error
@@ -119,7 +118,7 @@ func (h *replicator) handle(ctx context.Context, job *worker.Job) error {
 		if err := ctx.Err(); err != nil {
 			return err
 		}
-		if err := h.runRule(ctx, job, r, log.WithField("rule", r.ID())); err != nil {
+		if err := h.runRule(ctx, job, r, sourceSeq, log.WithField("rule", r.ID())); err != nil {
 			failures = append(failures, err)
 		}
 	}
@@ -150,8 +149,11 @@ func (h *replicator) missingSource(rs []*rules.Replicator, log logrus.FieldLogge
 }
 
 // runRule runs one rule for job.DB. It returns an error only for a transient failure; a
-// permanent one is logged and dead-lettered here.
-func (h *replicator) runRule(ctx context.Context, job *worker.Job, r *rules.Replicator, log logrus.FieldLogger) error {
+// permanent one is logged and dead-lettered here. A success vouches for the position of the
+// source it replicated up to (reconcile.Vouch: the native engine's end of the feed, or
+// sourceSeq, read before a _replicate); a permanent failure settles the db
+// (reconcile.Settled), so that the sweep does not run it again only to fail the same way.
+func (h *replicator) runRule(ctx context.Context, job *worker.Job, r *rules.Replicator, sourceSeq string, log logrus.FieldLogger) error {
 	engineName := h.engineName(r)
 	log = log.WithField("engine", engineName)
 	eng, ok := h.engines[engineName]
@@ -173,6 +175,11 @@ func (h *replicator) runRule(ctx context.Context, job *worker.Job, r *rules.Repl
 	cancel()
 
 	if err == nil {
+		if engineName == rules.EngineNative {
+			reconcile.Vouch(ctx, res.FeedEnd)
+		} else {
+			reconcile.Vouch(ctx, sourceSeq)
+		}
 		h.metrics.Replication(engineName, "ok", res.DocsWritten, took)
 		h.status.RuleRun(r.ID(), status.ResultOK, nil)
 		l := log.WithFields(logrus.Fields{"docs_written": res.DocsWritten, "no_changes": res.NoChanges, "duration_ms": took.Milliseconds()})
@@ -241,6 +248,7 @@ func (h *replicator) giveUp(ctx context.Context, job *worker.Job, r *rules.Repli
 	}
 	h.status.RuleRun(r.ID(), status.ResultFailed, errors.New(rec.Error))
 	h.metrics.DeadLetter(events.GroupReplicate)
+	reconcile.Settled(ctx)
 	log.WithError(cause).Error("replication failed permanently: dead letter recorded; it runs again on the db's next change")
 	return nil
 }

@@ -173,7 +173,7 @@ func (e nativeEngine) Replicate(ctx context.Context, body map[string]any, secret
 	res, err := replicate.Run(ctx, opt, e.log)
 	if err == nil {
 		return result{DocsWritten: res.DocsWritten, DocWriteFailures: res.DocWriteFailures,
-			NoChanges: res.NoChanges, SessionID: res.SessionID}, nil
+			NoChanges: res.NoChanges, SessionID: res.SessionID, FeedEnd: res.FeedEnd}, nil
 	}
 	msg := scrub(err.Error(), secrets)
 	var he *couch.HTTPError

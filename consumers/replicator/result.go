@@ -18,6 +18,10 @@ type result struct {
 	NoChanges bool
 	// SessionID is CouchDB's session id ("" on PouchDB Server).
 	SessionID string
+	// FeedEnd is where the run found the end of the source's changes feed, every change before
+	// it replicated (the native engine; "" for the server's _replicate, whose caller vouches
+	// for the update_seq it read before).
+	FeedEnd string
 }
 
 // errNotOK is returned by parseResult for a 2xx answer that does not say ok.

@@ -178,9 +178,9 @@ func OpenWith(ctx context.Context, cfg *config.Consumer, group events.Group, log
 // Run follows the rules, serves health and metrics on httpAddr, reloads the passwords file on
 // SIGHUP, registers the process's NATS service (status.Register: spiegel-replicator or
 // spiegel-onchange), and runs h on the group's jobs until ctx ends; then it lets running jobs
-// finish within the grace period, naks the rest, stops the service and drains NATS. Each job
-// reads its db's update_seq first and records it after a success, for the producer's
-// reconciliation sweep (reconcile.Recorder.Wrap).
+// finish within the grace period, naks the rest, stops the service and drains NATS. Each
+// successful job records the position of its db's feed that h vouched for, for the producer's
+// reconciliation sweep (reconcile.Recorder.Wrap, reconcile.Vouch).
 func (a *App) Run(ctx context.Context, httpAddr string, h worker.Handler) error {
 	h = a.done.Wrap(h)
 	defer func() { _ = a.nc.Drain() }()

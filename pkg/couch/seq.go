@@ -10,8 +10,9 @@ import (
 // Seq is a CouchDB sequence value kept as an opaque string. CouchDB 2+ sends strings
 // ("12-g1AAAA…"), PouchDB Server sends integers (12): both decode into a Seq holding the string's
 // content or the number's literal text ("12"). Arrays and objects (BigCouch-era seqs) keep their
-// compact JSON text. null decodes to "". A Seq is never parsed for logic: compare it only for
-// equality and send it back to the server as it is (the `since` parameter).
+// compact JSON text. null decodes to "". A Seq is sent back to the server as it is (the `since`
+// parameter) and otherwise compared only for equality, or with Covers, which tells whether one
+// position includes another where the seqs themselves say so.
 type Seq string
 
 // String returns the seq as sent back to the server.

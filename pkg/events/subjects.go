@@ -65,8 +65,9 @@ func (s Subjects) ChangesStream() string { return s.streamBase() + "_CHANGES" }
 // SPIEGEL_ONCHANGE (its stream is KV_SPIEGEL_ONCHANGE).
 func (s Subjects) OnChangeBucket() string { return s.streamBase() + "_ONCHANGE" }
 
-// DoneBucket is the key-value bucket of completion records, one per (group, db): the update_seq
-// of the db that a job of the group last processed (see package reconcile): SPIEGEL_DONE (its
+// DoneBucket is the key-value bucket of completion records, one per (group, db): the position of
+// the db's changes feed that a job of the group last processed everything up to (see package
+// reconcile): SPIEGEL_DONE (its
 // stream is KV_SPIEGEL_DONE).
 func (s Subjects) DoneBucket() string { return s.streamBase() + "_DONE" }
 

@@ -9,7 +9,8 @@ import (
 )
 
 // DoneBucketConfig is the bucket of completion records (package reconcile): one value per
-// (group, db), the db's update_seq that the group's last successful job started from. It is
+// (group, db), the position of the db's feed that the group's last successful job acted on
+// everything up to. It is
 // an accelerator like every NATS state of the service: losing it costs one job per matched db,
 // never a change (the producer's sweep enqueues every db whose record is missing).
 func (t Topology) DoneBucketConfig() jetstream.KeyValueConfig {

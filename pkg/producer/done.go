@@ -132,7 +132,7 @@ func (p *producer) sweepOnce(ctx context.Context, prev couch.Snapshot) (couch.Sn
 	return snap, nil
 }
 
-// stillDue returns those of due whose record of db, read again now, still differs from seq. A
+// stillDue returns those of due whose record of db, read again now, still does not cover seq. A
 // job that succeeded after the sweep read the records is not run again: right after a start,
 // the sweep finds no record for the dbs whose rule catch-up jobs are queued or running, and by
 // the time it enqueues the last of 10,000 dbs, thousands of those jobs are done (each of them
@@ -141,7 +141,7 @@ func (p *producer) sweepOnce(ctx context.Context, prev couch.Snapshot) (couch.Sn
 func (p *producer) stillDue(ctx context.Context, db, seq string, due []events.Group) []events.Group {
 	out := due[:0:0]
 	for _, g := range due {
-		if rec, err := p.done.records.Get(ctx, g, db); err == nil && rec == seq {
+		if rec, err := p.done.records.Get(ctx, g, db); err == nil && reconcile.Covered(rec, seq) {
 			continue
 		}
 		out = append(out, g)

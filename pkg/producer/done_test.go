@@ -66,9 +66,16 @@ func TestSweepSkipsDoneDBs(t *testing.T) {
 		require.NoError(t, p.pub.Flush(ctx))
 		return snap
 	}
-	// A consumer's run of each db: the recorder reads the update_seq, the handler succeeds.
+	// A consumer's run of each db: the handler reads the feed to its end and vouches for it.
+	cc := couchClient(t, e.Couch.URL)
 	process := func(db string) {
-		h := reconcile.NewRecorder(couchClient(t, e.Couch.URL), records, p.log).Wrap(func(context.Context, *worker.Job) error { return nil })
+		h := reconcile.NewRecorder(cc, records, p.log).Wrap(func(ctx context.Context, job *worker.Job) error {
+			page, err := cc.Changes(ctx, job.DB, couch.ChangesOptions{})
+			if err == nil {
+				reconcile.Vouch(ctx, page.LastSeq)
+			}
+			return err
+		})
 		require.NoError(t, h(ctx, &worker.Job{Group: events.GroupReplicate, DB: db}))
 	}
 

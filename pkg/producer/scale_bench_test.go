@@ -154,7 +154,7 @@ type streamLeft struct {
 // matching, publish pipeline, hot-feed bookkeeping, deleted-db cleanup, sweep) follows a fake
 // _db_updates of N distinct dbs (scaleCouch) matched by one pattern rule, into JetStream
 // installed as `producer install` installs it; then consumer job paths (worker.Runner under
-// reconcile.Recorder.Wrap: GET /{db}, a handler that does nothing, the completion record put,
+// reconcile.Recorder.Wrap: a handler that only vouches for the db's seq, the completion record put,
 // the wakeup check) run the N jobs; then one sweep runs; then a tenth of the dbs change while
 // their job runs (a wakeup marker each, a second run); then every db is deleted. Per N it
 // reports events/s, jobs/s, heap per db, goroutines, JetStream API requests per job, per changed
@@ -361,6 +361,9 @@ func runScale(b *testing.B, n, consumers int) scalePoint {
 					// JetStream refuses as a duplicate, and leaves a wakeup marker.
 					return p.pub.EnqueueWait(ctx, job.DB, events.TypeUpdated, []events.Group{events.GroupOnChange})
 				}
+			}
+			if i, ok := fake.index(job.DB); ok {
+				reconcile.Vouch(ctx, fake.updSeq[i]) // as a handler whose read reached the feed's end
 			}
 			return nil
 		}), log)

@@ -2,6 +2,8 @@ package reconcile
 
 import (
 	"context"
+	"errors"
+	"sync"
 	"time"
 
 	"github.com/sirupsen/logrus"
@@ -31,48 +33,114 @@ type Recorder struct {
 	log     logrus.FieldLogger
 }
 
-// NewRecorder returns a recorder reading db infos from dbs and writing into records.
+// NewRecorder returns a recorder writing into records; dbs serves the read after a Settled job.
 func NewRecorder(dbs dbInfoReader, records recordPutter, log logrus.FieldLogger) *Recorder {
 	return &Recorder{dbs: dbs, records: records, log: log}
 }
 
-// startKey carries the db info read before the handler ran (see StartInfo).
-type startKey struct{}
+// vouchKey carries a job's vouchers (see Vouch, Settled).
+type vouchKey struct{}
 
-type start struct {
-	info couch.DBInfo
-	err  error
+// vouchers collects what a handler vouched for during one job.
+type vouchers struct {
+	mu      sync.Mutex
+	seqs    []string
+	settled bool
 }
 
-// StartInfo returns the info of the job's db that Wrap read before the handler ran, or the
-// error of that read; ok is false when the handler does not run under Wrap. A handler that
-// needs the db's info before it starts (the replicator's source check) uses it instead of a
-// request of its own.
-func StartInfo(ctx context.Context) (info couch.DBInfo, ok bool, err error) {
-	s, ok := ctx.Value(startKey{}).(start)
-	return s.info, ok, s.err
+// Vouch tells the recorder of ctx's job that the handler acted on every change of the job's db
+// up to seq: the last_seq of a read of the db's changes feed that reached its end (a short or
+// empty page), taken once the changes before it were done. A handler calls it once for each
+// part of the job that got there (each rule); after a success the recorder records the earliest
+// of them, the position every part has passed (couch.Covers; when the seqs cannot be ordered,
+// nothing is recorded). Outside Wrap it does nothing.
+func Vouch(ctx context.Context, seq string) {
+	if v, ok := ctx.Value(vouchKey{}).(*vouchers); ok && seq != "" {
+		v.mu.Lock()
+		v.seqs = append(v.seqs, seq)
+		v.mu.Unlock()
+	}
 }
 
-// Wrap returns h recording, after each success, the update_seq of the job's db as read before h
-// ran (GET /{db}): h saw every change up to it. The read comes first, not beside h's first
-// request: a write landing between h's read of the db and a parallel info read would be recorded
-// as done without having been processed, and if NATS then lost its wakeup too the sweep would
-// not heal it. A failed read does not fail the job: h runs and nothing is recorded (the next
-// sweep enqueues the db once more). Nothing is recorded after a failure, a postponement
-// (worker.RetryAfter), a missing db, or once the job's lease is lost (a holder that cannot renew
-// has no side effects); a failed put is logged, and the job still succeeds.
+// Settled tells the recorder of ctx's job that the handler stopped without reading the feed to
+// its end for a reason that running the db again cannot fix (a rule that failed permanently
+// and recorded a dead letter; it runs again on the db's next change). When nothing was vouched,
+// the recorder then records the db's update_seq as read after the handler, so that the sweep
+// does not run the db again for nothing.
+func Settled(ctx context.Context) {
+	if v, ok := ctx.Value(vouchKey{}).(*vouchers); ok {
+		v.mu.Lock()
+		v.settled = true
+		v.mu.Unlock()
+	}
+}
+
+// Earliest returns the seq of seqs that each of the others covers (couch.Covers), or false when
+// there is none: seqs that cannot be ordered (copies of different nodes), or none at all.
+func Earliest(seqs []string) (string, bool) {
+	for _, s := range seqs {
+		first := true
+		for _, o := range seqs {
+			if !couch.Covers(couch.Seq(o), couch.Seq(s)) {
+				first = false
+				break
+			}
+		}
+		if first {
+			return s, true
+		}
+	}
+	return "", false
+}
+
+// Wrap returns h recording, after each success, the position of the job's db that h vouched
+// for (Vouch): h acted on every change up to it. That is a _changes last_seq, read after the
+// job began, so a write that lands while h runs is either before it (and acted on) or after
+// it (and the record, which the sweep compares with the db's update_seq by couch.Covers, says
+// the db is due). No request of the recorder's own: the feed's end is read by the handler
+// anyway. When h vouched nothing and said the db is Settled, the db's update_seq is read after
+// h and recorded. Nothing is recorded after a failure, a postponement (worker.RetryAfter), a
+// missing db (nothing vouched), or once the job's lease is lost (a holder that cannot renew has
+// no side effects); a failed put or read is logged, and the job still succeeds: the next sweep
+// runs the db once more.
 func (r *Recorder) Wrap(h worker.Handler) worker.Handler {
 	return func(ctx context.Context, job *worker.Job) error {
-		info, ierr := r.dbs.DBInfo(ctx, job.DB)
-		err := h(context.WithValue(ctx, startKey{}, start{info: info, err: ierr}), job)
-		if err != nil || ierr != nil || info.UpdateSeq == "" || ctx.Err() != nil || !job.Held() {
+		v := &vouchers{}
+		err := h(context.WithValue(ctx, vouchKey{}, v), job)
+		if err != nil || ctx.Err() != nil || !job.Held() {
 			return err
 		}
+		v.mu.Lock()
+		seqs, settled := v.seqs, v.settled
+		v.mu.Unlock()
+		log := r.log.WithField("db", job.DB)
 		pctx, cancel := context.WithTimeout(ctx, putTimeout)
 		defer cancel()
-		if perr := r.records.Put(pctx, job.Group, job.DB, info.UpdateSeq); perr != nil {
-			r.log.WithError(perr).WithField("db", job.DB).
-				Warn("record the job done failed: the reconciliation sweep runs the db once more")
+		var seq string
+		switch {
+		case len(seqs) > 0:
+			var ok bool
+			if seq, ok = Earliest(seqs); !ok {
+				log.WithField("seqs", seqs).Debug("the job's rules ended at positions that cannot be ordered: not recorded; the next sweep runs the db once more")
+				return nil
+			}
+		case settled:
+			info, ierr := r.dbs.DBInfo(pctx, job.DB)
+			if ierr != nil {
+				if !errors.Is(ierr, couch.ErrNotFound) {
+					log.WithError(ierr).Warn("read the db's update_seq to record the job done failed: the reconciliation sweep runs the db once more")
+				}
+				return nil
+			}
+			seq = info.UpdateSeq
+		default:
+			return nil
+		}
+		if seq == "" || !job.Held() {
+			return nil
+		}
+		if perr := r.records.Put(pctx, job.Group, job.DB, seq); perr != nil {
+			log.WithError(perr).Warn("record the job done failed: the reconciliation sweep runs the db once more")
 		}
 		return nil
 	}

@@ -4,22 +4,24 @@
 // JetStream may lose messages it acknowledged: a power failure with lazy fsync rolls a store
 // back, a truncated store on a node loses its tail, an operator deletes a stream. A lost job,
 // wakeup marker or consumer state would leave its db's changes unprocessed until the db is
-// written again. So every (group, db) keeps a completion record in a key-value bucket: the db's
-// update_seq as read before the group's last successful job started reading the db. The
+// written again. So every (group, db) keeps a completion record in a key-value bucket: the
+// position of the db's changes feed that the group's last successful job acted on everything
+// up to (the last_seq of its read that reached the end of the feed; see Recorder.Wrap). The
 // producer's reconciliation sweep (every SPIEGEL_SWEEP_INTERVAL, the first right after start)
 // reads the update_seq of every matched db from CouchDB and enqueues each (group, db) whose
-// record differs or is missing. Whatever NATS lost, CouchDB still says the db has moved past
-// the record, so the db gets a job within one sweep interval.
+// record is missing or does not cover it. Whatever NATS lost, CouchDB still says the db has
+// moved past the record, so the db gets a job within one sweep interval.
 //
-// update_seq values are opaque and compared for equality only. On CouchDB 3 a db's update_seq
-// (GET /{db}, POST /_dbs_info: the same string) differs from the last_seq of its _changes for
-// the same state: the record holds the former, which the sweep reads.
+// A record covers an update_seq when the seqs say so (couch.Covers): equal, or, on CouchDB 2+,
+// the same shard copies at the same or later seqs. CouchDB sends one state as different strings
+// (a db's update_seq lists its shards in another order than a _changes last_seq), which
+// equality alone would call different; a cluster that answers from other copies than the
+// record's makes the db due, which costs a job, never a change.
 //
-// Costs: one GET /{db} per job (before the handler runs; the replicator's couchdb engine reuses
-// it for its source check) and one key-value put per successful job; per sweep, one read of the
-// whole bucket (an ordered consumer) beside the snapshot of the dbs' update_seqs. A busy db gets
-// at most one extra, deduplicated, job per sweep. A lost bucket costs one job per matched db,
-// once.
+// Costs: no CouchDB request of its own (the record is the end of the handler's own feed read),
+// one key-value put per successful job; per sweep, one read of the whole bucket (an ordered
+// consumer) beside the snapshot of the dbs' update_seqs. A busy db gets at most one extra,
+// deduplicated, job per sweep. A lost bucket costs one job per matched db, once.
 package reconcile
 
 import (
@@ -33,6 +35,7 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
+	"github.com/spiegel-nats/spiegel/pkg/couch"
 	"github.com/spiegel-nats/spiegel/pkg/events"
 )
 
@@ -98,16 +101,21 @@ func (r *Records) Get(ctx context.Context, g events.Group, db string) (string, e
 // Done is the records read at one moment, by key (Key).
 type Done map[string]string
 
-// Due returns those of groups whose record of db is missing or differs from seq: the groups
-// that must run db (see the package doc).
+// Due returns those of groups whose record of db is missing or does not cover seq (Covered):
+// the groups that must run db (see the package doc).
 func (d Done) Due(db, seq string, groups []events.Group) []events.Group {
 	var due []events.Group
 	for _, g := range groups {
-		if done, ok := d[Key(g, db)]; !ok || done != seq {
+		if done, ok := d[Key(g, db)]; !ok || !Covered(done, seq) {
 			due = append(due, g)
 		}
 	}
 	return due
+}
+
+// Covered reports whether a record says its group is done with a db now at update_seq seq.
+func Covered(record, seq string) bool {
+	return record != "" && couch.Covers(couch.Seq(record), couch.Seq(seq))
 }
 
 // Read reads every record, with one ordered consumer over the bucket, and never a cached copy:

@@ -11,6 +11,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/spiegel-nats/spiegel/pkg/couch"
+	"github.com/spiegel-nats/spiegel/pkg/couchtest"
 	"github.com/spiegel-nats/spiegel/pkg/events"
 	"github.com/spiegel-nats/spiegel/pkg/natsjs"
 	"github.com/spiegel-nats/spiegel/pkg/natstest"
@@ -139,56 +140,123 @@ func (f *infos) DBInfo(_ context.Context, db string) (couch.DBInfo, error) {
 	return couch.DBInfo{Name: db, UpdateSeq: seq}, nil
 }
 
-// The recorder reads the db's update_seq before the handler runs, hands it to the handler, and
-// records it only after a success.
+// The recorder records, after a success only, the earliest position the handler vouched for,
+// without a request of its own; a settled job records the db's update_seq read after it.
 func TestRecorderWrap(t *testing.T) {
 	t.Parallel()
 	r, _, _ := openRecords(t)
 	log := logrus.New()
 	for _, c := range []struct {
-		name     string
-		db       string
-		readErr  error
-		result   error
-		recorded bool
+		name    string
+		db      string
+		vouched []string
+		settled bool
+		result  error
+		want    string // "" = nothing recorded
+		reads   int
 	}{
-		{"success", "ok", nil, nil, true},
-		{"transient failure", "failed", nil, errors.New("boom"), false},
-		{"postponed", "postponed", nil, worker.RetryAfter(1, nil), false},
-		{"missing db", "missing", nil, nil, false},
-		{"db info not read", "unread", errors.New("couch down"), nil, false},
+		{"success", "ok", []string{"3-ok"}, false, nil, "3-ok", 0},
+		{"two rules: the earlier end", "two", []string{"12", "7"}, false, nil, "7", 0},
+		{"ends that cannot be ordered", "unordered", []string{"3-a", "3-b"}, false, nil, "", 0},
+		{"transient failure", "failed", []string{"3-failed"}, false, errors.New("boom"), "", 0},
+		{"postponed", "postponed", []string{"3-postponed"}, false, worker.RetryAfter(1, nil), "", 0},
+		{"nothing vouched", "silent", nil, false, nil, "", 0},
+		{"settled", "settled", nil, true, nil, "3-settled", 1},
+		{"settled, but a rule vouched", "both", []string{"2-both"}, true, nil, "2-both", 0},
+		{"settled, db missing", "missing", nil, true, nil, "", 1},
 	} {
 		t.Run(c.name, func(t *testing.T) {
-			dbs := &infos{seqs: map[string]string{c.db: "3-" + c.db}, err: c.readErr}
+			dbs := &infos{seqs: map[string]string{c.db: "3-" + c.db}}
 			if c.db == "missing" {
 				dbs.seqs = nil
 			}
-			var seen couch.DBInfo
-			var seenOK bool
-			var seenErr error
 			h := NewRecorder(dbs, r, log).Wrap(func(ctx context.Context, job *worker.Job) error {
-				seen, seenOK, seenErr = StartInfo(ctx)
+				for _, s := range c.vouched {
+					Vouch(ctx, s)
+				}
+				if c.settled {
+					Settled(ctx)
+				}
 				return c.result
 			})
 			err := h(t.Context(), &worker.Job{Group: rep, DB: c.db})
 			assert.Equal(t, c.result, err, "the handler's result is passed on")
-			assert.Equal(t, 1, dbs.reads, "one db info read per job")
-			assert.True(t, seenOK, "the handler sees the info")
-			if c.readErr == nil && c.db != "missing" {
-				assert.Equal(t, "3-"+c.db, seen.UpdateSeq)
-				assert.NoError(t, seenErr)
-			} else {
-				assert.Error(t, seenErr)
-			}
+			assert.Equal(t, c.reads, dbs.reads, "db info reads")
 			done, rerr := r.Read(t.Context())
 			require.NoError(t, rerr)
 			seq, ok := done[Key(rep, c.db)]
-			assert.Equal(t, c.recorded, ok)
-			if c.recorded {
-				assert.Equal(t, "3-"+c.db, seq)
-			}
+			assert.Equal(t, c.want != "", ok, "recorded")
+			assert.Equal(t, c.want, seq)
 		})
 	}
-	_, ok, _ := StartInfo(t.Context())
-	assert.False(t, ok, "no info outside Wrap")
+	Vouch(t.Context(), "1") // outside Wrap: nothing to do, no panic
+	Settled(t.Context())
+}
+
+func TestEarliest(t *testing.T) {
+	t.Parallel()
+	for _, c := range []struct {
+		seqs []string
+		want string
+		ok   bool
+	}{
+		{[]string{"5"}, "5", true},
+		{[]string{"5", "3", "9"}, "3", true},
+		{[]string{"3-a", "3-a"}, "3-a", true},
+		{[]string{"3-a", "3-b"}, "", false},
+		{nil, "", false},
+	} {
+		got, ok := Earliest(c.seqs)
+		assert.Equal(t, c.ok, ok, "%v", c.seqs)
+		assert.Equal(t, c.want, got, "%v", c.seqs)
+	}
+}
+
+// A record covers the db's update_seq when the seqs say so: equal, or later (couch.Covers).
+func TestDueUsesCovers(t *testing.T) {
+	t.Parallel()
+	done := Done{Key(rep, "a"): "9", Key(rep, "b"): "4", Key(rep, "c"): "3-x"}
+	assert.Empty(t, done.Due("a", "9", []events.Group{rep}))
+	assert.Empty(t, done.Due("a", "8", []events.Group{rep}), "a record past the update_seq read")
+	assert.Equal(t, []events.Group{rep}, done.Due("b", "5", []events.Group{rep}))
+	assert.Equal(t, []events.Group{rep}, done.Due("c", "3-y", []events.Group{rep}))
+	assert.Equal(t, []events.Group{rep}, done.Due("d", "1", []events.Group{rep}), "no record")
+}
+
+// A write that lands while the job runs, after its read of the feed, leaves the db due: the
+// record is where the job's read ended, not where the db is when the job ends. On CouchDB 3 the
+// record (a _changes last_seq) and the update_seq the sweep reads are different strings for the
+// same state: the sweep still finds the db done when nothing landed.
+func TestRecordIsWhereTheReadEnded(t *testing.T) {
+	t.Parallel()
+	cs := couchtest.Get(t)
+	r, _, _ := openRecords(t)
+	cc, err := couch.New(couch.Config{URL: cs.URL}, nil)
+	require.NoError(t, err)
+	for _, lands := range []bool{false, true} {
+		db := couchtest.UniqueName(t, "rec") + map[bool]string{false: "_quiet", true: "_lands"}[lands]
+		cs.CreateDB(t, db)
+		cs.Put(t, db, "a", map[string]any{"x": 1})
+		h := NewRecorder(cc, r, logrus.New()).Wrap(func(ctx context.Context, job *worker.Job) error {
+			page, err := cc.Changes(ctx, job.DB, couch.ChangesOptions{})
+			if err != nil {
+				return err
+			}
+			Vouch(ctx, page.LastSeq)
+			if lands {
+				cs.Put(t, db, "b", map[string]any{"x": 2}) // after the read, before the job ends
+			}
+			return nil
+		})
+		require.NoError(t, h(t.Context(), &worker.Job{Group: onc, DB: db}))
+		done, err := r.Read(t.Context())
+		require.NoError(t, err)
+		info, err := cc.DBInfo(t.Context(), db)
+		require.NoError(t, err)
+		if lands {
+			assert.Equal(t, []events.Group{onc}, done.Due(db, info.UpdateSeq, []events.Group{onc}), "the write after the read is not recorded done")
+		} else {
+			assert.Empty(t, done.Due(db, info.UpdateSeq, []events.Group{onc}), "nothing landed: done (record %q, update_seq %q)", done[Key(onc, db)], info.UpdateSeq)
+		}
+	}
 }

@@ -106,6 +106,9 @@ type checkpointer struct {
 	// fence and token order the checkpoint writes of the replication's runs (nil: none)
 	fence Fence
 	token uint64
+	// feedEnd is the end of the source's changes feed as this run read it, once every change
+	// before it is on the target ("" until then)
+	feedEnd couch.Seq
 }
 
 // recent reports whether the checkpoint this run started from was written by an earlier run

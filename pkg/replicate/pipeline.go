@@ -138,6 +138,9 @@ func (r *run) pipeline(parent context.Context, reader *changesReader, first chan
 	// nil unless a part failed or parent ended (cancel(nil) is deferred); a fenced run writes
 	// nothing more: another run holds the checkpoint.
 	err := context.Cause(ctx)
+	if err == nil { // the reader stops without an error at the end of the feed only
+		cp.feedEnd = recorded
+	}
 	if recorded == cp.written || errors.Is(err, ErrFenced) {
 		return err
 	}

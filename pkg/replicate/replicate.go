@@ -169,6 +169,10 @@ type Result struct {
 	ReplicationID string
 	StartSeq      string // where the run started ("" = the beginning)
 	EndSeq        string // source_last_seq of the last checkpoint written (StartSeq if none)
+	// FeedEnd is the last_seq of the source's changes feed where this run found its end: every
+	// change up to it is on the target (or was refused by it, DocWriteFailures). Set on success;
+	// it may be past EndSeq (a deferred checkpoint).
+	FeedEnd string
 	// CheckpointDeferred is true when the run replicated changes but left its final
 	// checkpoint to a later run (Options.CheckpointDefer).
 	CheckpointDeferred bool
@@ -321,7 +325,10 @@ func (r *run) run(ctx context.Context) (Result, error) {
 		return res, fmt.Errorf("read changes of %s: %w", r.src.shown, err)
 	}
 	if raw == 0 {
-		res.OK, res.NoChanges = true, true
+		res.OK, res.NoChanges, res.FeedEnd = true, true, string(first.LastSeq)
+		if res.FeedEnd == "" {
+			res.FeedEnd = string(cp.startSeq)
+		}
 		r.log.WithField("seq", res.StartSeq).Debug("no changes since the checkpoint")
 		if !cached && srcDoc != nil && tgtDoc != nil {
 			r.opt.Checkpoints.put(r.id, *srcDoc, *tgtDoc)
@@ -340,7 +347,7 @@ func (r *run) run(ctx context.Context) (Result, error) {
 		}
 		r.opt.Checkpoints.advance(r.id, cp.deferredSeq)
 	}
-	res.EndSeq, res.CheckpointDeferred = string(cp.written), cp.deferred
+	res.EndSeq, res.CheckpointDeferred, res.FeedEnd = string(cp.written), cp.deferred, string(cp.feedEnd)
 	res.OK = err == nil
 	if err != nil {
 		return res, err // the caller logs it

@@ -1,0 +1,361 @@
+package couch
+
+import (
+	"bytes"
+	"compress/zlib"
+	"encoding/base64"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+	"math/big"
+	"strconv"
+	"strings"
+)
+
+// Covers reports whether position a of a db's changes feed includes every change that position
+// b includes: a db that was at b when it was last looked at, and is at a now, has no change
+// that a reader who got to a has not seen. It is false whenever the seqs alone cannot tell:
+//
+//   - equal seqs cover each other;
+//   - integer seqs (PouchDB Server, CouchDB 1) compare as numbers;
+//   - CouchDB 2+ seqs ("N-g1AAAA…") hold, packed, each shard range's copy (node), its file's
+//     uuid prefix and its seq. a covers b when both name the same copies of the same ranges and
+//     a's seq of each is at least b's (a range b has read nothing of, packed as a bare 0, is
+//     covered by any copy). The packing's order is not part of the value: CouchDB
+//     sends one state as different strings (db info's update_seq lists the shards in one order,
+//     a _changes last_seq in another), which string equality would call different. Copies
+//     that differ (a cluster answering from another node, a db recreated: new uuids) do not
+//     cover each other.
+//
+// The reconciliation sweep compares a completion record with the db's update_seq this way.
+func Covers(a, b Seq) bool {
+	if a == b {
+		return true
+	}
+	if x, ok := plainSeq(a); ok {
+		y, ok := plainSeq(b)
+		return ok && x.Cmp(y) >= 0
+	}
+	pa, err := unpackSeq(a)
+	if err != nil {
+		return false
+	}
+	pb, err := unpackSeq(b)
+	if err != nil || len(pa) != len(pb) {
+		return false
+	}
+	for r, sb := range pb {
+		sa, ok := pa[r]
+		if ok && sb.seq.Sign() == 0 {
+			continue // nothing of this range yet (packed as a bare 0): anything covers it
+		}
+		if !ok || sa.node != sb.node || sa.uuid != sb.uuid || sa.seq.Cmp(sb.seq) < 0 {
+			return false
+		}
+	}
+	return true
+}
+
+// plainSeq returns an integer seq's value (false for any other form).
+func plainSeq(s Seq) (*big.Int, bool) {
+	if s == "" || len(s) > 40 {
+		return nil, false
+	}
+	for _, c := range []byte(s) {
+		if c < '0' || c > '9' {
+			return nil, false
+		}
+	}
+	n, ok := new(big.Int).SetString(string(s), 10)
+	return n, ok
+}
+
+// shardRange is a shard's range of the hash space, "begin-end".
+type shardRange string
+
+// shardSeq is one shard copy's position in a packed seq.
+type shardSeq struct {
+	node string   // the copy's node
+	uuid string   // the shard file's uuid prefix ("" in seqs of releases that did not pack it)
+	seq  *big.Int // the copy's update seq
+}
+
+// maxPackedSeq bounds what unpackSeq decodes, compressed and not: a seq names one copy of each
+// range (q of them, 8 by default), a few hundred bytes.
+const maxPackedSeq = 64 << 10
+
+// unpackSeq decodes a CouchDB 2+ seq: "N-" then the URL-safe base64 (no padding) of an Erlang
+// external term, usually zlib-compressed: a list of {Node, [Begin, End], {Seq, Uuid, EpochNode}}
+// (or {Node, [Begin, End], Seq} in older releases).
+func unpackSeq(s Seq) (map[shardRange]shardSeq, error) {
+	str := string(s)
+	if len(str) > maxPackedSeq {
+		return nil, errors.New("seq too long")
+	}
+	num, packed, ok := strings.Cut(str, "-")
+	if !ok || num == "" || packed == "" {
+		return nil, errors.New("not a packed seq")
+	}
+	if _, err := strconv.ParseUint(num, 10, 64); err != nil {
+		return nil, errors.New("not a packed seq")
+	}
+	raw, err := base64.RawURLEncoding.DecodeString(strings.TrimRight(packed, "="))
+	if err != nil {
+		return nil, fmt.Errorf("packed seq: %w", err)
+	}
+	term, err := decodeExternal(raw)
+	if err != nil {
+		return nil, err
+	}
+	list, ok := term.([]any)
+	if !ok || len(list) == 0 {
+		return nil, errors.New("packed seq: not a list of shards")
+	}
+	out := make(map[shardRange]shardSeq, len(list))
+	for _, e := range list {
+		t, ok := e.(etfTuple)
+		if !ok || len(t) != 3 {
+			return nil, errors.New("packed seq: a shard is not {node, range, seq}")
+		}
+		node, ok1 := t[0].(etfAtom)
+		rng, ok2 := t[1].([]any)
+		if !ok1 || !ok2 || len(rng) != 2 {
+			return nil, errors.New("packed seq: a shard's node or range is malformed")
+		}
+		lo, ok1 := rng[0].(*big.Int)
+		hi, ok2 := rng[1].(*big.Int)
+		if !ok1 || !ok2 {
+			return nil, errors.New("packed seq: a shard's range is not two integers")
+		}
+		ss := shardSeq{node: string(node)}
+		switch v := t[2].(type) {
+		case *big.Int:
+			ss.seq = v
+		case etfTuple:
+			if len(v) < 2 {
+				return nil, errors.New("packed seq: a shard's seq tuple is too short")
+			}
+			n, ok1 := v[0].(*big.Int)
+			uuid, ok2 := v[1].(etfBinary)
+			if !ok1 || !ok2 {
+				return nil, errors.New("packed seq: a shard's seq tuple is malformed")
+			}
+			ss.seq, ss.uuid = n, string(uuid)
+		default:
+			return nil, errors.New("packed seq: a shard's seq is malformed")
+		}
+		key := shardRange(lo.String() + "-" + hi.String())
+		if _, dup := out[key]; dup {
+			return nil, errors.New("packed seq: a range appears twice")
+		}
+		out[key] = ss
+	}
+	return out, nil
+}
+
+// The Erlang external term format, as far as packed seqs use it.
+type (
+	etfAtom   string
+	etfBinary string
+	etfTuple  []any
+)
+
+const (
+	etfVersion      = 131
+	etfCompressed   = 'P'
+	etfSmallInt     = 'a'
+	etfInt          = 'b'
+	etfAtomLatin1   = 'd'
+	etfSmallTuple   = 'h'
+	etfLargeTuple   = 'i'
+	etfNil          = 'j'
+	etfString       = 'k'
+	etfList         = 'l'
+	etfBinaryTag    = 'm'
+	etfSmallBig     = 'n'
+	etfLargeBig     = 'o'
+	etfSmallAtom    = 's'
+	etfAtomUTF8     = 'v'
+	etfSmallAtomUTF = 'w'
+	etfMaxDepth     = 8
+)
+
+// decodeExternal decodes one term in Erlang's external format (term_to_binary), compressed or
+// not.
+func decodeExternal(b []byte) (any, error) {
+	if len(b) < 2 || b[0] != etfVersion {
+		return nil, errors.New("packed seq: not an Erlang term")
+	}
+	b = b[1:]
+	if b[0] == etfCompressed {
+		if len(b) < 5 {
+			return nil, errors.New("packed seq: truncated")
+		}
+		size := binary.BigEndian.Uint32(b[1:5])
+		if size > maxPackedSeq {
+			return nil, errors.New("packed seq: too large")
+		}
+		zr, err := zlib.NewReader(bytes.NewReader(b[5:]))
+		if err != nil {
+			return nil, fmt.Errorf("packed seq: %w", err)
+		}
+		defer zr.Close()
+		out, err := io.ReadAll(io.LimitReader(zr, int64(size)+1))
+		if err != nil {
+			return nil, fmt.Errorf("packed seq: %w", err)
+		}
+		if len(out) != int(size) {
+			return nil, errors.New("packed seq: wrong uncompressed size")
+		}
+		b = out
+	}
+	d := etfDecoder{b: b}
+	v, err := d.term(0)
+	if err != nil {
+		return nil, err
+	}
+	if len(d.b) != 0 {
+		return nil, errors.New("packed seq: trailing bytes")
+	}
+	return v, nil
+}
+
+type etfDecoder struct{ b []byte }
+
+var errETFTruncated = errors.New("packed seq: truncated")
+
+func (d *etfDecoder) take(n int) ([]byte, error) {
+	if n < 0 || n > len(d.b) {
+		return nil, errETFTruncated
+	}
+	out := d.b[:n]
+	d.b = d.b[n:]
+	return out, nil
+}
+
+func (d *etfDecoder) uint(n int) (uint32, error) {
+	b, err := d.take(n)
+	if err != nil {
+		return 0, err
+	}
+	var v uint32
+	for _, c := range b {
+		v = v<<8 | uint32(c)
+	}
+	return v, nil
+}
+
+func (d *etfDecoder) term(depth int) (any, error) {
+	if depth > etfMaxDepth {
+		return nil, errors.New("packed seq: nested too deep")
+	}
+	tag, err := d.uint(1)
+	if err != nil {
+		return nil, err
+	}
+	switch tag {
+	case etfSmallInt:
+		v, err := d.uint(1)
+		return big.NewInt(int64(v)), err
+	case etfInt:
+		v, err := d.uint(4)
+		return big.NewInt(int64(int32(v))), err
+	case etfSmallBig, etfLargeBig:
+		width := 1
+		if tag == etfLargeBig {
+			width = 4
+		}
+		n, err := d.uint(width)
+		if err != nil {
+			return nil, err
+		}
+		if n > 64 {
+			return nil, errors.New("packed seq: integer too large")
+		}
+		sign, err := d.uint(1)
+		if err != nil {
+			return nil, err
+		}
+		le, err := d.take(int(n))
+		if err != nil {
+			return nil, err
+		}
+		be := make([]byte, len(le))
+		for i, c := range le {
+			be[len(le)-1-i] = c
+		}
+		v := new(big.Int).SetBytes(be)
+		if sign != 0 {
+			v.Neg(v)
+		}
+		return v, nil
+	case etfAtomLatin1, etfAtomUTF8, etfSmallAtom, etfSmallAtomUTF:
+		width := 2
+		if tag == etfSmallAtom || tag == etfSmallAtomUTF {
+			width = 1
+		}
+		n, err := d.uint(width)
+		if err != nil {
+			return nil, err
+		}
+		b, err := d.take(int(n))
+		return etfAtom(b), err
+	case etfBinaryTag:
+		n, err := d.uint(4)
+		if err != nil {
+			return nil, err
+		}
+		b, err := d.take(int(min(n, maxPackedSeq+1)))
+		return etfBinary(b), err
+	case etfString: // a list of small integers
+		n, err := d.uint(2)
+		if err != nil {
+			return nil, err
+		}
+		b, err := d.take(int(n))
+		if err != nil {
+			return nil, err
+		}
+		out := make([]any, len(b))
+		for i, c := range b {
+			out[i] = big.NewInt(int64(c))
+		}
+		return out, nil
+	case etfNil:
+		return []any{}, nil
+	case etfSmallTuple, etfLargeTuple, etfList:
+		width := 1
+		if tag != etfSmallTuple {
+			width = 4
+		}
+		n, err := d.uint(width)
+		if err != nil {
+			return nil, err
+		}
+		if int(n) > len(d.b) { // every element takes a byte at least
+			return nil, errETFTruncated
+		}
+		out := make([]any, 0, n)
+		for range n {
+			v, err := d.term(depth + 1)
+			if err != nil {
+				return nil, err
+			}
+			out = append(out, v)
+		}
+		if tag != etfList {
+			return etfTuple(out), nil
+		}
+		tail, err := d.term(depth + 1) // a proper list ends in nil
+		if err != nil {
+			return nil, err
+		}
+		if t, ok := tail.([]any); !ok || len(t) != 0 {
+			return nil, errors.New("packed seq: improper list")
+		}
+		return out, nil
+	default:
+		return nil, fmt.Errorf("packed seq: unexpected term tag %d", tag)
+	}
+}
