@@ -1,6 +1,7 @@
 package admin
 
 import (
+	"cmp"
 	"context"
 	_ "embed"
 	"encoding/json"
@@ -9,7 +10,9 @@ import (
 	"io"
 	"net/http"
 	"strings"
+	"time"
 
+	"github.com/nats-io/nats.go/jetstream"
 	"github.com/sirupsen/logrus"
 
 	"github.com/spiegel-nats/spiegel/pkg/checkpoint"
@@ -56,13 +59,47 @@ func Install(ctx context.Context, d *producer.Conns, out io.Writer) error {
 		}
 		fmt.Fprintln(out, "_global_changes: present")
 	}
-	if err := natsjs.Ensure(ctx, d.JS, d.Topo); err != nil {
+	wait := cmp.Or(d.Cfg.AdminTimeout, defaultAdminTimeout)
+	if err := ensureTopology(ctx, func(ctx context.Context) error { return natsjs.Ensure(ctx, d.JS, d.Topo) }, wait, placementRetry); err != nil {
 		return err
 	}
 	fmt.Fprintf(out, "streams %s, %s, %s and consumers replicator, onchange: present\n",
 		d.Topo.Subjects.WorkStream(), d.Topo.Subjects.DeadLetterStream(), d.Topo.Subjects.ChangesStream())
 	fmt.Fprintln(out, "install complete")
 	return nil
+}
+
+// placementRetry is the pause between two attempts of natsjs.Ensure that JetStream refused for
+// now (ensureTopology).
+const placementRetry = 2 * time.Second
+
+// JetStream's answers that mean "not now" rather than "no": a cluster formed moments ago cannot
+// place a replicated stream until its peers are current ("no suitable peers for placement, peer
+// offline"), and has no meta leader for a while ("JetStream system temporarily unavailable").
+const (
+	errCodeNoPeers            = 10005
+	errCodeTemporarilyBlocked = 10008
+)
+
+// ensureTopology runs ensure (natsjs.Ensure), again every pause for up to wait while JetStream
+// answers that it cannot do it yet (errCodeNoPeers, errCodeTemporarilyBlocked). Any other error,
+// or the last one once wait is over, is returned.
+func ensureTopology(ctx context.Context, ensure func(context.Context) error, wait, pause time.Duration) error {
+	deadline := time.Now().Add(wait)
+	for {
+		err := ensure(ctx)
+		var apiErr *jetstream.APIError
+		if err == nil || !errors.As(err, &apiErr) ||
+			apiErr.ErrorCode != errCodeNoPeers && apiErr.ErrorCode != errCodeTemporarilyBlocked ||
+			time.Now().Add(pause).After(deadline) {
+			return err
+		}
+		select {
+		case <-ctx.Done():
+			return err
+		case <-time.After(pause):
+		}
+	}
 }
 
 // ensureDB creates db unless it exists.
