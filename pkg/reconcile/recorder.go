@@ -75,9 +75,9 @@ func Settled(ctx context.Context) {
 	}
 }
 
-// Earliest returns the seq of seqs that each of the others covers (couch.Covers), or false when
+// earliest returns the seq of seqs that each of the others covers (couch.Covers), or false when
 // there is none: seqs that cannot be ordered (copies of different nodes), or none at all.
-func Earliest(seqs []string) (string, bool) {
+func earliest(seqs []string) (string, bool) {
 	for _, s := range seqs {
 		first := true
 		for _, o := range seqs {
@@ -120,7 +120,7 @@ func (r *Recorder) Wrap(h worker.Handler) worker.Handler {
 		switch {
 		case len(seqs) > 0:
 			var ok bool
-			if seq, ok = Earliest(seqs); !ok {
+			if seq, ok = earliest(seqs); !ok {
 				log.WithField("seqs", seqs).Debug("the job's rules ended at positions that cannot be ordered: not recorded; the next sweep runs the db once more")
 				return nil
 			}

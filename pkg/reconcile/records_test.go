@@ -206,7 +206,7 @@ func TestEarliest(t *testing.T) {
 		{[]string{"3-a", "3-b"}, "", false},
 		{nil, "", false},
 	} {
-		got, ok := Earliest(c.seqs)
+		got, ok := earliest(c.seqs)
 		assert.Equal(t, c.ok, ok, "%v", c.seqs)
 		assert.Equal(t, c.want, got, "%v", c.seqs)
 	}
