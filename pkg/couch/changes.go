@@ -167,6 +167,18 @@ func (c *Client) Changes(ctx context.Context, db string, opt ChangesOptions) (Ch
 	return page, nil
 }
 
+// ChangedSince reports whether db has a change after since: one _changes read of at most one
+// row. On a cluster the read starts from the shard copies since names (or, for a copy that is
+// down, from where CouchDB maps its seq on another copy, which may read a change again: true).
+// A missing db returns an error matching ErrNotFound.
+func (c *Client) ChangedSince(ctx context.Context, db, since string) (bool, error) {
+	page, err := c.Changes(ctx, db, ChangesOptions{Since: since, Limit: 1})
+	if err != nil {
+		return false, err
+	}
+	return len(page.Results) > 0, nil
+}
+
 // FollowChanges follows db's continuous _changes from opt.Since ("" = the beginning, "now" =
 // only new changes) and calls emit for each change, one at a time, in feed order. It reconnects
 // forever (capped, jittered backoff; a missing db is retried too), resuming from the seq of the

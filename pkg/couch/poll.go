@@ -74,7 +74,7 @@ func (p *pollFeed) Run(ctx context.Context, since string, emit func(DBEvent) err
 			}
 			sort.Slice(evs, func(i, j int) bool { return evs[i].DB < evs[j].DB })
 		default:
-			evs = Diff(prev, snap)
+			evs = p.confirm(ctx, prev, snap, Diff(prev, snap))
 		}
 		first, prev = false, snap
 		for _, ev := range evs {
@@ -88,4 +88,24 @@ func (p *pollFeed) Run(ctx context.Context, since string, emit func(DBEvent) err
 			return err
 		}
 	}
+}
+
+// confirm drops the updated events of evs whose db's update_seq names other shard copies than
+// prev's (a cluster's coordinator picks copies per request: one state reads as different seqs)
+// and whose db has no change since prev's seq (Client.ChangedSince, one _changes row). Such a
+// db keeps prev's seq in snap, so that the next round compares with the same copies. A
+// question that fails keeps the event.
+func (p *pollFeed) confirm(ctx context.Context, prev, snap Snapshot, evs []DBEvent) []DBEvent {
+	out := evs[:0]
+	for _, ev := range evs {
+		old := prev[ev.DB]
+		if ev.Type == EventUpdated && OtherCopies(Seq(old), Seq(snap[ev.DB])) {
+			if changed, err := p.c.ChangedSince(ctx, ev.DB, old); err == nil && !changed {
+				snap[ev.DB] = old
+				continue
+			}
+		}
+		out = append(out, ev)
+	}
+	return out
 }

@@ -57,6 +57,48 @@ func Covers(a, b Seq) bool {
 	return true
 }
 
+// SameState reports whether a and b are seqs of one state of a db: equal, or the same copies
+// at the same seqs packed in another order (each covers the other).
+func SameState(a, b Seq) bool {
+	return a == b || Covers(a, b) && Covers(b, a)
+}
+
+// OtherCopies reports whether a and b are CouchDB 2+ seqs that name different copies of a
+// shard range (another node, or another file: a db recreated), so that Covers cannot order
+// them: a cluster's coordinator picks the copies that answer per request, and one state of a
+// db reads as seqs of different copies. CouchDB itself can still tell: a _changes read since a
+// names a's copies and maps the others (Client.ChangedSince). False for integer seqs, for
+// equal ones, and for seqs it cannot decode.
+func OtherCopies(a, b Seq) bool {
+	if a == b {
+		return false
+	}
+	pa, err := unpackSeq(a)
+	if err != nil {
+		return false
+	}
+	pb, err := unpackSeq(b)
+	if err != nil {
+		return false
+	}
+	if len(pa) != len(pb) {
+		return true
+	}
+	for r, sb := range pb {
+		sa, ok := pa[r]
+		if !ok {
+			return true
+		}
+		if sa.seq.Sign() == 0 || sb.seq.Sign() == 0 {
+			continue // nothing read of this range yet: no copy to compare
+		}
+		if sa.node != sb.node || sa.uuid != sb.uuid {
+			return true
+		}
+	}
+	return false
+}
+
 // plainSeq returns an integer seq's value (false for any other form).
 func plainSeq(s Seq) (*big.Int, bool) {
 	if s == "" || len(s) > 40 {

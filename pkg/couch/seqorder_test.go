@@ -23,6 +23,15 @@ const (
 	cluster35Changes = "5-g1AAAACTeJzLYWBgYMpgTmHgz8tPSTV0MDQy1zMAQsMckEQiQ1L9____szKYE5lygQLsJgZGpqnJlpjKcRqRxwIkGRqA1H-oScxgk5ItTVIN05IwdWUBAEvkJHk"
 )
 
+// One state of one db (five docs) on the three-node CouchDB 3.5.2 cluster (n=3, q=2): GET /{db}
+// through one node, three answers naming three different sets of shard copies. A _changes
+// read since any of them has no row; after a sixth write, each has one.
+var clusterCopies = []Seq{
+	"5-g1AAAACTeJzLYWBgYMpgTmHgz8tPSTV0MDQy1zMAQsMckEQeC5BkaABS_4EgK4M5kTEXKMBuapFoaWCWjKkLp0mJDEn1UCNYwEYkJhkkmSeaYirPAgAhXCRx",
+	"5-g1AAAACTeJzLYWBgYMpgTmHgz8tPSTV2MDQy1zMAQsMckEQeC5BkaABS_4EgK4M5kTEXKMBukZSYlpyWjKkLp0mJDEn1UCNYwEZYppmnmJmbYCrPAgBfXCTv",
+	"5-g1AAAACTeJzLYWBgYMpgTmHgz8tPSTVyMDQy1zMAQsMckEQeC5BkaABS_4EgK4M5kTEXKMCeZGBhkWphjKkLbpIhmkmJDEn1UCNYwEYkJhkkmSeaYirPAgAjiSR1",
+}
+
 func TestCoversRecordedSeqs(t *testing.T) {
 	for _, tc := range []struct {
 		name string
@@ -143,12 +152,42 @@ func TestCoversPackedSeqs(t *testing.T) {
 	require.ErrorContains(t, err, "a range appears twice")
 }
 
+func TestOtherCopies(t *testing.T) {
+	for i, a := range clusterCopies {
+		for j, b := range clusterCopies {
+			assert.Equal(t, i != j, OtherCopies(a, b), "cluster answers %d and %d", i, j)
+			assert.Equal(t, i == j, Covers(a, b), "cluster answers %d and %d", i, j)
+		}
+	}
+	assert.False(t, OtherCopies(couch333Info, couch333Changes), "one node's copies in another order")
+	assert.False(t, OtherCopies(couch333Limit2, couch333Info), "the same copies, later")
+	assert.False(t, OtherCopies(cluster35Info, cluster35Changes))
+	assert.True(t, OtherCopies(cluster35Info, couch333Info), "another db's copies")
+	assert.False(t, OtherCopies("7", "12"), "integers are ordered")
+	assert.False(t, OtherCopies("3-!!", couch333Info), "unreadable")
+
+	a1 := shard{node: "node1@127.0.0.1", lo: 0, hi: 0x7fffffff, seq: 3, uuid: "c989f49d"}
+	a2 := shard{node: "node1@127.0.0.1", lo: 0x80000000, hi: 0xffffffff, seq: 5, uuid: "483d5bed"}
+	otherNode, otherUUID := a2, a2
+	otherNode.node, otherUUID.uuid = "node2@127.0.0.1", "00000000"
+	none := shard{node: "node2@127.0.0.1", lo: 0x80000000, hi: 0xffffffff}
+	assert.True(t, OtherCopies(packSeq(8, a1, otherNode), packSeq(8, a1, a2)))
+	assert.True(t, OtherCopies(packSeq(8, a1, otherUUID), packSeq(8, a1, a2)), "a recreated db")
+	assert.True(t, OtherCopies(packSeq(3, a1), packSeq(8, a1, a2)), "fewer ranges")
+	assert.False(t, OtherCopies(packSeq(3, a1, none), packSeq(8, a1, a2)), "a range read nothing of names no copy")
+}
+
 func FuzzCovers(f *testing.F) {
 	for _, s := range []string{couch333Info, couch333Changes, couch333Limit2, cluster35Info, cluster35Changes, "12", "", "3-g1AAAA"} {
 		f.Add(s, couch333Info)
 	}
 	f.Fuzz(func(t *testing.T, a, b string) {
 		assert.True(t, Covers(Seq(a), Seq(a)), "a seq covers itself")
+		assert.False(t, OtherCopies(Seq(a), Seq(a)), "a seq names its own copies")
+		if OtherCopies(Seq(a), Seq(b)) {
+			assert.False(t, Covers(Seq(a), Seq(b)), "seqs of other copies are not ordered")
+			assert.True(t, OtherCopies(Seq(b), Seq(a)), "other copies both ways")
+		}
 		if Covers(Seq(a), Seq(b)) && Covers(Seq(b), Seq(a)) && a != b {
 			// Two seqs covering each other name one state: a third covers both or neither.
 			for _, c := range []Seq{couch333Info, couch333Limit2, "12"} {

@@ -39,8 +39,9 @@ func (c *Client) takeSnapshot(ctx context.Context, match func(db string) bool, b
 }
 
 // Diff returns the events that lead from prev to next, sorted by db name, with Seq "": created
-// for a db only in next, updated for a db whose update_seq differs, deleted for a db only in
-// prev. A nil prev is empty: every db of next is created.
+// for a db only in next, updated for a db whose update_seq differs (one state packed in another
+// order, each covering the other, is no update; a seq going back, a db recreated, is one),
+// deleted for a db only in prev. A nil prev is empty: every db of next is created.
 func Diff(prev, next Snapshot) []DBEvent {
 	var out []DBEvent
 	for db, seq := range next {
@@ -48,7 +49,7 @@ func Diff(prev, next Snapshot) []DBEvent {
 		switch {
 		case !ok:
 			out = append(out, DBEvent{DB: db, Type: EventCreated})
-		case old != seq:
+		case !SameState(Seq(old), Seq(seq)):
 			out = append(out, DBEvent{DB: db, Type: EventUpdated})
 		}
 	}
