@@ -101,10 +101,12 @@ func Dashboard() (dashboard.Dashboard, error) {
 		query{fmt.Sprintf("sum by (group) (%s)", rate("spiegel_jobs_published_total")), "published {{group}}"},
 		query{fmt.Sprintf("sum by (group) (%s)", rate("spiegel_jobs_deduplicated_total")), "deduplicated {{group}}"}))
 	p.add(graph("Feed events and sweep", "Db-update events read from the feed by type, and dbs the reconciliation "+
-		"sweep enqueued: not recorded done at their update_seq (events _db_updates dropped, jobs NATS lost).",
+		"sweep enqueued: not recorded done at their update_seq (events _db_updates dropped, jobs NATS lost). "+
+		"On a CouchDB cluster, the sweep's _changes reads for dbs whose record names other shard copies, by answer.",
 		"ops",
 		query{fmt.Sprintf("sum by (type) (%s)", rate("spiegel_feed_events_total")), "{{type}}"},
-		query{fmt.Sprintf("sum(%s)", rate("spiegel_sweep_dbs_total")), "sweep"}))
+		query{fmt.Sprintf("sum(%s)", rate("spiegel_sweep_dbs_total")), "sweep"},
+		query{fmt.Sprintf("sum by (then) (%s)", rate("spiegel_sweep_checks_total")), "sweep check {{then}}"}))
 	p.add(graph("Feed position age", "Seconds since each producer's saved position moved or was confirmed current. "+
 		"A few seconds is normal; a steady climb means the producer cannot publish or save.",
 		"s",

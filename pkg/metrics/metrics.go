@@ -33,6 +33,7 @@ type Producer struct {
 	RulesLoaded        *prometheus.GaugeVec
 	RulesRejected      prometheus.Gauge
 	SweepEnqueued      prometheus.Counter
+	SweepChecks        *prometheus.CounterVec
 	HotFeeds           prometheus.Gauge
 	HotFeedJobs        prometheus.Counter
 	EventsCovered      prometheus.Counter
@@ -72,6 +73,10 @@ func NewProducer(reg prometheus.Registerer) *Producer {
 		SweepEnqueued: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "spiegel_sweep_dbs_total", Help: "Dbs the reconciliation sweep enqueued: not recorded done at their update_seq.",
 		}),
+		SweepChecks: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "spiegel_sweep_checks_total", Help: "Dbs whose completion record names other shard copies than their update_seq (a CouchDB cluster), " +
+				"asked with one _changes read since the record, by answer (unchanged: not enqueued, changed, failed: enqueued).",
+		}, []string{"then"}),
 		HotFeeds: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "spiegel_hot_feeds", Help: "Continuous _changes feeds open on busy dbs (at most SPIEGEL_HOT_FEEDS).",
 		}),
@@ -96,7 +101,7 @@ func NewProducer(reg prometheus.Registerer) *Producer {
 		}),
 	}
 	reg.MustRegister(m.FeedEvents, m.JobsPublished, m.JobsDeduped, m.PublishErrors, m.FeedPositionAge,
-		m.FeedReconnects, m.RulesLoaded, m.RulesRejected, m.SweepEnqueued, m.HotFeeds, m.HotFeedJobs, m.EventsCovered,
+		m.FeedReconnects, m.RulesLoaded, m.RulesRejected, m.SweepEnqueued, m.SweepChecks, m.HotFeeds, m.HotFeedJobs, m.EventsCovered,
 		m.HotFeedsOpened, m.HotFeedsClosed, m.HotFeedsRefused, m.CheckpointsDropped)
 	return m
 }

@@ -92,7 +92,7 @@ func (p *producer) sweepOnce(ctx context.Context, prev couch.Snapshot) (couch.Sn
 		switch {
 		case derr == nil:
 			due = done.Due(db, seq, groups)
-		case prev != nil && prev[db] != seq:
+		case prev != nil && p.changedSincePrev(ctx, db, prev[db], seq):
 			due = groups
 		}
 		if len(due) > 0 && derr == nil {
@@ -138,15 +138,70 @@ func (p *producer) sweepOnce(ctx context.Context, prev couch.Snapshot) (couch.Sn
 // the time it enqueues the last of 10,000 dbs, thousands of those jobs are done (each of them
 // ran twice before this check). One key-value read per due (group, db); a failed read keeps
 // the group due.
+//
+// A record that names other shard copies than seq (a CouchDB cluster: the coordinator picks
+// the copies per request, so one state of a db reads as different seqs) cannot be ordered
+// against it; CouchDB is asked instead, with one _changes read of one row since the record
+// (changedSince), once per distinct record of the db. No row: the group is done with the db as
+// it is, and gets no job. Without the question, about half of a cluster's idle dbs got a job
+// every sweep. A failed question keeps the group due.
 func (p *producer) stillDue(ctx context.Context, db, seq string, due []events.Group) []events.Group {
 	out := due[:0:0]
+	answers := map[string]bool{} // record → changed since it
 	for _, g := range due {
-		if rec, err := p.done.records.Get(ctx, g, db); err == nil && reconcile.Covered(rec, seq) {
+		rec, err := p.done.records.Get(ctx, g, db)
+		if err == nil && reconcile.Covered(rec, seq) {
 			continue
+		}
+		if err == nil && rec != "" && couch.OtherCopies(couch.Seq(rec), couch.Seq(seq)) {
+			changed, asked := answers[rec]
+			if !asked {
+				changed = p.changedSince(ctx, db, rec)
+				answers[rec] = changed
+			}
+			if !changed {
+				continue
+			}
 		}
 		out = append(out, g)
 	}
 	return out
+}
+
+// changedSincePrev reports whether db, at update_seq seq now, changed since the previous sweep
+// read old (a sweep without completion records): seqs of one state are no change; seqs naming
+// other shard copies are asked about (changedSince).
+func (p *producer) changedSincePrev(ctx context.Context, db, old, seq string) bool {
+	switch {
+	case couch.SameState(couch.Seq(old), couch.Seq(seq)):
+		return false
+	case couch.OtherCopies(couch.Seq(old), couch.Seq(seq)):
+		return p.changedSince(ctx, db, old)
+	}
+	return true
+}
+
+// changedSince asks CouchDB whether db has a change after record (see stillDue); true when it
+// cannot tell.
+func (p *producer) changedSince(ctx context.Context, db, record string) bool {
+	ask := p.askChanged
+	if ask == nil {
+		ask = p.couch.ChangedSince
+	}
+	changed, err := ask(ctx, db, record)
+	switch {
+	case err != nil:
+		p.metrics.sweepChecked("failed")
+		if ctx.Err() == nil && !errors.Is(err, couch.ErrNotFound) {
+			p.log.WithError(err).WithField("db", db).Debug("ask CouchDB for changes since the completion record failed: the db is enqueued")
+		}
+		return true
+	case changed:
+		p.metrics.sweepChecked("changed")
+	default:
+		p.metrics.sweepChecked("unchanged")
+	}
+	return changed
 }
 
 // maxVanishedChecks bounds the dbs one sweep asks CouchDB about in forgetVanished.

@@ -26,6 +26,12 @@ func (p producerMetrics) sweepEnqueued() {
 	}
 }
 
+func (p producerMetrics) sweepChecked(then string) {
+	if p.m != nil {
+		p.m.SweepChecks.WithLabelValues(then).Inc()
+	}
+}
+
 func (p producerMetrics) eventCovered() {
 	if p.m != nil {
 		p.m.EventsCovered.Inc()

@@ -46,6 +46,10 @@ type producer struct {
 	log     logrus.FieldLogger
 	metrics producerMetrics
 
+	// askChanged replaces couch.ChangedSince in the sweep's question to CouchDB (tests; nil:
+	// the client's).
+	askChanged func(ctx context.Context, db, since string) (bool, error)
+
 	feedMu     sync.Mutex // guards the fields below; never held across network I/O
 	source     string
 	feedErr    error             // the feed's current failure, nil while it runs
