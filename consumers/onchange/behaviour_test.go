@@ -187,7 +187,7 @@ func TestSpiegelBehaviours(t *testing.T) {
 
 	t.Run("block: a, b, c never overlap and arrive in feed order", func(t *testing.T) {
 		s := newSink(t, func(hit, int) (int, time.Duration) { return 200, 30 * time.Millisecond })
-		db := e.Couch.NewDB(t, e.Prefix)
+		db := e.Couch.NewOneShardDB(t, e.Prefix) // its feed is in write order
 		e.ruleIn(t, app, "blk_"+db, db, map[string]any{"url": s.URL + "/b", "block": true, "params": map[string]any{"id": "$change.id"}})
 		for _, id := range []string{"c", "a", "b"} { // feed order differs from id order
 			e.Couch.Put(t, db, id, map[string]any{})

@@ -70,6 +70,12 @@ func deleteDoc(t *testing.T, s *OnChangeStore, rule, db string) {
 	require.NoError(t, err)
 	require.True(t, found)
 	require.NoError(t, s.couch.Do(t.Context(), http.MethodDelete, localPath(s.couch, rule, db), url.Values{"rev": {d.Rev}}, nil, nil))
+	// A db recreated has the doc on none of its shard copies; on a cluster the delete reaches
+	// the last copy a moment after the answer.
+	require.Eventually(t, func() bool {
+		_, found, err := s.readDoc(t.Context(), rule, db)
+		return err == nil && !found
+	}, 10*time.Second, 20*time.Millisecond, "the deleted doc still reads")
 }
 
 // localProxy forwards to CouchDB. Like Apache CouchDB 3, which does not check the revs of

@@ -35,6 +35,13 @@ type Server struct {
 	PouchDB bool
 	// Version is the server's version string.
 	Version string
+	// Cluster is true when the server is one node of a CouchDB cluster of several nodes: a read
+	// may be answered by other shard copies than the write before it (seqs naming other copies,
+	// _local docs and _db_updates rows that lag on one copy).
+	Cluster bool
+	// writeAll is the w that the clients above send with every write on a cluster (its nodes,
+	// at most CouchDB's default n=3; 0: the server's default). See allCopies.
+	writeAll *atomic.Int32
 }
 
 var counter atomic.Int64
@@ -71,6 +78,17 @@ func Get(t testing.TB) *Server {
 	}
 	s.Version = root.Version
 	s.PouchDB = root.PouchDB != "" || strings.Contains(root.Vendor.Name, "PouchDB")
+	if !s.PouchDB {
+		var members struct {
+			ClusterNodes []string `json:"cluster_nodes"`
+		}
+		if err := s.Do(t, http.MethodGet, "/_membership", nil, &members); err == nil {
+			s.Cluster = len(members.ClusterNodes) > 1
+			if s.Cluster {
+				s.writeAll.Store(int32(min(len(members.ClusterNodes), 3)))
+			}
+		}
+	}
 	return s
 }
 
@@ -79,12 +97,38 @@ func newServer(t testing.TB, url string) *Server {
 	t.Helper()
 	// PlusSafe: kivik escapes db names with url.PathEscape, which leaves '+' as is, and CouchDB 3
 	// reads a '+' in a path as a space.
-	hc := &http.Client{Transport: couchpath.PlusSafe(&http.Transport{DisableCompression: true, MaxIdleConnsPerHost: 64, IdleConnTimeout: idleConnTimeout})}
+	w := new(atomic.Int32)
+	hc := &http.Client{Transport: allCopies{w: w, next: couchpath.PlusSafe(&http.Transport{DisableCompression: true, MaxIdleConnsPerHost: 64, IdleConnTimeout: idleConnTimeout})}}
 	c, err := kivik.New("couch", url, couchdb.OptionHTTPClient(hc))
 	if err != nil {
 		t.Fatalf("couchtest: client for %s: %v", url, err)
 	}
-	return &Server{URL: url, Client: c, HTTP: hc}
+	return &Server{URL: url, Client: c, HTTP: hc, writeAll: w}
+}
+
+// allCopies adds w (when set) to the test's writes to dbs on a cluster: CouchDB answers a
+// write once w copies have it (2 of 3 by default), and a read right after it may be answered
+// by the third, which has not (a doc count of 0, a _changes feed without the write, an update
+// rejected for a missing attachment stub). A test that writes and then reads means to read its
+// write: with w = every copy, it does, whichever copy answers. The processes under test keep
+// the server's defaults.
+type allCopies struct {
+	w    *atomic.Int32
+	next http.RoundTripper
+}
+
+func (a allCopies) RoundTrip(req *http.Request) (*http.Response, error) {
+	w := a.w.Load()
+	switch {
+	case w == 0, req.Method != http.MethodPut && req.Method != http.MethodPost && req.Method != http.MethodDelete,
+		strings.HasPrefix(req.URL.Path, "/_"), req.URL.Query().Has("w"):
+		return a.next.RoundTrip(req)
+	}
+	req = req.Clone(req.Context())
+	q := req.URL.Query()
+	q.Set("w", fmt.Sprint(w))
+	req.URL.RawQuery = q.Encode()
+	return a.next.RoundTrip(req)
 }
 
 // UniqueName returns a db name unique to this test run: prefix, the test's short name and a
@@ -109,6 +153,21 @@ func (s *Server) NewDB(t testing.TB, prefix string) string {
 	t.Helper()
 	name := UniqueName(t, prefix)
 	s.CreateDB(t, name)
+	return name
+}
+
+// NewOneShardDB creates a uniquely named db of one shard range (q=1) and deletes it when the
+// test ends. Its _changes feed lists changes in the order they were written, on a CouchDB
+// cluster too (a feed of several ranges merges them in no set order). PouchDB Server ignores q.
+func (s *Server) NewOneShardDB(t testing.TB, prefix string) string {
+	t.Helper()
+	name := UniqueName(t, prefix)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if err := s.Client.CreateDB(ctx, name, kivik.Param("q", 1)); err != nil {
+		t.Fatalf("couchtest: create db %s: %v", name, err)
+	}
+	s.Cleanup(t, name)
 	return name
 }
 

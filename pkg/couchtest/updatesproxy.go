@@ -154,7 +154,8 @@ func hasDBUpdates(t testing.TB, s *Server) bool {
 func (p *UpdatesProxy) newThroughServer(t testing.TB) *Server {
 	t.Helper()
 	s := newServer(t, p.URL())
-	s.PouchDB, s.Version = p.upstream.PouchDB, p.upstream.Version
+	s.PouchDB, s.Version, s.Cluster = p.upstream.PouchDB, p.upstream.Version, p.upstream.Cluster
+	s.writeAll.Store(p.upstream.writeAll.Load())
 	return s
 }
 

@@ -253,10 +253,18 @@ func TestRecordIsWhereTheReadEnded(t *testing.T) {
 		require.NoError(t, err)
 		info, err := cc.DBInfo(t.Context(), db)
 		require.NoError(t, err)
+		record := done[Key(onc, db)]
+		due := len(done.Due(db, info.UpdateSeq, []events.Group{onc})) > 0
+		if due && couch.OtherCopies(couch.Seq(record), couch.Seq(info.UpdateSeq)) {
+			// A cluster answered from other shard copies: the seqs cannot be ordered, and the
+			// sweep asks CouchDB (producer's stillDue).
+			due, err = cc.ChangedSince(t.Context(), db, record)
+			require.NoError(t, err)
+		}
 		if lands {
-			assert.Equal(t, []events.Group{onc}, done.Due(db, info.UpdateSeq, []events.Group{onc}), "the write after the read is not recorded done")
+			assert.True(t, due, "the write after the read is not recorded done (record %q, update_seq %q)", record, info.UpdateSeq)
 		} else {
-			assert.Empty(t, done.Due(db, info.UpdateSeq, []events.Group{onc}), "nothing landed: done (record %q, update_seq %q)", done[Key(onc, db)], info.UpdateSeq)
+			assert.False(t, due, "nothing landed: done (record %q, update_seq %q)", record, info.UpdateSeq)
 		}
 	}
 }
