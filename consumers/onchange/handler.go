@@ -208,9 +208,17 @@ func (h *handler) runRule(ctx context.Context, db string, rule *rules.OnChange, 
 		r.seq = cps.stored
 		return r
 	}
-	// A cached checkpoint is checked against its _local doc while the first page is read, and
-	// before anything of that page is acted on (see checkpoint.OnChangeStore.Verify).
-	verifying := h.verify(ctx, cps.cp)
+	// A cached checkpoint is checked before anything of the first page is acted on: against
+	// its _local doc (checkpoint.OnChangeStore.Verify), read while the first page is, or, for a
+	// CouchDB 2+ seq, by the page itself when its last_seq names the same shard files as the
+	// checkpoint (couch.SameCopies: a db deleted and created again has new files, and CouchDB
+	// reads a range of another file from 0), which saves that request; other copies (a
+	// cluster) or other files are checked against the doc as well.
+	var verifying <-chan verified
+	byPage := cps.cp.Cached() && couch.Packed(couch.Seq(since))
+	if !byPage {
+		verifying = h.verify(ctx, cps.cp)
+	}
 	streamChecked := false // the subject's stream was checked for lost changes (healStream)
 	readFrom, pending := since, pages.page(since)
 	for {
@@ -236,6 +244,12 @@ func (h *handler) runRule(ctx context.Context, db string, rule *rules.OnChange, 
 		}
 		got := <-pending
 		pending = nil // used up: a page read twice is read again (starting over may come back to the same seq)
+		if byPage {
+			byPage = false
+			if got.err != nil || !couch.SameCopies(couch.Seq(readFrom), couch.Seq(got.page.LastSeq)) {
+				verifying = h.verify(ctx, cps.cp)
+			}
+		}
 		if verifying != nil {
 			v := <-verifying
 			verifying, cps.cp = nil, v.cp

@@ -2,13 +2,18 @@ package main
 
 import (
 	"net/http"
+	"net/http/httptest"
+	"net/http/httputil"
+	"net/url"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/spiegel-nats/spiegel/pkg/couch"
 	"github.com/spiegel-nats/spiegel/pkg/couchtest"
 )
 
@@ -143,9 +148,57 @@ func TestCheckpointRewrittenAtTheSameSeq(t *testing.T) {
 	doc["instance"] = "another-lineage"
 	require.NoError(t, e.Couch.Do(t, http.MethodPut, path, doc, nil))
 	e.enqueue(t, db) // finds nothing after the cached seq, checks the doc, starts over from it
-	require.Eventually(t, func() bool { return strings.Contains(e.Logs.String(), "starting over") }, 20*time.Second, 50*time.Millisecond)
+	if !couch.Packed(couch.Seq(seq)) {
+		// A CouchDB 2+ seq is checked by the page instead: its last_seq names the same shard
+		// files, so the db is the one the checkpoint was read from, whatever the doc says
+		// (TestPageVouchesForTheCachedCheckpoint).
+		require.Eventually(t, func() bool { return strings.Contains(e.Logs.String(), "starting over") }, 20*time.Second, 50*time.Millisecond)
+	}
 
 	e.Couch.Put(t, db, "a2", map[string]any{})
 	e.enqueue(t, db)
 	s.waitHits(t, 20*time.Second, hasID("a2"), "the db's next change is delivered: the job that started over ended")
+}
+
+// TestPageVouchesForTheCachedCheckpoint: a job whose checkpoint comes from the cache checks it
+// before acting on anything. With integer seqs (PouchDB Server) that is one read of the
+// _local doc per job. With CouchDB 2+ seqs the first page does it when its last_seq names the
+// same shard files as the checkpoint (a db created again has new ones): no _local read. A db
+// deleted and created again is still found out (TestRecreatedDBStartsOver).
+func TestPageVouchesForTheCachedCheckpoint(t *testing.T) {
+	e := newEnv(t, 60*time.Second)
+	target, err := url.Parse(e.Couch.URL)
+	require.NoError(t, err)
+	var localReads atomic.Int64
+	rp := httputil.NewSingleHostReverseProxy(&url.URL{Scheme: target.Scheme, Host: target.Host, Path: target.Path})
+	proxy := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.Method == http.MethodGet && strings.Contains(r.URL.Path, "/_local/") {
+			localReads.Add(1)
+		}
+		rp.ServeHTTP(w, r)
+	}))
+	t.Cleanup(proxy.Close)
+	u, _ := url.Parse(proxy.URL)
+	u.User = target.User
+	e.cfg.CouchDB.CouchDBURL = u.String()
+	app := e.start(t)
+	db := e.Couch.NewDB(t, e.Prefix)
+	e.Couch.Put(t, db, "a1", map[string]any{})
+	s := newSink(t, nil)
+	e.ruleIn(t, app, "r", db, map[string]any{"url": s.URL + "/r", "params": map[string]any{"id": "$change.id"}})
+	e.enqueue(t, db)
+	s.waitHits(t, 20*time.Second, hasID("a1"), "a1 delivered")
+	require.Eventually(t, func() bool { return e.caughtUp(t, "r", db) }, 10*time.Second, 20*time.Millisecond)
+	seq, found := e.checkpoint(t, "r", db)
+	require.True(t, found, "the checkpoint is cached")
+
+	before := localReads.Load()
+	e.Couch.Put(t, db, "a2", map[string]any{})
+	e.enqueue(t, db)
+	s.waitHits(t, 20*time.Second, hasID("a2"), "a2 delivered")
+	want := int64(1) // the _local doc, read while the first page is
+	if couch.Packed(couch.Seq(seq)) {
+		want = 0
+	}
+	assert.Equal(t, want, localReads.Load()-before, "_local reads of the second job (checkpoint %q)", seq)
 }

@@ -99,6 +99,48 @@ func OtherCopies(a, b Seq) bool {
 	return false
 }
 
+// Packed reports whether s is a CouchDB 2+ seq that names its shard copies (one that
+// SameCopies can compare).
+func Packed(s Seq) bool {
+	_, err := unpackSeq(s)
+	return err == nil
+}
+
+// SameCopies reports whether a and b are CouchDB 2+ seqs that provably name the same shard
+// files of one db: both have the same ranges, each range that both have read something of
+// names the same node and file uuid in both (the uuid is random per file: a db deleted and
+// created again has new files for every range), and at least one range does. A range read in
+// one only is not compared. False for anything it cannot decode, and for every integer seq.
+//
+// A _changes answer whose last_seq names the same files as the since it was asked with comes
+// from the db that since was read from: CouchDB rewinds a range whose file uuid differs
+// from since's to 0 (couch_db:calculate_start_seq), so an answer from a db created again
+// names its new files.
+func SameCopies(a, b Seq) bool {
+	pa, err := unpackSeq(a)
+	if err != nil {
+		return false
+	}
+	pb, err := unpackSeq(b)
+	if err != nil || len(pa) != len(pb) {
+		return false
+	}
+	compared := 0
+	for r, sb := range pb {
+		sa, ok := pa[r]
+		switch {
+		case !ok:
+			return false
+		case sa.seq.Sign() == 0 || sb.seq.Sign() == 0:
+			continue // nothing read of the range on one side: no file to compare
+		case sa.node != sb.node || sa.uuid == "" || sa.uuid != sb.uuid:
+			return false
+		}
+		compared++
+	}
+	return compared > 0
+}
+
 // plainSeq returns an integer seq's value (false for any other form).
 func plainSeq(s Seq) (*big.Int, bool) {
 	if s == "" || len(s) > 40 {

@@ -177,6 +177,38 @@ func TestOtherCopies(t *testing.T) {
 	assert.False(t, OtherCopies(packSeq(3, a1, none), packSeq(8, a1, a2)), "a range read nothing of names no copy")
 }
 
+func TestSameCopies(t *testing.T) {
+	assert.True(t, SameCopies(couch333Info, couch333Changes), "one node's copies in another order")
+	assert.True(t, SameCopies(couch333Limit2, couch333Info), "the same files, later")
+	assert.True(t, SameCopies(cluster35Info, cluster35Changes))
+	assert.False(t, SameCopies(cluster35Info, couch333Info), "another db's files")
+	for i, a := range clusterCopies {
+		for j, b := range clusterCopies {
+			assert.Equal(t, i == j, SameCopies(a, b), "cluster answers %d and %d", i, j)
+		}
+	}
+	assert.False(t, SameCopies("7", "7"), "integers name no files")
+	assert.False(t, SameCopies("3-!!", "3-!!"), "unreadable")
+
+	a1 := shard{node: "node1@127.0.0.1", lo: 0, hi: 0x7fffffff, seq: 3, uuid: "c989f49d"}
+	a2 := shard{node: "node1@127.0.0.1", lo: 0x80000000, hi: 0xffffffff, seq: 5, uuid: "483d5bed"}
+	recreated := a2
+	recreated.uuid = "00000000"
+	none := shard{node: "node1@127.0.0.1", lo: 0x80000000, hi: 0xffffffff}
+	none1 := shard{node: "node1@127.0.0.1", lo: 0, hi: 0x7fffffff}
+	old1, old2 := a1, a2
+	old1.uuid, old2.uuid = "", ""
+	assert.True(t, SameCopies(packSeq(8, a1, a2), packSeq(8, a2, a1)))
+	assert.False(t, SameCopies(packSeq(8, a1, recreated), packSeq(8, a1, a2)), "a file created again")
+	assert.True(t, SameCopies(packSeq(3, a1, none), packSeq(3, a1, none)), "a range read nothing of in both")
+	assert.True(t, SameCopies(packSeq(3, a1, none), packSeq(8, a1, a2)), "a range read in one only is not compared")
+	assert.False(t, SameCopies(packSeq(3, none1, a2), packSeq(8, a1, recreated)), "the only range compared is another file")
+	assert.False(t, SameCopies(packSeq(0, none1, none), packSeq(0, none1, none)), "nothing read: nothing to compare")
+	assert.False(t, SameCopies(packSeq(8, old1, old2), packSeq(8, old1, old2)), "seqs without file uuids")
+	assert.True(t, Packed(couch333Info))
+	assert.False(t, Packed("12"))
+}
+
 func FuzzCovers(f *testing.F) {
 	for _, s := range []string{couch333Info, couch333Changes, couch333Limit2, cluster35Info, cluster35Changes, "12", "", "3-g1AAAA"} {
 		f.Add(s, couch333Info)
@@ -184,6 +216,10 @@ func FuzzCovers(f *testing.F) {
 	f.Fuzz(func(t *testing.T, a, b string) {
 		assert.True(t, Covers(Seq(a), Seq(a)), "a seq covers itself")
 		assert.False(t, OtherCopies(Seq(a), Seq(a)), "a seq names its own copies")
+		if SameCopies(Seq(a), Seq(b)) {
+			assert.False(t, OtherCopies(Seq(a), Seq(b)), "the same copies are not other copies")
+			assert.True(t, SameCopies(Seq(b), Seq(a)), "the same copies both ways")
+		}
 		if OtherCopies(Seq(a), Seq(b)) {
 			assert.False(t, Covers(Seq(a), Seq(b)), "seqs of other copies are not ordered")
 			assert.True(t, OtherCopies(Seq(b), Seq(a)), "other copies both ways")
