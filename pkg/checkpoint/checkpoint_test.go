@@ -93,6 +93,13 @@ func TestConcurrentWritersResolveConflicts(t *testing.T) {
 	}
 	p, err := a.Position(ctx)
 	require.NoError(t, err)
+	if srv.Cluster {
+		// A write with a rev one copy has not seen yet lands there as a sibling: the doc may
+		// end with both writers' revisions as conflicting leaves, and CouchDB's pick of a
+		// winner need not be the last write. (Several producers at once only repeat events.)
+		assert.Contains(t, []string{"a", "b"}, p.LastSeq)
+		return
+	}
 	assert.Equal(t, "b", p.LastSeq)
 }
 
