@@ -37,11 +37,7 @@ func Covers(a, b Seq) bool {
 		y, ok := plainSeq(b)
 		return ok && x.Cmp(y) >= 0
 	}
-	pa, err := unpackSeq(a)
-	if err != nil {
-		return false
-	}
-	pb, err := unpackSeq(b)
+	pa, pb, err := unpackBoth(a, b)
 	if err != nil || len(pa) != len(pb) {
 		return false
 	}
@@ -73,11 +69,7 @@ func OtherCopies(a, b Seq) bool {
 	if a == b {
 		return false
 	}
-	pa, err := unpackSeq(a)
-	if err != nil {
-		return false
-	}
-	pb, err := unpackSeq(b)
+	pa, pb, err := unpackBoth(a, b)
 	if err != nil {
 		return false
 	}
@@ -117,11 +109,7 @@ func Packed(s Seq) bool {
 // from since's to 0 (couch_db:calculate_start_seq), so an answer from a db created again
 // names its new files.
 func SameCopies(a, b Seq) bool {
-	pa, err := unpackSeq(a)
-	if err != nil {
-		return false
-	}
-	pb, err := unpackSeq(b)
+	pa, pb, err := unpackBoth(a, b)
 	if err != nil || len(pa) != len(pb) {
 		return false
 	}
@@ -139,6 +127,16 @@ func SameCopies(a, b Seq) bool {
 		compared++
 	}
 	return compared > 0
+}
+
+// unpackBoth unpacks two CouchDB 2+ seqs (unpackSeq).
+func unpackBoth(a, b Seq) (map[shardRange]shardSeq, map[shardRange]shardSeq, error) {
+	pa, err := unpackSeq(a)
+	if err != nil {
+		return nil, nil, err
+	}
+	pb, err := unpackSeq(b)
+	return pa, pb, err
 }
 
 // plainSeq returns an integer seq's value (false for any other form).
