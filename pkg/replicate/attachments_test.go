@@ -7,6 +7,7 @@ import (
 	"encoding/base64"
 	"encoding/json"
 	"fmt"
+	"io"
 	"net/http"
 	"net/url"
 	"strings"
@@ -23,16 +24,53 @@ import (
 
 // requestLog records the method, path and content type of every request sent through it.
 type requestLog struct {
-	base http.RoundTripper
-	mu   sync.Mutex
-	reqs []string
+	base     http.RoundTripper
+	mu       sync.Mutex
+	reqs     []string
+	inFlight int // requests sent whose response body is not closed yet
+	peak     int // the most in flight at once since the last take
 }
 
 func (l *requestLog) RoundTrip(req *http.Request) (*http.Response, error) {
 	l.mu.Lock()
 	l.reqs = append(l.reqs, req.Method+" "+req.URL.Path+" "+req.Header.Get("Content-Type"))
+	l.inFlight++
+	l.peak = max(l.peak, l.inFlight)
 	l.mu.Unlock()
-	return l.base.RoundTrip(req)
+	resp, err := l.base.RoundTrip(req)
+	if err != nil {
+		l.done()
+		return nil, err
+	}
+	resp.Body = &loggedBody{ReadCloser: resp.Body, done: l.done}
+	return resp, nil
+}
+
+func (l *requestLog) done() {
+	l.mu.Lock()
+	l.inFlight--
+	l.mu.Unlock()
+}
+
+// loggedBody tells its requestLog when the response is closed (once).
+type loggedBody struct {
+	io.ReadCloser
+	once sync.Once
+	done func()
+}
+
+func (b *loggedBody) Close() error {
+	b.once.Do(b.done)
+	return b.ReadCloser.Close()
+}
+
+// takePeak returns the most requests in flight at once since the last call, and starts again.
+func (l *requestLog) takePeak() int {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	p := l.peak
+	l.peak = l.inFlight
+	return p
 }
 
 // take returns the requests recorded since the last take.

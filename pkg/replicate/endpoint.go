@@ -37,6 +37,12 @@ type endpoint struct {
 	shown  string // the full URL with its password redacted: safe for logs and errors
 }
 
+// sameServer reports whether e and o are dbs of one server (scheme and host of their base URLs).
+func (e *endpoint) sameServer(o *endpoint) bool {
+	a, b := e.c.BaseURL(), o.c.BaseURL()
+	return a.Scheme == b.Scheme && a.Host == b.Host
+}
+
 // newEndpoint parses a db URL ("http://user:pw@host:5984/prefix/db"): the last path segment,
 // URL-decoded, is the db name; what precedes it is the server, reached over tr (streams over
 // streamTr, see couch.Config.StreamTransport).

@@ -281,17 +281,26 @@ func (r *run) run(ctx context.Context) (Result, error) {
 	if err != nil {
 		return res, err
 	}
-	// A cached checkpoint is verified, never trusted: the target's doc is read while the first
-	// page is (see verifyTarget).
+	// A cached checkpoint is verified, never trusted: the target's doc is read before anything
+	// of the first page is acted on. When the target is on another server it is read while the
+	// first page is (a round trip saved where round trips are long); when both dbs are on one
+	// server, after it: there the round trip is short, and reading both at once would hold two
+	// of the server's connections per running replication instead of one.
 	var verified chan verifyResult
-	if cached {
+	verify := func() {
 		verified = make(chan verifyResult, 1)
 		go func() {
 			doc, err := cp.read(ctx, r.tgt)
 			verified <- verifyResult{doc, err}
 		}()
 	}
+	if cached && !r.src.sameServer(r.tgt) {
+		verify()
+	}
 	first, raw, err := reader.page(ctx, cp.startSeq)
+	if cached && verified == nil {
+		verify()
+	}
 	if verified != nil {
 		v := <-verified
 		switch {

@@ -130,8 +130,9 @@ func TestIncrementalRequests(t *testing.T) {
 
 // TestCheckpointCache: with the checkpoint cache and deferred checkpoints, an incremental run of
 // a few new docs costs four requests (_changes, _revs_diff, _bulk_get, _bulk_docs) plus one
-// verification of the cached checkpoint (the target's _local doc, read in parallel with
-// _changes), and a run without changes _changes and the verification; a cache that another
+// verification of the cached checkpoint (the target's _local doc, read after the first page:
+// source and target are on one server, so the run holds one connection at a time), and a run
+// without changes _changes and the verification; a cache that another
 // process made stale costs no doc twice; a target deleted and recreated behind the hot cache's
 // back is replicated from the beginning by the next run.
 func TestCheckpointCache(t *testing.T) {
@@ -148,11 +149,13 @@ func TestCheckpointCache(t *testing.T) {
 		return strings.HasPrefix(r, "GET /"+couchtest.PathDB(target)+"/_local/")
 	}
 	log.take()
+	log.takePeak()
 	for i := 1; i <= 3; i++ {
 		s.Put(t, source, fmt.Sprintf("new-%d", i), map[string]any{"i": i})
 		res, err := Run(t.Context(), opt, testLog(t))
 		require.NoError(t, err)
 		assert.EqualValues(t, 1, res.DocsWritten)
+		assert.Equal(t, 1, log.takePeak(), "run %d: one request at a time", i)
 		reqs := log.take()
 		verifications := count(reqs, verification)
 		assert.Equal(t, 1, verifications, "run %d verifies the cached checkpoint once: %v", i, reqs)
