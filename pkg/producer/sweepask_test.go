@@ -62,7 +62,7 @@ func TestSweepAsksCouchDBWhenCopiesDiffer(t *testing.T) {
 			records: map[events.Group]string{events.GroupReplicate: "7", events.GroupOnChange: "12"},
 			wantDue: []events.Group{events.GroupReplicate}},
 		{name: "a group without a record: due", seq: clusterSeqB,
-			records: map[events.Group]string{events.GroupReplicate: clusterSeqA},
+			records:   map[events.Group]string{events.GroupReplicate: clusterSeqA},
 			wantAsked: []string{clusterSeqA}, wantDue: []events.Group{events.GroupOnChange}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
