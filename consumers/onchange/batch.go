@@ -205,8 +205,10 @@ func (h *handler) publishBatch(ctx context.Context, db string, rule *rules.OnCha
 				if !worker.Held(ctx) {
 					return 0, worker.ErrLeaseLost
 				}
-				last, _, err := h.publisher.lastMessage(ctx, subject, rule.Timeout)
-				f.last, f.read = last, err == nil
+				last, count, err := h.publisher.readSubject(ctx, subject, rule.Timeout)
+				if err == nil {
+					f.setRead(last, count)
+				}
 				return 0, err
 			})
 			switch {

@@ -2,6 +2,8 @@ package main
 
 import (
 	"context"
+	"crypto/rand"
+	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -15,6 +17,7 @@ import (
 	"github.com/sirupsen/logrus"
 
 	"github.com/spiegel-nats/spiegel/pkg/checkpoint"
+	"github.com/spiegel-nats/spiegel/pkg/events"
 	"github.com/spiegel-nats/spiegel/pkg/rules"
 	"github.com/spiegel-nats/spiegel/pkg/webhook"
 	"github.com/spiegel-nats/spiegel/pkg/worker"
@@ -62,6 +65,30 @@ type fence struct {
 	mu   sync.Mutex
 	read bool   // last was read from the stream
 	last uint64 // 0: the subject holds no message
+	// pos is the position of the subject's last message (events.PositionHeader): the next
+	// message is stored at pos+1. A subject whose messages carry none yet (published by an
+	// earlier release) starts counting from the number of messages it holds.
+	pos   uint64
+	heals []checkpoint.StreamHeal // the subject's recent heals, from the checkpoint (see removed)
+}
+
+// setRead records what a read of the subject found: its last message and its message count.
+func (f *fence) setRead(last subjectMsg, count uint64) {
+	f.last, f.pos, f.read = last.seq, last.pos, true
+	if last.pos == 0 {
+		f.pos = count
+	}
+}
+
+// removed reports whether seq is the sequence of a message that a heal of the subject removed
+// (see healHole), and returns the heal under whose id the change goes again: the latest.
+func (f *fence) removed(seq uint64) (checkpoint.StreamHeal, bool) {
+	for _, h := range f.heals {
+		if seq > h.After && seq <= h.Through {
+			return f.heals[len(f.heals)-1], true
+		}
+	}
+	return checkpoint.StreamHeal{}, false
 }
 
 // jobFences are a job's fences, by subject.
@@ -112,53 +139,157 @@ type jsAPIError struct {
 // JetStream error codes the publisher tells apart.
 const (
 	errCodeNoMessage          = 10037 // no message found
+	errCodeSeqNotFound        = 10043 // sequence not found
+	errCodeDeleteFailed       = 10057 // message delete failed (its description says why)
 	errCodeWrongLastSeq       = 10071 // wrong last sequence
 	errCodeWrongLastSeqBusy   = 10164 // wrong last sequence (a replicated stream with a check on the subject in flight)
 	errCodeBatchHasDuplicates = 10201 // atomic publish batch contains duplicate message id
 )
 
-// lastMessage reads subject's last message at its stream's leader: its sequence (0 when the
-// subject holds none) and the feed seq of the change it carries ("" when none, or when it is not a
-// change message). One API request; it does not use direct gets, which a replica that lags may
-// answer.
-func (p *changePublisher) lastMessage(ctx context.Context, subject string, timeout time.Duration) (uint64, string, error) {
+// subjectMsg is what the publisher reads of a message on a subject.
+type subjectMsg struct {
+	seq     uint64 // its stream sequence (0: no message)
+	feedSeq string // the feed seq of the change it carries ("": none, or not a change message)
+	pos     uint64 // its position on the subject (events.PositionHeader; 0: none)
+}
+
+// getMsg reads one message of subject's stream at the stream's leader, as req asks
+// (last_by_subj, or seq and next_by_subj): found false when there is none. One API request; it
+// does not use direct gets, which a replica that lags may answer.
+func (p *changePublisher) getMsg(ctx context.Context, subject string, req map[string]any, timeout time.Duration) (subjectMsg, bool, error) {
 	name, err := p.streamOf(ctx, subject)
 	if err != nil {
-		return 0, "", err
+		return subjectMsg{}, false, err
 	}
-	req, err := json.Marshal(map[string]string{"last_by_subj": subject})
+	body, err := json.Marshal(req)
 	if err != nil {
-		return 0, "", err
+		return subjectMsg{}, false, err
 	}
 	ctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
-	resp, err := p.js.(batchPublisher).Conn().RequestWithContext(ctx, "$JS.API.STREAM.MSG.GET."+name, req)
+	resp, err := p.js.(batchPublisher).Conn().RequestWithContext(ctx, "$JS.API.STREAM.MSG.GET."+name, body)
 	if err != nil {
-		return 0, "", fmt.Errorf("read the last message of subject %s in stream %s: %w", subject, name, err)
+		return subjectMsg{}, false, fmt.Errorf("read a message of subject %s in stream %s: %w", subject, name, err)
 	}
 	var answer struct {
 		Message *struct {
-			Seq  uint64 `json:"seq"`
-			Data []byte `json:"data"`
+			Seq     uint64 `json:"seq"`
+			Headers []byte `json:"hdrs"`
+			Data    []byte `json:"data"`
 		} `json:"message"`
 		Error *jsAPIError `json:"error"`
 	}
 	if err := json.Unmarshal(resp.Data, &answer); err != nil {
-		return 0, "", fmt.Errorf("read the last message of subject %s in stream %s: unreadable answer: %w", subject, name, err)
+		return subjectMsg{}, false, fmt.Errorf("read a message of subject %s in stream %s: unreadable answer: %w", subject, name, err)
 	}
 	switch {
 	case answer.Error != nil && answer.Error.ErrCode == errCodeNoMessage:
-		return 0, "", nil
+		return subjectMsg{}, false, nil
 	case answer.Error != nil:
-		return 0, "", fmt.Errorf("read the last message of subject %s in stream %s: %s", subject, name, answer.Error.Description)
+		return subjectMsg{}, false, fmt.Errorf("read a message of subject %s in stream %s: %s", subject, name, answer.Error.Description)
 	case answer.Message == nil:
-		return 0, "", fmt.Errorf("read the last message of subject %s in stream %s: empty answer", subject, name)
+		return subjectMsg{}, false, fmt.Errorf("read a message of subject %s in stream %s: empty answer", subject, name)
 	}
+	m := subjectMsg{seq: answer.Message.Seq}
 	var c struct {
 		Seq string `json:"seq"`
 	}
 	_ = json.Unmarshal(answer.Message.Data, &c) // a message of another kind has no feed seq
-	return answer.Message.Seq, c.Seq, nil
+	m.feedSeq = c.Seq
+	if len(answer.Message.Headers) > 0 {
+		if hdr, err := nats.DecodeHeadersMsg(answer.Message.Headers); err == nil {
+			m.pos, _ = strconv.ParseUint(hdr.Get(events.PositionHeader), 10, 64)
+		}
+	}
+	return m, true, nil
+}
+
+// lastMessage reads subject's last message at its stream's leader (seq 0 when the subject holds
+// none).
+func (p *changePublisher) lastMessage(ctx context.Context, subject string, timeout time.Duration) (subjectMsg, error) {
+	m, _, err := p.getMsg(ctx, subject, map[string]any{"last_by_subj": subject}, timeout)
+	return m, err
+}
+
+// nextMessage reads the first message of subject at or after stream sequence seq.
+func (p *changePublisher) nextMessage(ctx context.Context, subject string, seq uint64, timeout time.Duration) (subjectMsg, bool, error) {
+	return p.getMsg(ctx, subject, map[string]any{"seq": seq, "next_by_subj": subject}, timeout)
+}
+
+// subjectCount returns the number of messages subject's stream holds on it, as its leader
+// counts them. One API request.
+func (p *changePublisher) subjectCount(ctx context.Context, subject string, timeout time.Duration) (uint64, error) {
+	name, err := p.streamOf(ctx, subject)
+	if err != nil {
+		return 0, err
+	}
+	body, err := json.Marshal(map[string]string{"subjects_filter": subject})
+	if err != nil {
+		return 0, err
+	}
+	ctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	resp, err := p.js.(batchPublisher).Conn().RequestWithContext(ctx, "$JS.API.STREAM.INFO."+name, body)
+	if err != nil {
+		return 0, fmt.Errorf("count the messages of subject %s in stream %s: %w", subject, name, err)
+	}
+	var answer struct {
+		State struct {
+			Subjects map[string]uint64 `json:"subjects"`
+		} `json:"state"`
+		Error *jsAPIError `json:"error"`
+	}
+	if err := json.Unmarshal(resp.Data, &answer); err != nil {
+		return 0, fmt.Errorf("count the messages of subject %s in stream %s: unreadable answer: %w", subject, name, err)
+	}
+	if answer.Error != nil {
+		return 0, fmt.Errorf("count the messages of subject %s in stream %s: %s", subject, name, answer.Error.Description)
+	}
+	return answer.State.Subjects[subject], nil
+}
+
+// readSubject reads subject's last message and counts its messages, both at once.
+func (p *changePublisher) readSubject(ctx context.Context, subject string, timeout time.Duration) (subjectMsg, uint64, error) {
+	var count uint64
+	var countErr error
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		count, countErr = p.subjectCount(ctx, subject, timeout)
+	}()
+	last, err := p.lastMessage(ctx, subject, timeout)
+	<-done
+	return last, count, errors.Join(err, countErr)
+}
+
+// deleteMessage removes the message at seq from subject's stream (one already gone is no error).
+func (p *changePublisher) deleteMessage(ctx context.Context, subject string, seq uint64, timeout time.Duration) error {
+	name, err := p.streamOf(ctx, subject)
+	if err != nil {
+		return err
+	}
+	body, err := json.Marshal(map[string]any{"seq": seq, "no_erase": true})
+	if err != nil {
+		return err
+	}
+	ctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	resp, err := p.js.(batchPublisher).Conn().RequestWithContext(ctx, "$JS.API.STREAM.MSG.DELETE."+name, body)
+	if err != nil {
+		return fmt.Errorf("remove message %d of subject %s from stream %s: %w", seq, subject, name, err)
+	}
+	var answer struct {
+		Error *jsAPIError `json:"error"`
+	}
+	if err := json.Unmarshal(resp.Data, &answer); err != nil {
+		return fmt.Errorf("remove message %d of subject %s from stream %s: unreadable answer: %w", seq, subject, name, err)
+	}
+	gone := answer.Error != nil && (answer.Error.ErrCode == errCodeNoMessage || answer.Error.ErrCode == errCodeSeqNotFound ||
+		answer.Error.ErrCode == errCodeDeleteFailed && strings.Contains(answer.Error.Description, "no message found"))
+	if answer.Error != nil && !gone {
+		return fmt.Errorf("remove message %d of subject %s from stream %s: %s", seq, subject, name, answer.Error.Description)
+	}
+	return nil
 }
 
 // streamOf returns the name of the stream that captures subject.
@@ -194,15 +325,33 @@ func (p *changePublisher) attemptFenced(m changeMsg, f *fence, timeout time.Dura
 	return func(ctx context.Context) (int, error) {
 		ctx, cancel := context.WithTimeout(ctx, timeout)
 		defer cancel()
-		ack, err := p.js.PublishMsg(ctx, m.nats(), jetstream.WithExpectLastSequencePerSubject(f.last))
-		if err != nil {
-			if wrongLast(err) {
-				return 0, fmt.Errorf("publish change %s to %s: %w", m.id, m.subject, errFenced)
+		publish := func(m changeMsg) (*jetstream.PubAck, error) {
+			msg := m.nats()
+			msg.Header.Set(events.PositionHeader, strconv.FormatUint(f.pos+1, 10))
+			ack, err := p.js.PublishMsg(ctx, msg, jetstream.WithExpectLastSequencePerSubject(f.last))
+			switch {
+			case err != nil && wrongLast(err):
+				return nil, fmt.Errorf("publish change %s to %s: %w", m.id, m.subject, errFenced)
+			case err != nil:
+				return nil, fmt.Errorf("publish change %s to %s: %w", m.id, m.subject, err)
 			}
-			return 0, fmt.Errorf("publish change %s to %s: %w", m.id, m.subject, err)
+			return ack, nil
+		}
+		ack, err := publish(m)
+		if err != nil {
+			return 0, err
+		}
+		if heal, ok := f.removed(ack.Sequence); ok && ack.Duplicate {
+			// The stream remembers the id of a message a heal removed: not stored, so the change
+			// goes again under the heal's id.
+			m.id = events.HealMsgID(heal.ID, m.id)
+			if ack, err = publish(m); err != nil {
+				return 0, err
+			}
 		}
 		if !ack.Duplicate {
 			f.last = ack.Sequence
+			f.pos++
 		}
 		p.published(1)
 		return 0, nil
@@ -266,6 +415,9 @@ func (p *changePublisher) publishAtomic(ctx context.Context, msgs []changeMsg, f
 				msg.Header.Set(jetstream.ExpectedLastSubjSeqHeader, strconv.FormatUint(f.last, 10))
 			}
 		}
+		if f != nil {
+			msg.Header.Set(events.PositionHeader, strconv.FormatUint(f.pos+uint64(i)+1, 10))
+		}
 		if i == len(msgs)-1 {
 			msg.Header.Set(batchCommitHeader, "1")
 			msg.Reply = inbox
@@ -307,6 +459,7 @@ func (p *changePublisher) publishAtomic(ctx context.Context, msgs []changeMsg, f
 			}
 			if f != nil {
 				f.last = a.Seq
+				f.pos += uint64(len(msgs))
 			}
 			p.published(len(msgs))
 			return nil
@@ -327,34 +480,51 @@ func (h *handler) streamPoint(ctx context.Context, db string, rule *rules.OnChan
 	if !f.read {
 		return nil
 	}
-	return &checkpoint.StreamPoint{Subject: subject, Seq: f.last}
+	return &checkpoint.StreamPoint{Subject: subject, Seq: f.last, Heals: f.heals}
 }
 
 // healStream checks, before a subject rule publishes anything in a job, that the stream still
-// holds what the checkpoint says was stored before it (cp.Stream), and returns the seq the rule
-// goes on from. A stream that acknowledged messages and lost them — a NATS node restarted from a
-// store older than what it had acknowledged (lazy sync and a power failure), every node so, or a
-// truncated file — holds an older last message on the subject: the rule then goes back to the
-// feed seq of that message, and the changes after it are published again (the stream lost their
-// ids with them, so they are stored). Messages the stream dropped by its own limits (max age) are
-// not a loss: its first message is then past cp.Stream. A subject left with no message at all
-// sends the rule back to the start of the feed, except for a rule with since "now", whose start is
-// not known: that is logged. The read is the job's fence read (see fence.go), so it costs no
-// request unless a loss shows.
-func (h *handler) healStream(ctx context.Context, db string, rule *rules.OnChange, cp checkpoint.OnChangePoint, since string, log logrus.FieldLogger) (string, error) {
+// holds what was stored on the rule's subject, and returns the seq the rule goes on from. It is
+// the job's fence read (see fence.go): the subject's last message and its message count, read at
+// once.
+//
+// A stream that acknowledged messages and lost them — a NATS node restarted from a store older
+// than what it had acknowledged (lazy sync and a power failure), every node so, a truncated file,
+// a store copied file by file — may have lost them in two ways:
+//   - at the end: the subject's last message is older than the one the checkpoint records
+//     (cp.Stream). The rule goes back to the feed seq of that message, and the changes after it
+//     are published again (the stream lost their ids with them, so they are stored);
+//   - in the middle (a hole): the subject holds fewer messages than the positions of its messages
+//     say (events.PositionHeader). See healHole.
+//
+// Messages the stream dropped by its own limits (max age) are not a loss: they are the oldest, so
+// the positions of the messages left still follow each other, and the stream's first message is
+// past cp.Stream. A subject left with no message at all sends the rule back to the start of the
+// feed, except for a rule with since "now", whose start is not known: that is logged.
+func (h *handler) healStream(ctx context.Context, db string, rule *rules.OnChange, cps *checkpointWriter, since string, log logrus.FieldLogger) (string, error) {
 	subject := subjectFor(rule, db)
-	if !h.publisher.fenceable(rule) || cp.Stream.Seq == 0 || cp.Stream.Subject != subject {
+	if !h.publisher.fenceable(rule) {
 		return since, nil
 	}
 	f := fenceOf(ctx, subject)
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	last, from, err := h.publisher.lastMessage(ctx, subject, rule.Timeout)
+	last, count, err := h.publisher.readSubject(ctx, subject, rule.Timeout)
 	if err != nil {
 		return since, err
 	}
-	f.last, f.read = last, true
-	if last >= cp.Stream.Seq {
+	f.setRead(last, count)
+	cp := cps.cp
+	if cp.Stream.Subject == subject {
+		f.heals = cp.Stream.Heals
+	}
+	log = log.WithField("subject", subject)
+	if hole, err := h.publisher.findHole(ctx, subject, last, count, rule.Timeout, log); err != nil {
+		return since, err
+	} else if hole != nil {
+		return h.healHole(ctx, db, cps, f, subject, *hole, since, rule.Timeout, log)
+	}
+	if cp.Stream.Seq == 0 || cp.Stream.Subject != subject || last.seq >= cp.Stream.Seq {
 		return since, nil
 	}
 	first, err := h.publisher.firstSeq(ctx, subject, rule.Timeout)
@@ -364,11 +534,139 @@ func (h *handler) healStream(ctx context.Context, db string, rule *rules.OnChang
 	if first > cp.Stream.Seq {
 		return since, nil // dropped by the stream's limits
 	}
-	log = log.WithFields(logrus.Fields{"subject": subject, "stream_seq": cp.Stream.Seq, "subject_last_seq": last})
-	if from == "" && last > 0 || from == "" && rule.Since == rules.SinceNow {
+	log = log.WithFields(logrus.Fields{"stream_seq": cp.Stream.Seq, "subject_last_seq": last.seq})
+	if last.feedSeq == "" && last.seq > 0 || last.feedSeq == "" && rule.Since == rules.SinceNow {
 		log.Error("the change stream lost changes it had stored, and where they start is not known: they are not published again")
 		return since, nil
 	}
-	log.WithField("from_seq", from).Warn("the change stream lost changes it had stored: publishing them again")
-	return from, nil
+	log.WithField("from_seq", last.feedSeq).Warn("the change stream lost changes it had stored: publishing them again")
+	return last.feedSeq, nil
+}
+
+// hole is a gap in the middle of a subject: before is the last message stored before it, after
+// the sequences of the messages stored after it, up to the subject's last.
+type hole struct {
+	before subjectMsg
+	after  []uint64
+}
+
+// findHole looks for a hole in subject, whose last message and message count the caller read:
+// nil when the positions of the subject's messages follow each other. It costs no request
+// unless the count falls short of the last message's position: then one read of the subject's
+// first message, which tells the oldest messages dropped by the stream's limits from a hole,
+// and, for a hole, one read per message on the subject to find it. A subject whose messages
+// carry no position (an earlier release published them) cannot be checked.
+func (p *changePublisher) findHole(ctx context.Context, subject string, last subjectMsg, count uint64, timeout time.Duration, log logrus.FieldLogger) (*hole, error) {
+	if last.pos == 0 || count >= last.pos {
+		return nil, nil
+	}
+	first, ok, err := p.nextMessage(ctx, subject, 1, timeout)
+	if err != nil || !ok {
+		return nil, err
+	}
+	if first.pos == 0 {
+		log.Debug("the subject's oldest messages carry no position: its messages are not checked for a hole")
+		return nil, nil
+	}
+	if first.pos <= last.pos && last.pos-first.pos+1 == count {
+		return nil, nil // the oldest dropped by the stream's limits
+	}
+	for prev := first; prev.seq < last.seq; {
+		m, ok, err := p.nextMessage(ctx, subject, prev.seq+1, timeout)
+		switch {
+		case err != nil:
+			return nil, err
+		case !ok || m.pos == 0:
+			return nil, nil // the subject changed under the walk, or a message without a position
+		case m.pos == prev.pos+1:
+			prev = m
+			continue
+		}
+		h := &hole{before: prev}
+		for ; ok && m.seq <= last.seq; m, ok, err = p.nextMessage(ctx, subject, m.seq+1, timeout) {
+			h.after = append(h.after, m.seq)
+		}
+		if err != nil {
+			return nil, err
+		}
+		return h, nil
+	}
+	return nil, nil
+}
+
+// healMemory is how long a heal is remembered (see fence.removed): the changes stream's duplicate
+// window and a margin. At most maxHeals are kept, the latest.
+const (
+	healMemory = 25 * time.Hour
+	maxHeals   = 8
+)
+
+// healHole heals a hole in the middle of subject, so that the subject holds every change once,
+// in feed order, again:
+//  1. the checkpoint goes back to the message before the hole, its _local doc written at once,
+//     with a new heal recorded: the messages after it up to the subject's last are about to be
+//     removed. Fenced like every checkpoint write: a stale holder cannot move it.
+//  2. those messages are removed, the latest first;
+//  3. the job goes on from the feed seq of the message before the hole, and publishes the changes
+//     of the hole and after it again. The stream remembers the ids of the removed messages for
+//     its duplicate window; a change answered as a duplicate of one of them goes again under the
+//     heal's id (events.HealMsgID, see attemptFenced). The heal is kept in the checkpoint for that
+//     window, so a later job that reads the changes again knows it too.
+//
+// A job that stops anywhere in between leaves the hole, or the subject cut back to before it,
+// for the next job to find. Services that followed the subject live saw the changes after the
+// hole before those of the hole; the README says what they see.
+func (h *handler) healHole(ctx context.Context, db string, cps *checkpointWriter, f *fence, subject string, gap hole, since string, timeout time.Duration, log logrus.FieldLogger) (string, error) {
+	log = log.WithFields(logrus.Fields{"before_hole_seq": gap.before.seq, "messages_after": len(gap.after)})
+	if gap.before.feedSeq == "" {
+		log.Error("the change stream lost changes in the middle of the subject, and the message before them carries no feed seq: not healed")
+		return since, nil
+	}
+	if !worker.Held(ctx) {
+		return since, worker.ErrLeaseLost
+	}
+	id, err := newHealID()
+	if err != nil {
+		return since, err
+	}
+	heals := []checkpoint.StreamHeal{}
+	for _, old := range f.heals {
+		if time.Since(old.At) < healMemory {
+			heals = append(heals, old)
+		}
+	}
+	heals = append(heals, checkpoint.StreamHeal{ID: id, After: gap.before.seq, Through: gap.after[len(gap.after)-1], At: time.Now().UTC()})
+	if len(heals) > maxHeals {
+		heals = heals[len(heals)-maxHeals:]
+	}
+	if err := cps.wait(); err != nil {
+		return since, err
+	}
+	cps.cp.Stream = checkpoint.StreamPoint{Subject: subject, Seq: gap.before.seq, Heals: heals}
+	if err := h.store.SaveNow(ctx, &cps.cp, gap.before.feedSeq); err != nil {
+		return since, err
+	}
+	cps.stored = gap.before.feedSeq
+	for i := len(gap.after) - 1; i >= 0; i-- {
+		if !worker.Held(ctx) {
+			return since, worker.ErrLeaseLost
+		}
+		if err := h.publisher.deleteMessage(ctx, subject, gap.after[i], timeout); err != nil {
+			return since, err
+		}
+	}
+	f.last, f.pos, f.heals = gap.before.seq, gap.before.pos, heals
+	h.metrics.StreamHealed()
+	log.WithFields(logrus.Fields{"from_seq": gap.before.feedSeq, "heal": id}).
+		Warn("the change stream lost changes in the middle of the subject: removed the messages after the hole and publishing the changes from it again, in order")
+	return gap.before.feedSeq, nil
+}
+
+// newHealID returns a new heal's id: 16 random hex digits.
+func newHealID() (string, error) {
+	var b [8]byte
+	if _, err := rand.Read(b[:]); err != nil {
+		return "", fmt.Errorf("heal the change stream: %w", err)
+	}
+	return hex.EncodeToString(b[:]), nil
 }

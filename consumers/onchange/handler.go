@@ -267,7 +267,7 @@ func (h *handler) runRule(ctx context.Context, db string, rule *rules.OnChange, 
 		}
 		if !streamChecked && rule.Subject != "" {
 			streamChecked = true
-			from, err := h.healStream(ctx, db, rule, cps.cp, since, log)
+			from, err := h.healStream(ctx, db, rule, cps, since, log)
 			if err != nil {
 				return finish(ruleResult{err: fmt.Errorf("rule %s: %w", rule.ID(), err)})
 			}

@@ -166,9 +166,11 @@ func Dashboard() (dashboard.Dashboard, error) {
 		query{fmt.Sprintf("sum by (class) (%s)", rate("spiegel_webhook_requests_total")), "{{class}}"}))
 	p.add(graph("Webhook latency", "Webhook request duration per status class: p50, p90 and p99.",
 		"s", quantiles("spiegel_webhook_request_duration_seconds", "class")...))
-	p.add(graph("Changes published to NATS", "Changes published by on_change rules with a subject.",
+	p.add(graph("Changes published to NATS", "Changes published by on_change rules with a subject, "+
+		"and holes in a subject healed (the stream lost stored messages in the middle of it: the changes from the hole on go again).",
 		"ops",
-		query{fmt.Sprintf("sum(%s)", rate("spiegel_changes_published_total")), "published"}))
+		query{fmt.Sprintf("sum(%s)", rate("spiegel_changes_published_total")), "published"},
+		query{fmt.Sprintf("sum(%s)", rate("spiegel_change_stream_heals_total")), "holes healed"}))
 
 	p.row("Replication")
 	p.add(graph("Replications by engine and result", "Replications of one rule and db: ok, error, missing_source; "+

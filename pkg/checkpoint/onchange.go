@@ -96,10 +96,24 @@ type OnChangePoint struct {
 	docStale bool      // the _local doc is not the entry's: the next Save writes it
 }
 
-// StreamPoint is a message stored on a subject: its stream sequence.
+// StreamPoint is a message stored on a subject: its stream sequence, and the heals of holes in
+// the subject that are recent enough to matter.
 type StreamPoint struct {
-	Subject string `json:"subject,omitempty"`
-	Seq     uint64 `json:"seq,omitempty"`
+	Subject string       `json:"subject,omitempty"`
+	Seq     uint64       `json:"seq,omitempty"`
+	Heals   []StreamHeal `json:"heals,omitempty"`
+}
+
+// StreamHeal records one heal of a hole in the middle of a subject: the messages stored after
+// message After, up to Through, were removed, and the changes from After on published again
+// under the heal's id (events.HealMsgID). The stream remembers the removed messages' ids for its
+// duplicate window, so a publish answered as a duplicate of a message in (After, Through] was not
+// stored: it goes again under the heal's id.
+type StreamHeal struct {
+	ID      string    `json:"id"`
+	After   uint64    `json:"after"`
+	Through uint64    `json:"through"`
+	At      time.Time `json:"at"`
 }
 
 // localDoc is the body of a checkpoint's _local doc.
@@ -237,13 +251,17 @@ func (s *OnChangeStore) moved(ctx context.Context, p *OnChangePoint, op string) 
 //
 // An error after the claim leaves the entry ahead of the doc, as LocalEvery does. p is updated.
 func (s *OnChangeStore) Save(ctx context.Context, p *OnChangePoint, seq string) error {
+	return s.save(ctx, p, seq, false)
+}
+
+func (s *OnChangeStore) save(ctx context.Context, p *OnChangePoint, seq string, now bool) error {
 	if p.instance == "" { // a new checkpoint, or a doc of an earlier release
 		p.instance, p.docStale = newInstance(), true
 	}
 	if err := s.claim(ctx, p, seq); err != nil {
 		return err
 	}
-	if !p.docStale && p.kvRev != 0 && p.Found && p.rev != "" && s.LocalEvery > 0 && !p.storedAt.IsZero() && time.Since(p.storedAt) < s.LocalEvery {
+	if !now && !p.docStale && p.kvRev != 0 && p.Found && p.rev != "" && s.LocalEvery > 0 && !p.storedAt.IsZero() && time.Since(p.storedAt) < s.LocalEvery {
 		// The entry holds seq; the doc, written lately, trails it for now.
 		p.LastSeq, p.cached = seq, true
 		return nil
@@ -272,6 +290,12 @@ func (s *OnChangeStore) Save(ctx context.Context, p *OnChangePoint, seq string) 
 	}
 	p.LastSeq, p.rev, p.Found, p.storedAt, p.docStale = seq, rev, true, time.Now(), false
 	return s.cache(ctx, p)
+}
+
+// SaveNow is Save that writes the _local doc whatever LocalEvery says: for a checkpoint that
+// must not be lost with the cache entry (one moved back to heal a change stream).
+func (s *OnChangeStore) SaveNow(ctx context.Context, p *OnChangePoint, seq string) error {
+	return s.save(ctx, p, seq, true)
 }
 
 // claim writes seq into the cache entry over the revision p holds (none: the entry must not

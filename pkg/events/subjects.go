@@ -140,3 +140,15 @@ const ReplayHeader = "Spiegel-Replay"
 func ReplayMsgID(replay, db, docID, rev string) string {
 	return "replay/" + replay + "/" + ChangeMsgID(db, docID, rev)
 }
+
+// PositionHeader carries, on a change published to a db's own subject, the message's position
+// on its subject: 1 for the subject's first message, one more for each message after it. A
+// subject that holds fewer messages than its last one's position says, and not because the
+// stream dropped the oldest by its limits, lost messages in the middle.
+const PositionHeader = "Spiegel-Subject-Position"
+
+// HealMsgID is the message id of a change published again after its stream lost messages in the
+// middle of a subject and the messages after the hole were removed: id (the change's first or
+// replay id, which the stream still remembers for its duplicate window) in the heal's own
+// namespace, so that the republished change is stored, once.
+func HealMsgID(heal, id string) string { return "heal/" + heal + "/" + id }

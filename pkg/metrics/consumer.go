@@ -19,6 +19,7 @@ type Consumer struct {
 	WebhookRequests  *prometheus.CounterVec
 	WebhookDuration  *prometheus.HistogramVec
 	ChangesPublished prometheus.Counter
+	StreamHeals      prometheus.Counter
 	Replications     *prometheus.CounterVec
 	DocsWritten      prometheus.Counter
 	ReplDuration     prometheus.Histogram
@@ -48,6 +49,9 @@ func NewConsumer(reg prometheus.Registerer) *Consumer {
 		ChangesPublished: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "spiegel_changes_published_total", Help: "Changes published to NATS by subject rules.",
 		}),
+		StreamHeals: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "spiegel_change_stream_heals_total", Help: "Holes in the middle of a subject rule's subject healed (the stream lost messages it had stored).",
+		}),
 		Replications: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "spiegel_replications_total", Help: "Replications run, by engine and result (ok, error, missing_source).",
 		}, []string{"engine", "result"}),
@@ -71,7 +75,7 @@ func NewConsumer(reg prometheus.Registerer) *Consumer {
 			Name: "spiegel_rules_rejected", Help: "Rule docs currently rejected as invalid.",
 		}),
 	}
-	reg.MustRegister(m.JobsRun, m.JobDuration, m.WebhookRequests, m.WebhookDuration, m.ChangesPublished,
+	reg.MustRegister(m.JobsRun, m.JobDuration, m.WebhookRequests, m.WebhookDuration, m.ChangesPublished, m.StreamHeals,
 		m.Replications, m.DocsWritten, m.ReplDuration, m.DeadLetters, m.FeedErrors, m.RulesLoaded, m.RulesRejected)
 	return m
 }
@@ -83,6 +87,13 @@ func (m *Consumer) JobDone(group events.Group, result string, d time.Duration) {
 	}
 	m.JobsRun.WithLabelValues(string(group), result).Inc()
 	m.JobDuration.WithLabelValues(string(group)).Observe(d.Seconds())
+}
+
+// StreamHealed counts one healed hole in a change stream.
+func (m *Consumer) StreamHealed() {
+	if m != nil {
+		m.StreamHeals.Inc()
+	}
 }
 
 // FeedError implements rulefeed.Metrics.
