@@ -21,17 +21,26 @@ type streamStater interface {
 // runs (see consumers/onchange healStream); a db without new writes would get none, because its
 // completion record is current. So on a loss the sweep enqueues every db of an on_change rule.
 //
-// It remembers the stream's last sequence and the time of that message. The next look finds a
-// loss when the stream is gone, when its last sequence went back, or when the message now at the
-// remembered sequence has another time (the sequence was given again to a later message after
-// the loss). A message dropped by the stream's own limits (max age) is no loss: the remembered
-// sequence is then below the stream's first. Cost per sweep: one stream info, one message read.
+// It remembers the stream's last sequence and the time of that message, and the number of gaps
+// between its first and last message. The next look finds a loss when the stream is gone, when
+// its last sequence went back, when the message now at the remembered sequence has another time
+// (the sequence was given again to a later message after the loss), or when there are more gaps:
+// a store copied file by file, or flushed so, can come back with a hole in the middle. A subject
+// rule's job finds such a hole in its subject and heals it (consumers/onchange healHole), which
+// removes messages and so makes gaps too: the sweep after a heal enqueues the on_change dbs once
+// more, to no harm. A message dropped by the stream's own limits (max age) is no loss: the
+// remembered sequence is then below the stream's first, and gaps only go. The first look of a
+// producer has nothing to compare with: it finds a loss when the stream has gaps at all, since a
+// loss before the producer's start would otherwise stay unseen. Cost per sweep: one stream info,
+// one message read.
 type streamWatch struct {
 	js   streamStater
 	name string
 
-	seq uint64    // the stream's last sequence at the previous look (0: none yet, or empty)
-	at  time.Time // the time of that message
+	looked  bool
+	seq     uint64    // the stream's last sequence at the previous look (0: none yet, or empty)
+	at      time.Time // the time of that message
+	deleted uint64    // its gaps then (messages missing between its first and last)
 }
 
 // lost looks at the stream and reports whether it lost messages since the previous look.
@@ -39,7 +48,7 @@ func (w *streamWatch) lost(ctx context.Context) (bool, string, error) {
 	st, err := w.js.Stream(ctx, w.name)
 	if errors.Is(err, jetstream.ErrStreamNotFound) {
 		had := w.seq > 0
-		w.seq, w.at = 0, time.Time{}
+		w.seq, w.at, w.deleted, w.looked = 0, time.Time{}, 0, true
 		return had, fmt.Sprintf("stream %s is gone", w.name), nil
 	}
 	if err != nil {
@@ -47,7 +56,10 @@ func (w *streamWatch) lost(ctx context.Context) (bool, string, error) {
 	}
 	state := st.CachedInfo().State
 	lost, why := false, ""
+	deleted := uint64(state.NumDeleted)
 	switch {
+	case !w.looked && deleted > 0:
+		lost, why = true, fmt.Sprintf("stream %s has %d gaps between its first and last message (a loss in the middle, or a heal's removals)", w.name, deleted)
 	case w.seq == 0:
 	case state.LastSeq < w.seq:
 		lost, why = true, fmt.Sprintf("stream %s went back from sequence %d to %d", w.name, w.seq, state.LastSeq)
@@ -55,7 +67,7 @@ func (w *streamWatch) lost(ctx context.Context) (bool, string, error) {
 		m, err := st.GetMsg(ctx, w.seq)
 		switch {
 		case errors.Is(err, jetstream.ErrMsgNotFound):
-			// deleted on its own since (not by a loss, which keeps no hole): nothing to tell
+			// removed since (a heal's removal, or a hole: the gaps tell)
 		case err != nil:
 			return false, "", fmt.Errorf("read message %d of stream %s: %w", w.seq, w.name, err)
 		case !m.Time.Equal(w.at):
@@ -64,6 +76,9 @@ func (w *streamWatch) lost(ctx context.Context) (bool, string, error) {
 	case w.seq == state.LastSeq && !state.LastTime.Equal(w.at):
 		lost, why = true, fmt.Sprintf("stream %s holds another message at sequence %d than before", w.name, w.seq)
 	}
-	w.seq, w.at = state.LastSeq, state.LastTime
+	if !lost && w.looked && deleted > w.deleted {
+		lost, why = true, fmt.Sprintf("stream %s has %d gaps between its first and last message, %d before (a loss in the middle, or a heal's removals)", w.name, deleted, w.deleted)
+	}
+	w.seq, w.at, w.deleted, w.looked = state.LastSeq, state.LastTime, deleted, true
 	return lost, why, nil
 }
