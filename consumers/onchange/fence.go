@@ -467,9 +467,13 @@ func (p *changePublisher) publishAtomic(ctx context.Context, msgs []changeMsg, f
 	}
 }
 
-// streamPoint returns where the job's last publish to rule's subject in db was stored, for the
-// checkpoint (nil: not a fenced subject rule, or the job has not read the subject yet).
+// streamPoint returns where the job's last publish to rule's subject in db was stored, or its
+// latest write into a mirror rule's bucket, for the checkpoint (nil: neither, or the job has not
+// read the subject or written to the bucket yet).
 func (h *handler) streamPoint(ctx context.Context, db string, rule *rules.OnChange) *checkpoint.StreamPoint {
+	if rule.Mirror != "" {
+		return mirrorPointOf(ctx, rule.Mirror).point()
+	}
 	if rule.Subject == "" || !h.publisher.fenceable(rule) {
 		return nil
 	}

@@ -130,7 +130,7 @@ func (h *handler) handle(ctx context.Context, job *worker.Job) error {
 	if len(rs) == 0 {
 		return nil
 	}
-	ctx = withFences(ctx) // this job's view of the subjects it publishes to (see fence.go)
+	ctx = withMirrorPoints(withFences(ctx)) // this job's view of the subjects and buckets it writes to (see fence.go, mirror.go)
 	pages := newPageShare(ctx, len(rs), func(ctx context.Context, since string) pageRead {
 		page, err := h.couch.Changes(ctx, job.DB, couch.ChangesOptions{Since: since, Limit: h.batchSize, IncludeDocs: true})
 		return pageRead{page, err}
@@ -219,7 +219,7 @@ func (h *handler) runRule(ctx context.Context, db string, rule *rules.OnChange, 
 	if !byPage {
 		verifying = h.verify(ctx, cps.cp)
 	}
-	streamChecked := false // the subject's stream was checked for lost changes (healStream)
+	streamChecked := false // the subject's stream, or the mirror bucket, was checked for losses (healStream, healMirror)
 	readFrom, pending := since, pages.page(since)
 	for {
 		cur, ok := h.current(rule.ID(), db)
@@ -264,6 +264,17 @@ func (h *handler) runRule(ctx context.Context, db string, rule *rules.OnChange, 
 				return finish(ruleResult{err: v.err})
 			}
 			replay = replayOf(cps.cp)
+		}
+		if !streamChecked && rule.Mirror != "" {
+			streamChecked = true
+			from, err := h.healMirror(ctx, db, rule, cps.cp, since, log)
+			if err != nil {
+				return finish(ruleResult{err: fmt.Errorf("rule %s: %w", rule.ID(), err)})
+			}
+			if from != since { // the bucket lost writes: the db is mirrored again
+				since = from
+				continue
+			}
 		}
 		if !streamChecked && rule.Subject != "" {
 			streamChecked = true

@@ -5,10 +5,15 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"strings"
 	"sync"
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
+	"github.com/sirupsen/logrus"
+
+	"github.com/spiegel-nats/spiegel/pkg/checkpoint"
+	"github.com/spiegel-nats/spiegel/pkg/rules"
 
 	"github.com/spiegel-nats/spiegel/pkg/mirrorkey"
 	"github.com/spiegel-nats/spiegel/pkg/webhook"
@@ -178,10 +183,11 @@ func (m *mirrorWriter) attempt(bucket, db string, c change, timeout time.Duratio
 		if large {
 			value, _ = json.Marshal(tooLarge{ID: c.ID, Rev: c.rev(), TooLarge: true, Size: len(c.Doc)})
 		}
-		_, err = b.kv.Update(ctx, key, value, last) // last 0: only if the key has no message at all
+		rev, err := b.kv.Update(ctx, key, value, last) // last 0: only if the key has no message at all
 		if err != nil {
 			return 0, fmt.Errorf("mirror %s: write key %s (doc %s rev %s): %w", bucket, key, c.ID, c.rev(), err)
 		}
+		mirrorPointOf(ctx, bucket).wrote("$KV."+bucket+"."+key, rev)
 		if large {
 			return 0, fmt.Errorf("%w: mirror %s: doc %s rev %s is %d bytes, more than the bucket's max value size %d: mirrored as a too_large reference",
 				webhook.ErrBadRequest, bucket, c.ID, c.rev(), len(c.Doc), b.maxValue)
@@ -217,6 +223,115 @@ func (m *mirrorWriter) dropDB(ctx context.Context, bucket, db string) (int, erro
 		}
 	}
 	return len(keys), nil
+}
+
+// mirrorPoint is the latest write of a job into a mirror bucket: the key's subject and the
+// write's stream sequence, kept in the rule's checkpoint (checkpoint.OnChangePoint.Stream) so
+// that the next job can tell whether the bucket lost it (see healMirror).
+type mirrorPoint struct {
+	mu      sync.Mutex
+	subject string
+	seq     uint64
+}
+
+// wrote notes a write stored at seq.
+func (p *mirrorPoint) wrote(subject string, seq uint64) {
+	if p == nil {
+		return
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if seq > p.seq {
+		p.subject, p.seq = subject, seq
+	}
+}
+
+// point returns the latest write (nil: none).
+func (p *mirrorPoint) point() *checkpoint.StreamPoint {
+	if p == nil {
+		return nil
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.seq == 0 {
+		return nil
+	}
+	return &checkpoint.StreamPoint{Subject: p.subject, Seq: p.seq}
+}
+
+// mirrorPoints are a job's mirror points, by bucket; they ride the job's fences' context.
+type mirrorPoints struct {
+	mu sync.Mutex
+	m  map[string]*mirrorPoint
+}
+
+type mirrorPointsKey struct{}
+
+// withMirrorPoints returns ctx carrying a new set of mirror points for one job.
+func withMirrorPoints(ctx context.Context) context.Context {
+	return context.WithValue(ctx, mirrorPointsKey{}, &mirrorPoints{m: map[string]*mirrorPoint{}})
+}
+
+// mirrorPointOf returns the job's mirror point of bucket (nil when ctx carries none).
+func mirrorPointOf(ctx context.Context, bucket string) *mirrorPoint {
+	ps, _ := ctx.Value(mirrorPointsKey{}).(*mirrorPoints)
+	if ps == nil {
+		return nil
+	}
+	ps.mu.Lock()
+	defer ps.mu.Unlock()
+	p := ps.m[bucket]
+	if p == nil {
+		p = &mirrorPoint{}
+		ps.m[bucket] = p
+	}
+	return p
+}
+
+// healMirror checks, before a mirror rule writes anything in a job, that the bucket still holds
+// the rule's latest write in db as its checkpoint records it (cp.Stream: the key's subject and
+// the write's sequence), and returns the seq the rule goes on from. A bucket that acknowledged
+// writes and lost them — NATS restarted from a store older than what it had acknowledged — holds
+// another message at that sequence (given again to a later write), or none, while the key's
+// last message is older: the rule then mirrors the db again from the start of its feed. Keys
+// that hold the doc's winning revision already are not written again, so that costs a read per
+// doc. A key written again since (its last message newer) is no loss. One request per job (the
+// message at the sequence, at the stream's leader), two when it is not there. A write lost in the
+// middle of the bucket, with later ones of the db kept, is not seen: sync_interval always is what
+// keeps that from happening.
+func (h *handler) healMirror(ctx context.Context, db string, rule *rules.OnChange, cp checkpoint.OnChangePoint, since string, log logrus.FieldLogger) (string, error) {
+	prefix := "$KV." + rule.Mirror + "."
+	if rule.Mirror == "" || cp.Stream.Seq == 0 || !strings.HasPrefix(cp.Stream.Subject, prefix) || since == "" {
+		return since, nil
+	}
+	ctx, cancel := context.WithTimeout(ctx, rule.Timeout)
+	defer cancel()
+	b, err := h.mirrors.bucket(ctx, rule.Mirror)
+	if err != nil {
+		return since, err
+	}
+	m, err := b.stream.GetMsg(ctx, cp.Stream.Seq)
+	switch {
+	case err == nil && m.Subject == cp.Stream.Subject:
+		return since, nil
+	case err != nil && !errors.Is(err, jetstream.ErrMsgNotFound):
+		return since, fmt.Errorf("mirror %s: read message %d: %w", rule.Mirror, cp.Stream.Seq, err)
+	}
+	last, err := b.stream.GetLastMsgForSubject(ctx, cp.Stream.Subject)
+	switch {
+	case err == nil && last.Sequence > cp.Stream.Seq:
+		return since, nil // the key was written again since
+	case err != nil && !errors.Is(err, jetstream.ErrMsgNotFound):
+		return since, fmt.Errorf("mirror %s: read key %s: %w", rule.Mirror, strings.TrimPrefix(cp.Stream.Subject, prefix), err)
+	}
+	log = log.WithFields(logrus.Fields{"bucket": rule.Mirror, "bucket_seq": cp.Stream.Seq})
+	if rule.Since == rules.SinceNow {
+		log.Error("the mirror bucket lost writes it had stored, and the rule's start (since now) is not known: the db is not mirrored again")
+		return since, nil
+	}
+	log.Warn("the mirror bucket lost writes it had stored: mirroring the db again from the start of its feed")
+	h.metrics.StreamHealed()
+	return "", nil
 }
 
 // logIDOf shortens a doc id for an error message.

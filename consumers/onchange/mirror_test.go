@@ -5,6 +5,8 @@ import (
 	"encoding/json"
 	"fmt"
 	"net/url"
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -14,6 +16,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/spiegel-nats/spiegel/pkg/couchtest"
+	"github.com/spiegel-nats/spiegel/pkg/healthtest"
 	"github.com/spiegel-nats/spiegel/pkg/mirrorkey"
 	"github.com/spiegel-nats/spiegel/pkg/rules"
 )
@@ -342,4 +345,100 @@ func TestMirrorRecreatedDB(t *testing.T) {
 	got := e.mirrorOf(t, bucketDocs, db)
 	assert.NotContains(t, got, "old1")
 	assert.Equal(t, json.Number("2"), got["both"]["v"])
+}
+
+// TestMirrorLossHealed: the mirror bucket loses a write it had acknowledged — NATS restarted from
+// a store older than what it had acknowledged (lazy sync and a power failure) — after the rule's
+// checkpoint in CouchDB passed it. The rule's next job finds the bucket without its latest write,
+// mirrors the db again from the start of its feed, and the lost doc is back. Without the check
+// the job would go on from its checkpoint and mirror only the new change: the mirror would lack c
+// for good (it lives in NATS only, and no sweep finds it: the db's jobs are done).
+func TestMirrorLossHealed(t *testing.T) {
+	e := newEnv(t, 60*time.Second)
+	addr := healthtest.FreeAddr(t)
+	e.cfg.HTTPAddr = addr
+	app := e.start(t)
+	db := e.Couch.NewDB(t, e.Prefix)
+	e.ruleIn(t, app, "mir", db, map[string]any{"mirror": bucketDocs})
+	e.Couch.Put(t, db, "a", map[string]any{"v": "a"})
+	e.Couch.Put(t, db, "b", map[string]any{"v": "b"})
+	e.enqueue(t, db)
+	e.requireMirror(t, bucketDocs, db)
+	require.Eventually(t, func() bool { return e.caughtUp(t, "mir", db) }, 30*time.Second, 20*time.Millisecond)
+
+	// The copy of the store that the power failure leaves, taken while NATS is down.
+	store := e.NATS.StoreDir()
+	saved := filepath.Join(t.TempDir(), "store")
+	e.NATS.Stop()
+	require.NoError(t, os.CopyFS(saved, os.DirFS(store)))
+	e.NATS.StartAgain(t)
+
+	// Right after the restart an ack can go unanswered: the wait covers one redelivery.
+	e.Couch.Put(t, db, "c", map[string]any{"v": "c"})
+	e.enqueue(t, db)
+	require.Eventually(t, func() bool {
+		ok, _ := e.mirrorEquals(t, bucketDocs, db)
+		return ok && e.caughtUp(t, "mir", db)
+	}, 90*time.Second, 50*time.Millisecond)
+	cps := e.onChangeStore(t)
+	p, err := cps.Load(t.Context(), "mir", db)
+	require.NoError(t, err)
+	kv, err := e.JS.KeyValue(t.Context(), bucketDocs)
+	require.NoError(t, err)
+	entry, err := kv.Get(t.Context(), mirrorkey.Encode(db, "c"))
+	require.NoError(t, err)
+	require.Equal(t, entry.Revision(), p.Stream.Seq, "the checkpoint records the rule's latest write")
+	require.NoError(t, cps.SaveNow(t.Context(), &p, p.LastSeq)) // CouchDB is past c when NATS fails
+
+	// The power failure: the store comes back as the copy has it, without c's write, and the
+	// checkpoint's cache entry is lost with it (the _local doc is what the next job reads).
+	e.NATS.Stop()
+	require.NoError(t, os.RemoveAll(store))
+	require.NoError(t, os.CopyFS(store, os.DirFS(saved)))
+	e.NATS.StartAgain(t)
+	require.Eventually(t, func() bool {
+		_, err := e.JS.KeyValue(t.Context(), bucketDocs)
+		return err == nil
+	}, 30*time.Second, 50*time.Millisecond)
+	require.NotContains(t, e.mirrorOf(t, bucketDocs, db), "c")
+	e.onChangeStore(t).Forget(t.Context(), "mir", db)
+
+	e.Couch.Put(t, db, "d", map[string]any{"v": "d"})
+	e.enqueue(t, db)
+	require.Eventually(t, func() bool {
+		ok, _ := e.mirrorEquals(t, bucketDocs, db)
+		return ok
+	}, 90*time.Second, 50*time.Millisecond, "the mirror holds a, b, c and d")
+	assert.Contains(t, e.mirrorOf(t, bucketDocs, db), "c", "the lost write is mirrored again")
+	assert.Equal(t, 1.0, healthtest.Scrape(t, addr).Get("spiegel_change_stream_heals_total"))
+}
+
+// TestMirrorKeyWrittenAgainIsNoLoss: the message at the checkpoint's sequence is gone because
+// its key was written again since (a later doc revision): no loss, the db is not mirrored again.
+func TestMirrorKeyWrittenAgainIsNoLoss(t *testing.T) {
+	e := newEnv(t, 60*time.Second)
+	addr := healthtest.FreeAddr(t)
+	e.cfg.HTTPAddr = addr
+	app := e.start(t)
+	db := e.Couch.NewDB(t, e.Prefix)
+	e.ruleIn(t, app, "mir", db, map[string]any{"mirror": bucketDocs})
+	rev := e.Couch.Put(t, db, "a", map[string]any{"v": 1})
+	e.enqueue(t, db)
+	e.requireMirror(t, bucketDocs, db)
+	require.Eventually(t, func() bool { return e.caughtUp(t, "mir", db) }, 30*time.Second, 20*time.Millisecond)
+	cp, err := e.onChangeStore(t).Load(t.Context(), "mir", db)
+	require.NoError(t, err)
+	seen := cp.LastSeq
+	// Written again by hand, as another holder would: the key's last message is newer.
+	kv, err := e.JS.KeyValue(t.Context(), bucketDocs)
+	require.NoError(t, err)
+	_, err = kv.Put(t.Context(), mirrorkey.Encode(db, "a"), []byte(`{"_id":"a","_rev":"`+rev+`","v":1}`))
+	require.NoError(t, err)
+
+	e.Couch.Put(t, db, "b", map[string]any{"v": 2})
+	e.enqueue(t, db)
+	e.requireMirror(t, bucketDocs, db)
+	require.Eventually(t, func() bool { return e.caughtUp(t, "mir", db) }, 30*time.Second, 20*time.Millisecond)
+	assert.NotEqual(t, seen, "", "the rule had a checkpoint")
+	assert.Zero(t, healthtest.Scrape(t, addr).Get("spiegel_change_stream_heals_total"), "no loss healed")
 }

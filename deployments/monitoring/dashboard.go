@@ -167,10 +167,10 @@ func Dashboard() (dashboard.Dashboard, error) {
 	p.add(graph("Webhook latency", "Webhook request duration per status class: p50, p90 and p99.",
 		"s", quantiles("spiegel_webhook_request_duration_seconds", "class")...))
 	p.add(graph("Changes published to NATS", "Changes published by on_change rules with a subject, "+
-		"and holes in a subject healed (the stream lost stored messages in the middle of it: the changes from the hole on go again).",
+		"and losses healed: a hole in the middle of a subject (the changes from the hole on go again), writes a mirror bucket lost (the db mirrored again).",
 		"ops",
 		query{fmt.Sprintf("sum(%s)", rate("spiegel_changes_published_total")), "published"},
-		query{fmt.Sprintf("sum(%s)", rate("spiegel_change_stream_heals_total")), "holes healed"}))
+		query{fmt.Sprintf("sum(%s)", rate("spiegel_change_stream_heals_total")), "losses healed"}))
 
 	p.row("Replication")
 	p.add(graph("Replications by engine and result", "Replications of one rule and db: ok, error, missing_source; "+

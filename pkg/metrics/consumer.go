@@ -50,7 +50,7 @@ func NewConsumer(reg prometheus.Registerer) *Consumer {
 			Name: "spiegel_changes_published_total", Help: "Changes published to NATS by subject rules.",
 		}),
 		StreamHeals: prometheus.NewCounter(prometheus.CounterOpts{
-			Name: "spiegel_change_stream_heals_total", Help: "Holes in the middle of a subject rule's subject healed (the stream lost messages it had stored).",
+			Name: "spiegel_change_stream_heals_total", Help: "Losses healed in what on_change rules keep in NATS: a hole in the middle of a subject (its messages from the hole on published again), or writes a mirror bucket lost (the db mirrored again).",
 		}),
 		Replications: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "spiegel_replications_total", Help: "Replications run, by engine and result (ok, error, missing_source).",
