@@ -12,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/nats-io/nats.go/jetstream"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
@@ -382,4 +383,45 @@ func TestSweepHealsAHoleInTheChangesStream(t *testing.T) {
 	got, _ = e.startConsumer(t, onc)
 	require.Eventually(t, func() bool { return slices.Contains(got.of(db), events.ReasonSweep) }, 30*time.Second, 20*time.Millisecond,
 		"the db's on_change job when a new producer finds the changes stream with a gap")
+}
+
+// A mirror bucket loses writes it had acknowledged — NATS restarted from an older copy of its
+// store — after every job of the db was recorded done. The sweep notices the bucket's stream
+// going back and enqueues the db's on_change job (its mirror rule then finds what the bucket lost
+// and mirrors the db again, see consumers/onchange healMirror); without the watch the db would get
+// no job until its next write.
+func TestSweepHealsMirrorLoss(t *testing.T) {
+	e := newEnv(t, couchtest.AlwaysSynthesize())
+	db := e.Prefix + "mirrorloss"
+	e.Couch.CreateDB(t, db)
+	e.Couch.Put(t, db, "d1", map[string]any{"x": 1})
+	e.putRule(t, "mir", map[string]any{"type": "on_change", "db_name": "^" + db + "$", "mirror": "MIRRORLOSS"})
+	e.cfg.SweepInterval = 300 * time.Millisecond
+	e.startProducer(t)
+	_, stopConsumer := e.startConsumer(t, onc)
+	e.waitDone(t, onc, db)
+	require.Eventually(t, func() bool { return len(e.Pending(t)) == 0 }, 20*time.Second, 20*time.Millisecond)
+	e.waitRulesCaughtUp(t)
+	stopConsumer()
+	kv, err := e.JS.CreateKeyValue(t.Context(), jetstream.KeyValueConfig{Bucket: "MIRRORLOSS", History: 1}) // as the consumers create it
+	require.NoError(t, err)
+	write := func(n int) { // what the mirror rule wrote, as far as the bucket is concerned
+		for i := range n {
+			_, err := kv.Put(t.Context(), fmt.Sprintf("k%d", i), []byte("v"))
+			require.NoError(t, err)
+		}
+	}
+	write(1)
+	e.waitSweeps(t, 2)
+
+	saved := e.copyStore(t)
+	write(3)
+	e.waitSweeps(t, 3)
+	assert.Empty(t, e.Pending(t), "no loss seen while the bucket only grew: no job")
+
+	e.restoreStore(t, saved)
+
+	got, _ := e.startConsumer(t, onc)
+	require.Eventually(t, func() bool { return slices.Contains(got.of(db), events.ReasonSweep) }, 30*time.Second, 20*time.Millisecond,
+		"the db's on_change job after the mirror bucket lost writes")
 }

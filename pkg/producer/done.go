@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"slices"
 
 	"github.com/sirupsen/logrus"
@@ -11,6 +12,7 @@ import (
 	"github.com/spiegel-nats/spiegel/pkg/couch"
 	"github.com/spiegel-nats/spiegel/pkg/events"
 	"github.com/spiegel-nats/spiegel/pkg/reconcile"
+	"github.com/spiegel-nats/spiegel/pkg/rules"
 )
 
 // doneReader reads every completion record, or one (*reconcile.Records).
@@ -75,6 +77,9 @@ func (p *producer) sweepOnce(ctx context.Context, prev couch.Snapshot) (couch.Sn
 			p.log.Warn(why + ": it lost messages it had acknowledged; every db of an on_change rule is enqueued, so that subject rules publish them again")
 		}
 	}
+	if !lostChanges && p.watchMirrors(ctx) {
+		lostChanges = true
+	}
 	if derr == nil {
 		p.forgetVanished(ctx, snap, done)
 	}
@@ -130,6 +135,44 @@ func (p *producer) sweepOnce(ctx context.Context, prev couch.Snapshot) (couch.Sn
 		log.Debug("reconciliation sweep found every matched db done")
 	}
 	return snap, nil
+}
+
+// watchMirrors looks at the bucket of every mirror rule (see streamWatch) and reports whether
+// one lost writes it had acknowledged: then every db of an on_change rule is enqueued, and each
+// mirror rule's job finds what its bucket lost and mirrors its db again (consumers/onchange
+// healMirror). A bucket no rule names any more is no longer watched.
+func (p *producer) watchMirrors(ctx context.Context) bool {
+	if p.mirrors == nil || p.changes == nil {
+		return false
+	}
+	named := map[string]bool{}
+	for _, r := range p.rules.All() {
+		if oc, ok := r.(*rules.OnChange); ok && oc.Mirror != "" {
+			named[oc.Mirror] = true
+		}
+	}
+	for b := range p.mirrors {
+		if !named[b] {
+			delete(p.mirrors, b)
+		}
+	}
+	lost := false
+	for _, b := range slices.Sorted(maps.Keys(named)) {
+		w := p.mirrors[b]
+		if w == nil {
+			w = &streamWatch{js: p.changes.js, name: "KV_" + b}
+			p.mirrors[b] = w
+		}
+		l, why, err := w.lost(ctx)
+		switch {
+		case err != nil && ctx.Err() == nil:
+			p.log.WithError(err).Debug("look at a mirror bucket failed: the next sweep looks again")
+		case l:
+			lost = true
+			p.log.Warn(why + ": mirror bucket " + b + " lost writes it had acknowledged; every db of an on_change rule is enqueued, so that mirror rules write them again")
+		}
+	}
+	return lost
 }
 
 // stillDue returns those of due whose record of db, read again now, still does not cover seq. A

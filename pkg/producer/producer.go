@@ -35,11 +35,12 @@ var feedRetry = backoff.Policy{Initial: time.Second, Max: time.Minute, Multiplie
 type producer struct {
 	cfg     producerSettings
 	couch   *couch.Client
-	store   *checkpoint.Store // the producer's position
-	deleted *deletedDBs       // drops the cached on_change checkpoints of deleted dbs (nil: none)
-	done    *doneRecords      // the completion records the sweep compares with (nil: none)
-	undone  *deletedDBs       // drops the completion records of deleted dbs (nil: none)
-	changes *streamWatch      // notices the changes stream losing messages (nil: not watched)
+	store   *checkpoint.Store       // the producer's position
+	deleted *deletedDBs             // drops the cached on_change checkpoints of deleted dbs (nil: none)
+	done    *doneRecords            // the completion records the sweep compares with (nil: none)
+	undone  *deletedDBs             // drops the completion records of deleted dbs (nil: none)
+	changes *streamWatch            // notices the changes stream losing messages (nil: not watched)
+	mirrors map[string]*streamWatch // notice mirror buckets losing writes, by bucket (nil: not watched)
 	rules   *rules.Set
 	pub     *publisher.Pipeline
 	hot     *publisher.HotFeeds // nil: off

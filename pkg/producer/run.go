@@ -136,7 +136,8 @@ func Run(ctx context.Context, cfg *config.Producer, log *logrus.Logger) error {
 	records := reconcile.New(d.JS, doneKV)
 	p.done = &doneRecords{records: records, ensure: func(ctx context.Context) error { return natsjs.EnsureDoneBucket(ctx, d.JS, d.Topo) }}
 	p.undone = newDeletedDBs(records, producerMetrics{}, plog.WithField("records", "done"))
-	p.changes = &streamWatch{js: d.JS, name: d.Topo.Subjects.ChangesStream()}
+	p.changes = &streamWatch{js: d.JS, name: d.Topo.Subjects.ChangesStream(), gaps: true}
+	p.mirrors = map[string]*streamWatch{}
 	p.pub = publisher.New(natsjs.NewJobs(d.JS, d.Topo.Subjects), cfg.MaxInflight, pm, plog)
 	if cfg.HotFeeds > 0 {
 		p.hot = publisher.NewHotFeeds(d.Couch, p.pub, func(db string) []events.Group { return p.rules.Groups(db).Groups() },

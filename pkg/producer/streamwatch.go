@@ -33,9 +33,14 @@ type streamStater interface {
 // producer has nothing to compare with: it finds a loss when the stream has gaps at all, since a
 // loss before the producer's start would otherwise stay unseen. Cost per sweep: one stream info,
 // one message read.
+//
+// A mirror bucket's stream is watched the same way (see producer.watchMirrors), without the gaps:
+// a bucket keeps one message per key, so each write of a key leaves a gap where its previous one
+// was.
 type streamWatch struct {
 	js   streamStater
 	name string
+	gaps bool // compare the stream's gaps (the changes stream; not a KV bucket's)
 
 	looked  bool
 	seq     uint64    // the stream's last sequence at the previous look (0: none yet, or empty)
@@ -56,7 +61,10 @@ func (w *streamWatch) lost(ctx context.Context) (bool, string, error) {
 	}
 	state := st.CachedInfo().State
 	lost, why := false, ""
-	deleted := uint64(state.NumDeleted)
+	deleted := uint64(0)
+	if w.gaps {
+		deleted = uint64(state.NumDeleted)
+	}
 	switch {
 	case !w.looked && deleted > 0:
 		lost, why = true, fmt.Sprintf("stream %s has %d gaps between its first and last message (a loss in the middle, or a heal's removals)", w.name, deleted)
