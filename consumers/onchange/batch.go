@@ -205,9 +205,9 @@ func (h *handler) publishBatch(ctx context.Context, db string, rule *rules.OnCha
 				if !worker.Held(ctx) {
 					return 0, worker.ErrLeaseLost
 				}
-				last, count, err := h.publisher.readSubject(ctx, subject, rule.Timeout)
+				st, err := h.publisher.readSubject(ctx, subject, rule.Timeout)
 				if err == nil {
-					f.setRead(last, count)
+					f.setRead(st)
 				}
 				return 0, err
 			})

@@ -73,10 +73,10 @@ type fence struct {
 }
 
 // setRead records what a read of the subject found: its last message and its message count.
-func (f *fence) setRead(last subjectMsg, count uint64) {
-	f.last, f.pos, f.read = last.seq, last.pos, true
-	if last.pos == 0 {
-		f.pos = count
+func (f *fence) setRead(st subjectState) {
+	f.last, f.pos, f.read = st.last.seq, st.last.pos, true
+	if st.last.pos == 0 {
+		f.pos = st.count
 	}
 }
 
@@ -151,6 +151,8 @@ type subjectMsg struct {
 	seq     uint64 // its stream sequence (0: no message)
 	feedSeq string // the feed seq of the change it carries ("": none, or not a change message)
 	pos     uint64 // its position on the subject (events.PositionHeader; 0: none)
+	prev    uint64 // the subject's last message when it was published (events.PreviousHeader)
+	hasPrev bool
 }
 
 // getMsg reads one message of subject's stream at the stream's leader, as req asks
@@ -199,6 +201,10 @@ func (p *changePublisher) getMsg(ctx context.Context, subject string, req map[st
 	if len(answer.Message.Headers) > 0 {
 		if hdr, err := nats.DecodeHeadersMsg(answer.Message.Headers); err == nil {
 			m.pos, _ = strconv.ParseUint(hdr.Get(events.PositionHeader), 10, 64)
+			if v := hdr.Get(events.PreviousHeader); v != "" {
+				m.prev, err = strconv.ParseUint(v, 10, 64)
+				m.hasPrev = err == nil
+			}
 		}
 	}
 	return m, true, nil
@@ -217,49 +223,58 @@ func (p *changePublisher) nextMessage(ctx context.Context, subject string, seq u
 }
 
 // subjectCount returns the number of messages subject's stream holds on it, as its leader
-// counts them. One API request.
-func (p *changePublisher) subjectCount(ctx context.Context, subject string, timeout time.Duration) (uint64, error) {
+// counts them, and the stream's first sequence. One API request.
+func (p *changePublisher) subjectCount(ctx context.Context, subject string, timeout time.Duration) (count, first uint64, err error) {
 	name, err := p.streamOf(ctx, subject)
 	if err != nil {
-		return 0, err
+		return 0, 0, err
 	}
 	body, err := json.Marshal(map[string]string{"subjects_filter": subject})
 	if err != nil {
-		return 0, err
+		return 0, 0, err
 	}
 	ctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
 	resp, err := p.js.(batchPublisher).Conn().RequestWithContext(ctx, "$JS.API.STREAM.INFO."+name, body)
 	if err != nil {
-		return 0, fmt.Errorf("count the messages of subject %s in stream %s: %w", subject, name, err)
+		return 0, 0, fmt.Errorf("count the messages of subject %s in stream %s: %w", subject, name, err)
 	}
 	var answer struct {
 		State struct {
+			FirstSeq uint64            `json:"first_seq"`
 			Subjects map[string]uint64 `json:"subjects"`
 		} `json:"state"`
 		Error *jsAPIError `json:"error"`
 	}
 	if err := json.Unmarshal(resp.Data, &answer); err != nil {
-		return 0, fmt.Errorf("count the messages of subject %s in stream %s: unreadable answer: %w", subject, name, err)
+		return 0, 0, fmt.Errorf("count the messages of subject %s in stream %s: unreadable answer: %w", subject, name, err)
 	}
 	if answer.Error != nil {
-		return 0, fmt.Errorf("count the messages of subject %s in stream %s: %s", subject, name, answer.Error.Description)
+		return 0, 0, fmt.Errorf("count the messages of subject %s in stream %s: %s", subject, name, answer.Error.Description)
 	}
-	return answer.State.Subjects[subject], nil
+	return answer.State.Subjects[subject], answer.State.FirstSeq, nil
+}
+
+// subjectState is what a job's first read of a subject finds.
+type subjectState struct {
+	last        subjectMsg // the subject's last message
+	count       uint64     // the subject's messages
+	streamFirst uint64     // the stream's first sequence
 }
 
 // readSubject reads subject's last message and counts its messages, both at once.
-func (p *changePublisher) readSubject(ctx context.Context, subject string, timeout time.Duration) (subjectMsg, uint64, error) {
-	var count uint64
+func (p *changePublisher) readSubject(ctx context.Context, subject string, timeout time.Duration) (subjectState, error) {
+	var st subjectState
 	var countErr error
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
-		count, countErr = p.subjectCount(ctx, subject, timeout)
+		st.count, st.streamFirst, countErr = p.subjectCount(ctx, subject, timeout)
 	}()
 	last, err := p.lastMessage(ctx, subject, timeout)
 	<-done
-	return last, count, errors.Join(err, countErr)
+	st.last = last
+	return st, errors.Join(err, countErr)
 }
 
 // deleteMessage removes the message at seq from subject's stream (one already gone is no error).
@@ -328,6 +343,7 @@ func (p *changePublisher) attemptFenced(m changeMsg, f *fence, timeout time.Dura
 		publish := func(m changeMsg) (*jetstream.PubAck, error) {
 			msg := m.nats()
 			msg.Header.Set(events.PositionHeader, strconv.FormatUint(f.pos+1, 10))
+			msg.Header.Set(events.PreviousHeader, strconv.FormatUint(f.last, 10))
 			ack, err := p.js.PublishMsg(ctx, msg, jetstream.WithExpectLastSequencePerSubject(f.last))
 			switch {
 			case err != nil && wrongLast(err):
@@ -417,6 +433,7 @@ func (p *changePublisher) publishAtomic(ctx context.Context, msgs []changeMsg, f
 		}
 		if f != nil {
 			msg.Header.Set(events.PositionHeader, strconv.FormatUint(f.pos+uint64(i)+1, 10))
+			msg.Header.Set(events.PreviousHeader, strconv.FormatUint(f.last, 10))
 		}
 		if i == len(msgs)-1 {
 			msg.Header.Set(batchCommitHeader, "1")
@@ -513,20 +530,21 @@ func (h *handler) healStream(ctx context.Context, db string, rule *rules.OnChang
 	f := fenceOf(ctx, subject)
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	last, count, err := h.publisher.readSubject(ctx, subject, rule.Timeout)
+	st, err := h.publisher.readSubject(ctx, subject, rule.Timeout)
 	if err != nil {
 		return since, err
 	}
-	f.setRead(last, count)
+	f.setRead(st)
+	last := st.last
 	cp := cps.cp
 	if cp.Stream.Subject == subject {
 		f.heals = cp.Stream.Heals
 	}
 	log = log.WithField("subject", subject)
-	if hole, err := h.publisher.findHole(ctx, subject, last, count, rule.Timeout, log); err != nil {
+	if hole, err := h.publisher.findHole(ctx, subject, st, rule.Timeout, log); err != nil {
 		return since, err
 	} else if hole != nil {
-		return h.healHole(ctx, db, cps, f, subject, *hole, since, rule.Timeout, log)
+		return h.healHole(ctx, db, rule, cps, f, subject, *hole, since, log)
 	}
 	if cp.Stream.Seq == 0 || cp.Stream.Subject != subject || last.seq >= cp.Stream.Seq {
 		return since, nil
@@ -547,20 +565,23 @@ func (h *handler) healStream(ctx context.Context, db string, rule *rules.OnChang
 	return last.feedSeq, nil
 }
 
-// hole is a gap in the middle of a subject: before is the last message stored before it, after
-// the sequences of the messages stored after it, up to the subject's last.
+// hole is a gap in a subject: before is the last message stored before it (seq 0: the gap is
+// at the subject's start), after the sequences of the messages stored after it, up to the
+// subject's last.
 type hole struct {
 	before subjectMsg
 	after  []uint64
 }
 
-// findHole looks for a hole in subject, whose last message and message count the caller read:
-// nil when the positions of the subject's messages follow each other. It costs no request
-// unless the count falls short of the last message's position: then one read of the subject's
-// first message, which tells the oldest messages dropped by the stream's limits from a hole,
-// and, for a hole, one read per message on the subject to find it. A subject whose messages
-// carry no position (an earlier release published them) cannot be checked.
-func (p *changePublisher) findHole(ctx context.Context, subject string, last subjectMsg, count uint64, timeout time.Duration, log logrus.FieldLogger) (*hole, error) {
+// findHole looks for a hole in subject, whose state the caller read: nil when the positions of
+// the subject's messages follow each other from a start the stream's limits explain. It costs
+// no request unless the count falls short of the last message's position: then one read of the
+// subject's first message, which tells the oldest messages dropped by the stream's limits (its
+// previous message is before the stream's first) from lost ones, and, for a hole, one read per
+// message on the subject to find it. A subject whose messages carry no position (an earlier
+// release published them) cannot be checked.
+func (p *changePublisher) findHole(ctx context.Context, subject string, st subjectState, timeout time.Duration, log logrus.FieldLogger) (*hole, error) {
+	last, count := st.last, st.count
 	if last.pos == 0 || count >= last.pos {
 		return nil, nil
 	}
@@ -572,8 +593,24 @@ func (p *changePublisher) findHole(ctx context.Context, subject string, last sub
 		log.Debug("the subject's oldest messages carry no position: its messages are not checked for a hole")
 		return nil, nil
 	}
-	if first.pos <= last.pos && last.pos-first.pos+1 == count {
+	// The messages before the first were stored at or after its previous one; the stream's
+	// limits drop the oldest first, so they cannot have dropped one at or after the stream's
+	// first sequence.
+	frontLost := first.pos > 1 && first.hasPrev && max(first.prev, 1) >= st.streamFirst
+	if !frontLost && first.pos <= last.pos && last.pos-first.pos+1 == count {
 		return nil, nil // the oldest dropped by the stream's limits
+	}
+	collect := func(h *hole, m subjectMsg) (*hole, error) {
+		for ok := true; ok && m.seq <= last.seq; m, ok, err = p.nextMessage(ctx, subject, m.seq+1, timeout) {
+			if err != nil {
+				return nil, err
+			}
+			h.after = append(h.after, m.seq)
+		}
+		return h, err
+	}
+	if frontLost {
+		return collect(&hole{}, first)
 	}
 	for prev := first; prev.seq < last.seq; {
 		m, ok, err := p.nextMessage(ctx, subject, prev.seq+1, timeout)
@@ -586,14 +623,7 @@ func (p *changePublisher) findHole(ctx context.Context, subject string, last sub
 			prev = m
 			continue
 		}
-		h := &hole{before: prev}
-		for ; ok && m.seq <= last.seq; m, ok, err = p.nextMessage(ctx, subject, m.seq+1, timeout) {
-			h.after = append(h.after, m.seq)
-		}
-		if err != nil {
-			return nil, err
-		}
-		return h, nil
+		return collect(&hole{before: prev}, m)
 	}
 	return nil, nil
 }
@@ -605,8 +635,9 @@ const (
 	maxHeals   = 8
 )
 
-// healHole heals a hole in the middle of subject, so that the subject holds every change once,
-// in feed order, again:
+// healHole heals a hole in subject, so that the subject holds every change once, in feed order,
+// again (a hole at the subject's start — its oldest messages lost — is healed from the start of
+// the db's feed, every message of the subject being after it):
 //  1. the checkpoint goes back to the message before the hole, its _local doc written at once,
 //     with a new heal recorded: the messages after it up to the subject's last are about to be
 //     removed. Fenced like every checkpoint write: a stale holder cannot move it.
@@ -620,9 +651,15 @@ const (
 // A job that stops anywhere in between leaves the hole, or the subject cut back to before it,
 // for the next job to find. Services that followed the subject live saw the changes after the
 // hole before those of the hole; the README says what they see.
-func (h *handler) healHole(ctx context.Context, db string, cps *checkpointWriter, f *fence, subject string, gap hole, since string, timeout time.Duration, log logrus.FieldLogger) (string, error) {
+func (h *handler) healHole(ctx context.Context, db string, rule *rules.OnChange, cps *checkpointWriter, f *fence, subject string, gap hole, since string, log logrus.FieldLogger) (string, error) {
 	log = log.WithFields(logrus.Fields{"before_hole_seq": gap.before.seq, "messages_after": len(gap.after)})
-	if gap.before.feedSeq == "" {
+	switch {
+	case len(gap.after) == 0:
+		return since, nil
+	case gap.before.seq == 0 && rule.Since == rules.SinceNow:
+		log.Error("the change stream lost the oldest changes of the subject, and where the rule started (since now) is not known: not healed")
+		return since, nil
+	case gap.before.seq != 0 && gap.before.feedSeq == "":
 		log.Error("the change stream lost changes in the middle of the subject, and the message before them carries no feed seq: not healed")
 		return since, nil
 	}
@@ -655,14 +692,18 @@ func (h *handler) healHole(ctx context.Context, db string, cps *checkpointWriter
 		if !worker.Held(ctx) {
 			return since, worker.ErrLeaseLost
 		}
-		if err := h.publisher.deleteMessage(ctx, subject, gap.after[i], timeout); err != nil {
+		if err := h.publisher.deleteMessage(ctx, subject, gap.after[i], rule.Timeout); err != nil {
 			return since, err
 		}
 	}
 	f.last, f.pos, f.heals = gap.before.seq, gap.before.pos, heals
 	h.metrics.StreamHealed()
+	where := "in the middle of the subject"
+	if gap.before.seq == 0 {
+		where = "at the start of the subject"
+	}
 	log.WithFields(logrus.Fields{"from_seq": gap.before.feedSeq, "heal": id}).
-		Warn("the change stream lost changes in the middle of the subject: removed the messages after the hole and publishing the changes from it again, in order")
+		Warn("the change stream lost changes " + where + ": removed the messages after the hole and publishing the changes from it again, in order")
 	return gap.before.feedSeq, nil
 }
 

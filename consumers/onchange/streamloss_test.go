@@ -256,9 +256,10 @@ func TestChangeStreamHoleHealed(t *testing.T) {
 }
 
 // TestChangeStreamOldestDroppedIsNotAHole: the stream dropped the oldest messages of a subject
-// (its max age, made here by removing them): the subject holds fewer messages than its last
-// one's position, but the positions left follow each other. Only the new change is published,
-// nothing is removed.
+// by its limits (made here with a purge of everything below c, as max age or max messages do):
+// the subject holds fewer messages than its last one's position, but its first message's
+// previous one is before the stream's first sequence, and the positions left follow each other.
+// Only the new change is published, nothing is removed.
 func TestChangeStreamOldestDroppedIsNotAHole(t *testing.T) {
 	e := newEnv(t, 60*time.Second)
 	app := e.start(t)
@@ -275,8 +276,7 @@ func TestChangeStreamOldestDroppedIsNotAHole(t *testing.T) {
 	before := subjectMessages(t, e.JS, subject)
 	stream, err := e.JS.Stream(t.Context(), "SPIEGEL_CHANGES")
 	require.NoError(t, err)
-	require.NoError(t, stream.DeleteMsg(t.Context(), before[0].seq))
-	require.NoError(t, stream.DeleteMsg(t.Context(), before[1].seq))
+	require.NoError(t, stream.Purge(t.Context(), jetstream.WithPurgeSequence(before[2].seq)))
 
 	e.Couch.Put(t, db, "e", map[string]any{"v": "e"})
 	e.enqueue(t, db)
@@ -291,4 +291,54 @@ func TestChangeStreamOldestDroppedIsNotAHole(t *testing.T) {
 	cp, err := e.onChangeStore(t).Load(t.Context(), "pub", db)
 	require.NoError(t, err)
 	assert.Empty(t, cp.Stream.Heals, "no heal")
+}
+
+// TestChangeStreamOldestLostHealed: NATS comes back having lost the oldest messages of a subject
+// while the stream still holds older messages of other subjects (a store copied file by file; the
+// chaos suite's storage loss on every node left such subjects, their other replicas holding them
+// whole). Made here by removing a and b. The subject's first message names a previous one that no
+// limit can have dropped: the rule removes the subject's messages and publishes the db's changes
+// from the start again. Without the check the subject would hold c, d, e, and a service
+// rebuilding from it would never see a and b.
+func TestChangeStreamOldestLostHealed(t *testing.T) {
+	e := newEnv(t, 60*time.Second)
+	app := e.start(t)
+	db := e.Couch.NewOneShardDB(t, e.Prefix)
+	e.ruleIn(t, app, "pub", db, map[string]any{"subject": "spiegel.changes.${db_name}"})
+	subject := "spiegel.changes." + events.EncodeDBName(db)
+	_, err := e.JS.Publish(t.Context(), "spiegel.changes.another", []byte(`{}`)) // an older message of another subject
+	require.NoError(t, err)
+	for _, id := range []string{"a", "b", "c", "d"} {
+		e.Couch.Put(t, db, id, map[string]any{"v": id})
+	}
+	e.enqueue(t, db)
+	require.Eventually(t, func() bool {
+		return len(subjectMessages(t, e.JS, subject)) == 4 && e.caughtUp(t, "pub", db)
+	}, 30*time.Second, 20*time.Millisecond)
+	before := subjectMessages(t, e.JS, subject)
+	stream, err := e.JS.Stream(t.Context(), "SPIEGEL_CHANGES")
+	require.NoError(t, err)
+	require.NoError(t, stream.DeleteMsg(t.Context(), before[0].seq))
+	require.NoError(t, stream.DeleteMsg(t.Context(), before[1].seq))
+
+	e.Couch.Put(t, db, "e", map[string]any{"v": "e"})
+	e.enqueue(t, db)
+	docs := func() []string {
+		var out []string
+		for _, m := range subjectMessages(t, e.JS, subject) {
+			out = append(out, m.doc)
+		}
+		return out
+	}
+	require.Eventually(t, func() bool {
+		return len(subjectMessages(t, e.JS, subject)) == 5 && e.caughtUp(t, "pub", db)
+	}, 30*time.Second, 20*time.Millisecond, "a to e on the subject")
+	assert.Equal(t, []string{"a", "b", "c", "d", "e"}, docs(), "every change once, in feed order")
+	for i, m := range subjectMessages(t, e.JS, subject) {
+		assert.Equal(t, strconv.Itoa(i+1), m.pos, "message %s: consecutive positions from 1", m.doc)
+	}
+	cp, err := e.onChangeStore(t).Load(t.Context(), "pub", db)
+	require.NoError(t, err)
+	require.Len(t, cp.Stream.Heals, 1, "the checkpoint remembers the heal")
+	assert.Zero(t, cp.Stream.Heals[0].After)
 }

@@ -147,6 +147,13 @@ func ReplayMsgID(replay, db, docID, rev string) string {
 // stream dropped the oldest by its limits, lost messages in the middle.
 const PositionHeader = "Spiegel-Subject-Position"
 
+// PreviousHeader carries, on a change published to a db's own subject, the stream sequence of
+// the subject's last message when it was published (0: none): the message before it, or, in an
+// atomic batch, the message before the batch. A subject whose first message names a previous one
+// that the stream's limits cannot have dropped (at or after the stream's first sequence) lost its
+// oldest messages.
+const PreviousHeader = "Spiegel-Subject-Previous"
+
 // HealMsgID is the message id of a change published again after its stream lost messages in the
 // middle of a subject and the messages after the hole were removed: id (the change's first or
 // replay id, which the stream still remembers for its duplicate window) in the heal's own

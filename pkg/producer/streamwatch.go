@@ -31,8 +31,11 @@ type streamStater interface {
 // more, to no harm. A message dropped by the stream's own limits (max age) is no loss: the
 // remembered sequence is then below the stream's first, and gaps only go. The first look of a
 // producer has nothing to compare with: it finds a loss when the stream has gaps at all, since a
-// loss before the producer's start would otherwise stay unseen. Cost per sweep: one stream info,
-// one message read.
+// loss before the producer's start would otherwise stay unseen. For an hour after a loss, a new
+// leader of the stream counts as one too: every node restarted from its own older store can
+// leave replicas that hold other messages at the same sequences (JetStream compares their last
+// sequences only), and a new leader shows its own; the jobs then check what it shows. Cost per
+// sweep: one stream info, one message read.
 //
 // A mirror bucket's stream is watched the same way (see producer.watchMirrors), without the gaps:
 // a bucket keeps one message per key, so each write of a key leaves a gap where its previous one
@@ -46,7 +49,16 @@ type streamWatch struct {
 	seq     uint64    // the stream's last sequence at the previous look (0: none yet, or empty)
 	at      time.Time // the time of that message
 	deleted uint64    // its gaps then (messages missing between its first and last)
+	leader  string    // its leader then ("": not replicated, or none)
+	// suspect is until when a new leader counts as a loss: after a loss the replicas of a
+	// replicated stream may each have come back with other messages (every node restarted
+	// from its own older store), the same sequence holding another message on each, and a
+	// new leader shows its own.
+	suspect time.Time
 }
+
+// suspectFor is how long after a loss a new stream leader is taken for one.
+const suspectFor = time.Hour
 
 // lost looks at the stream and reports whether it lost messages since the previous look.
 func (w *streamWatch) lost(ctx context.Context) (bool, string, error) {
@@ -87,6 +99,19 @@ func (w *streamWatch) lost(ctx context.Context) (bool, string, error) {
 	if !lost && w.looked && deleted > w.deleted {
 		lost, why = true, fmt.Sprintf("stream %s has %d gaps between its first and last message, %d before (a loss in the middle, or a heal's removals)", w.name, deleted, w.deleted)
 	}
+	leader := ""
+	if c := st.CachedInfo().Cluster; c != nil {
+		leader = c.Leader
+	}
+	if !lost && w.looked && leader != "" && w.leader != "" && leader != w.leader && time.Now().Before(w.suspect) {
+		lost, why = true, fmt.Sprintf("stream %s has a new leader (%s, was %s) since it lost messages: its replicas may hold other messages each", w.name, leader, w.leader)
+	}
+	if lost {
+		w.suspect = time.Now().Add(suspectFor)
+	}
 	w.seq, w.at, w.deleted, w.looked = state.LastSeq, state.LastTime, deleted, true
+	if leader != "" {
+		w.leader = leader
+	}
 	return lost, why, nil
 }
