@@ -82,9 +82,13 @@ type Config struct {
 
 	// StoreLoss adds the NATS storage-loss faults, nats-store-loss and nats-store-loss-all, to
 	// the plan (CHAOS_STORE_LOSS=1; off by default in the short and the long run). Off by default
-	// because a store copied file by file can come back with a hole in the middle of the change
-	// stream: the changes of the hole are published again after later ones (order violations),
-	// or stay missing when the checkpoints had passed them.
+	// because a node restarted from a store copied file by file can come back with a hole, which
+	// JetStream did not fill from the other replicas while the runs went on: the replicas of a
+	// stream then hold different messages at the same sequences, and each new leader shows its
+	// own history.
+	// The rules heal what the leader shows them (holes in a subject, a mirror's lost writes), but
+	// a later leader can show another replica's history, which runs with these faults have
+	// failed on (read back from their stores).
 	StoreLoss bool
 
 	// LogLevel is SPIEGEL_LOG_LEVEL of the product processes (CHAOS_LOG_LEVEL, default info).
