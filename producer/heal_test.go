@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"net/http"
 	"os"
 	"path/filepath"
@@ -282,18 +283,7 @@ func TestSweepHealsStoreRollback(t *testing.T) {
 // then publishes again what was lost, see consumers/onchange healStream); without the stream
 // watch the db would get no job until its next write.
 func TestSweepHealsChangeStreamLoss(t *testing.T) {
-	e := newEnv(t, couchtest.AlwaysSynthesize())
-	db := e.Prefix + "streamloss"
-	e.Couch.CreateDB(t, db)
-	e.Couch.Put(t, db, "d1", map[string]any{"x": 1})
-	e.putRule(t, "pub", map[string]any{"type": "on_change", "db_name": "^" + db + "$", "subject": "spiegel.changes.${db_name}"})
-	e.cfg.SweepInterval = 300 * time.Millisecond
-	e.startProducer(t)
-	_, stopConsumer := e.startConsumer(t, onc)
-	e.waitDone(t, onc, db)
-	require.Eventually(t, func() bool { return len(e.Pending(t)) == 0 }, 20*time.Second, 20*time.Millisecond)
-	e.waitRulesCaughtUp(t)
-	stopConsumer()
+	e, db := settledOnChangeDB(t, "streamloss", map[string]any{"subject": "spiegel.changes.${db_name}"})
 	publish := func(n int) { // what the subject rule published, as far as the stream is concerned
 		for i := range n {
 			_, err := e.JS.Publish(t.Context(), "spiegel.changes.x", []byte(fmt.Sprint(i)))
@@ -345,18 +335,7 @@ func (e *env) restoreStore(t *testing.T, saved string) {
 // sweep enqueues the db's on_change job, whose subject rule finds the hole in its subject and
 // heals it (consumers/onchange healHole). A producer that starts after the hole finds it too.
 func TestSweepHealsAHoleInTheChangesStream(t *testing.T) {
-	e := newEnv(t, couchtest.AlwaysSynthesize())
-	db := e.Prefix + "streamhole"
-	e.Couch.CreateDB(t, db)
-	e.Couch.Put(t, db, "d1", map[string]any{"x": 1})
-	e.putRule(t, "pub", map[string]any{"type": "on_change", "db_name": "^" + db + "$", "subject": "spiegel.changes.${db_name}"})
-	e.cfg.SweepInterval = 300 * time.Millisecond
-	stopProducer := e.startProducer(t)
-	_, stopConsumer := e.startConsumer(t, onc)
-	e.waitDone(t, onc, db)
-	require.Eventually(t, func() bool { return len(e.Pending(t)) == 0 }, 20*time.Second, 20*time.Millisecond)
-	e.waitRulesCaughtUp(t)
-	stopConsumer()
+	e, db, stopProducer := settledOnChangeDBWithStop(t, "streamhole", map[string]any{"subject": "spiegel.changes.${db_name}"})
 	var seqs []uint64
 	for i := range 3 {
 		ack, err := e.JS.Publish(t.Context(), "spiegel.changes.x", []byte(fmt.Sprint(i)))
@@ -391,18 +370,7 @@ func TestSweepHealsAHoleInTheChangesStream(t *testing.T) {
 // and mirrors the db again, see consumers/onchange healMirror); without the watch the db would get
 // no job until its next write.
 func TestSweepHealsMirrorLoss(t *testing.T) {
-	e := newEnv(t, couchtest.AlwaysSynthesize())
-	db := e.Prefix + "mirrorloss"
-	e.Couch.CreateDB(t, db)
-	e.Couch.Put(t, db, "d1", map[string]any{"x": 1})
-	e.putRule(t, "mir", map[string]any{"type": "on_change", "db_name": "^" + db + "$", "mirror": "MIRRORLOSS"})
-	e.cfg.SweepInterval = 300 * time.Millisecond
-	e.startProducer(t)
-	_, stopConsumer := e.startConsumer(t, onc)
-	e.waitDone(t, onc, db)
-	require.Eventually(t, func() bool { return len(e.Pending(t)) == 0 }, 20*time.Second, 20*time.Millisecond)
-	e.waitRulesCaughtUp(t)
-	stopConsumer()
+	e, db := settledOnChangeDB(t, "mirrorloss", map[string]any{"mirror": "MIRRORLOSS"})
 	kv, err := e.JS.CreateKeyValue(t.Context(), jetstream.KeyValueConfig{Bucket: "MIRRORLOSS", History: 1}) // as the consumers create it
 	require.NoError(t, err)
 	write := func(n int) { // what the mirror rule wrote, as far as the bucket is concerned
@@ -424,4 +392,32 @@ func TestSweepHealsMirrorLoss(t *testing.T) {
 	got, _ := e.startConsumer(t, onc)
 	require.Eventually(t, func() bool { return slices.Contains(got.of(db), events.ReasonSweep) }, 30*time.Second, 20*time.Millisecond,
 		"the db's on_change job after the mirror bucket lost writes")
+}
+
+// settledOnChangeDB starts a producer and a consumer for one new db matched by an on_change rule
+// with action (subject or mirror), waits until its job is done and nothing is pending, and stops
+// the consumer: a db whose completion records are current, which no sweep enqueues by itself.
+func settledOnChangeDB(t *testing.T, name string, action map[string]any) (*env, string) {
+	e, db, _ := settledOnChangeDBWithStop(t, name, action)
+	return e, db
+}
+
+// settledOnChangeDBWithStop is settledOnChangeDB that returns the producer's stop too.
+func settledOnChangeDBWithStop(t *testing.T, name string, action map[string]any) (*env, string, func()) {
+	t.Helper()
+	e := newEnv(t, couchtest.AlwaysSynthesize())
+	db := e.Prefix + name
+	e.Couch.CreateDB(t, db)
+	e.Couch.Put(t, db, "d1", map[string]any{"x": 1})
+	rule := map[string]any{"type": "on_change", "db_name": "^" + db + "$"}
+	maps.Copy(rule, action)
+	e.putRule(t, "rule", rule)
+	e.cfg.SweepInterval = 300 * time.Millisecond
+	stopProducer := e.startProducer(t)
+	_, stopConsumer := e.startConsumer(t, onc)
+	e.waitDone(t, onc, db)
+	require.Eventually(t, func() bool { return len(e.Pending(t)) == 0 }, 20*time.Second, 20*time.Millisecond)
+	e.waitRulesCaughtUp(t)
+	stopConsumer()
+	return e, db, stopProducer
 }

@@ -91,10 +91,22 @@ func (f *fence) removed(seq uint64) (checkpoint.StreamHeal, bool) {
 	return checkpoint.StreamHeal{}, false
 }
 
-// jobFences are a job's fences, by subject.
-type jobFences struct {
+// perJob holds one kind of a job's values, by key (a subject, a bucket), in the job's context.
+type perJob[T any] struct {
 	mu sync.Mutex
-	m  map[string]*fence
+	m  map[string]*T
+}
+
+// of returns the value of key, a new one the first time.
+func (p *perJob[T]) of(key string) *T {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	v := p.m[key]
+	if v == nil {
+		v = new(T)
+		p.m[key] = v
+	}
+	return v
 }
 
 type fencesKey struct{}
@@ -102,24 +114,17 @@ type fencesKey struct{}
 // withFences returns ctx carrying a new set of fences for one job: each job reads the subjects it
 // publishes to afresh.
 func withFences(ctx context.Context) context.Context {
-	return context.WithValue(ctx, fencesKey{}, &jobFences{m: map[string]*fence{}})
+	return context.WithValue(ctx, fencesKey{}, &perJob[fence]{m: map[string]*fence{}})
 }
 
 // fenceOf returns the job's fence of subject (a new one, used for one page, when ctx carries
 // none).
 func fenceOf(ctx context.Context, subject string) *fence {
-	fs, _ := ctx.Value(fencesKey{}).(*jobFences)
+	fs, _ := ctx.Value(fencesKey{}).(*perJob[fence])
 	if fs == nil {
 		return &fence{}
 	}
-	fs.mu.Lock()
-	defer fs.mu.Unlock()
-	f := fs.m[subject]
-	if f == nil {
-		f = &fence{}
-		fs.m[subject] = f
-	}
-	return f
+	return fs.of(subject)
 }
 
 // fenceable reports whether rule's publishes are fenced: its subject is its db's own, and the

@@ -259,33 +259,20 @@ func (p *mirrorPoint) point() *checkpoint.StreamPoint {
 	return &checkpoint.StreamPoint{Subject: p.subject, Seq: p.seq}
 }
 
-// mirrorPoints are a job's mirror points, by bucket; they ride the job's fences' context.
-type mirrorPoints struct {
-	mu sync.Mutex
-	m  map[string]*mirrorPoint
-}
-
 type mirrorPointsKey struct{}
 
 // withMirrorPoints returns ctx carrying a new set of mirror points for one job.
 func withMirrorPoints(ctx context.Context) context.Context {
-	return context.WithValue(ctx, mirrorPointsKey{}, &mirrorPoints{m: map[string]*mirrorPoint{}})
+	return context.WithValue(ctx, mirrorPointsKey{}, &perJob[mirrorPoint]{m: map[string]*mirrorPoint{}})
 }
 
 // mirrorPointOf returns the job's mirror point of bucket (nil when ctx carries none).
 func mirrorPointOf(ctx context.Context, bucket string) *mirrorPoint {
-	ps, _ := ctx.Value(mirrorPointsKey{}).(*mirrorPoints)
+	ps, _ := ctx.Value(mirrorPointsKey{}).(*perJob[mirrorPoint])
 	if ps == nil {
 		return nil
 	}
-	ps.mu.Lock()
-	defer ps.mu.Unlock()
-	p := ps.m[bucket]
-	if p == nil {
-		p = &mirrorPoint{}
-		ps.m[bucket] = p
-	}
-	return p
+	return ps.of(bucket)
 }
 
 // healMirror checks, before a mirror rule writes anything in a job, that the bucket still holds
