@@ -231,7 +231,9 @@ func TestDeletedDBDropsRecords(t *testing.T) {
 	e.updates.Flush()
 	require.Eventually(t, func() bool {
 		done, err := records.Read(t.Context())
-		require.NoError(t, err)
+		if err != nil { // a read that a write interrupts, on a loaded machine: read again
+			return false
+		}
 		_, a := done[reconcile.Key(rep, gone)]
 		_, b := done[reconcile.Key(onc, gone)]
 		return !a && !b

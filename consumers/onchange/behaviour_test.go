@@ -89,7 +89,7 @@ func TestSpiegelBehaviours(t *testing.T) {
 
 	t.Run("if with regex and null", func(t *testing.T) {
 		s := newSink(t, nil)
-		db := e.Couch.NewDB(t, e.Prefix)
+		db := e.Couch.NewOneShardDB(t, e.Prefix) // one feed order: zz_end is the last change
 		e.ruleIn(t, app, "if_"+db, db, map[string]any{"url": s.URL + "/if", "block": true, "params": map[string]any{"id": "$change.id"},
 			"if": map[string]any{"type": "^post$", "archived": nil}})
 		for _, d := range []struct {

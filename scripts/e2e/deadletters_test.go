@@ -211,7 +211,8 @@ func TestDeadLettersListRetryPurge(t *testing.T) {
 	assert.Contains(t, admin(2, "", "deadletters", "redo"), `unknown subcommand "redo"`)
 	assert.Contains(t, admin(1, "", "deadletters", "retry", "--rule", "nope", "--yes"), "no dead letter matches")
 	assert.Contains(t, admin(2, "no\n", "deadletters", "retry", "--group", "onchange"), "not confirmed; nothing was re-driven")
-	assert.Len(t, list("--limit", "0"), len(all))
+	// (the refused replication's jobs may add records of their own meanwhile)
+	assert.Len(t, list("--group", "onchange", "--limit", "0"), len(hooks), "the unconfirmed retry re-drove nothing")
 
 	// retry the webhook's records once it answers: every change arrives, the records go
 	sink.failing.Store(false)
