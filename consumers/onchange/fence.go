@@ -164,38 +164,24 @@ type subjectMsg struct {
 // (last_by_subj, or seq and next_by_subj): found false when there is none. One API request; it
 // does not use direct gets, which a replica that lags may answer.
 func (p *changePublisher) getMsg(ctx context.Context, subject string, req map[string]any, timeout time.Duration) (subjectMsg, bool, error) {
-	name, err := p.streamOf(ctx, subject)
-	if err != nil {
-		return subjectMsg{}, false, err
-	}
-	body, err := json.Marshal(req)
-	if err != nil {
-		return subjectMsg{}, false, err
-	}
-	ctx, cancel := context.WithTimeout(ctx, timeout)
-	defer cancel()
-	resp, err := p.js.(batchPublisher).Conn().RequestWithContext(ctx, "$JS.API.STREAM.MSG.GET."+name, body)
-	if err != nil {
-		return subjectMsg{}, false, fmt.Errorf("read a message of subject %s in stream %s: %w", subject, name, err)
-	}
 	var answer struct {
 		Message *struct {
 			Seq     uint64 `json:"seq"`
 			Headers []byte `json:"hdrs"`
 			Data    []byte `json:"data"`
 		} `json:"message"`
-		Error *jsAPIError `json:"error"`
 	}
-	if err := json.Unmarshal(resp.Data, &answer); err != nil {
-		return subjectMsg{}, false, fmt.Errorf("read a message of subject %s in stream %s: unreadable answer: %w", subject, name, err)
-	}
+	what := "read a message of subject " + subject
+	apiErr, err := p.streamAPI(ctx, subject, "STREAM.MSG.GET", req, timeout, &answer, what)
 	switch {
-	case answer.Error != nil && answer.Error.ErrCode == errCodeNoMessage:
+	case err != nil:
+		return subjectMsg{}, false, err
+	case apiErr != nil && apiErr.ErrCode == errCodeNoMessage:
 		return subjectMsg{}, false, nil
-	case answer.Error != nil:
-		return subjectMsg{}, false, fmt.Errorf("read a message of subject %s in stream %s: %s", subject, name, answer.Error.Description)
+	case apiErr != nil:
+		return subjectMsg{}, false, apiErr
 	case answer.Message == nil:
-		return subjectMsg{}, false, fmt.Errorf("read a message of subject %s in stream %s: empty answer", subject, name)
+		return subjectMsg{}, false, fmt.Errorf("%s: empty answer", what)
 	}
 	m := subjectMsg{seq: answer.Message.Seq}
 	var c struct {
@@ -230,32 +216,19 @@ func (p *changePublisher) nextMessage(ctx context.Context, subject string, seq u
 // subjectCount returns the number of messages subject's stream holds on it, as its leader
 // counts them, and the stream's first sequence. One API request.
 func (p *changePublisher) subjectCount(ctx context.Context, subject string, timeout time.Duration) (count, first uint64, err error) {
-	name, err := p.streamOf(ctx, subject)
-	if err != nil {
-		return 0, 0, err
-	}
-	body, err := json.Marshal(map[string]string{"subjects_filter": subject})
-	if err != nil {
-		return 0, 0, err
-	}
-	ctx, cancel := context.WithTimeout(ctx, timeout)
-	defer cancel()
-	resp, err := p.js.(batchPublisher).Conn().RequestWithContext(ctx, "$JS.API.STREAM.INFO."+name, body)
-	if err != nil {
-		return 0, 0, fmt.Errorf("count the messages of subject %s in stream %s: %w", subject, name, err)
-	}
 	var answer struct {
 		State struct {
 			FirstSeq uint64            `json:"first_seq"`
 			Subjects map[string]uint64 `json:"subjects"`
 		} `json:"state"`
-		Error *jsAPIError `json:"error"`
 	}
-	if err := json.Unmarshal(resp.Data, &answer); err != nil {
-		return 0, 0, fmt.Errorf("count the messages of subject %s in stream %s: unreadable answer: %w", subject, name, err)
-	}
-	if answer.Error != nil {
-		return 0, 0, fmt.Errorf("count the messages of subject %s in stream %s: %s", subject, name, answer.Error.Description)
+	what := "count the messages of subject " + subject
+	apiErr, err := p.streamAPI(ctx, subject, "STREAM.INFO", map[string]string{"subjects_filter": subject}, timeout, &answer, what)
+	switch {
+	case err != nil:
+		return 0, 0, err
+	case apiErr != nil:
+		return 0, 0, apiErr
 	}
 	return answer.State.Subjects[subject], answer.State.FirstSeq, nil
 }
@@ -284,32 +257,63 @@ func (p *changePublisher) readSubject(ctx context.Context, subject string, timeo
 
 // deleteMessage removes the message at seq from subject's stream (one already gone is no error).
 func (p *changePublisher) deleteMessage(ctx context.Context, subject string, seq uint64, timeout time.Duration) error {
-	name, err := p.streamOf(ctx, subject)
+	what := fmt.Sprintf("remove message %d of subject %s", seq, subject)
+	apiErr, err := p.streamAPI(ctx, subject, "STREAM.MSG.DELETE", map[string]any{"seq": seq, "no_erase": true}, timeout, nil, what)
 	if err != nil {
 		return err
 	}
-	body, err := json.Marshal(map[string]any{"seq": seq, "no_erase": true})
+	gone := apiErr != nil && (apiErr.ErrCode == errCodeNoMessage || apiErr.ErrCode == errCodeSeqNotFound ||
+		apiErr.ErrCode == errCodeDeleteFailed && strings.Contains(apiErr.Description, "no message found"))
+	if apiErr != nil && !gone {
+		return apiErr
+	}
+	return nil
+}
+
+// streamAPI sends req to the JetStream API request api (STREAM.MSG.GET, STREAM.INFO, …) of the
+// stream that captures subject, answered by its leader within timeout, and decodes the answer
+// into out (nil: only its error). The answer's API error is returned apart from a failure to ask
+// (err), so that callers tell the errors they expect; what names the request in errors.
+func (p *changePublisher) streamAPI(ctx context.Context, subject, api string, req any, timeout time.Duration, out any, what string) (*streamAPIError, error) {
+	name, err := p.streamOf(ctx, subject)
 	if err != nil {
-		return err
+		return nil, err
+	}
+	body, err := json.Marshal(req)
+	if err != nil {
+		return nil, err
 	}
 	ctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
-	resp, err := p.js.(batchPublisher).Conn().RequestWithContext(ctx, "$JS.API.STREAM.MSG.DELETE."+name, body)
+	resp, err := p.js.(batchPublisher).Conn().RequestWithContext(ctx, "$JS.API."+api+"."+name, body)
 	if err != nil {
-		return fmt.Errorf("remove message %d of subject %s from stream %s: %w", seq, subject, name, err)
+		return nil, fmt.Errorf("%s in stream %s: %w", what, name, err)
 	}
-	var answer struct {
+	var envelope struct {
 		Error *jsAPIError `json:"error"`
 	}
-	if err := json.Unmarshal(resp.Data, &answer); err != nil {
-		return fmt.Errorf("remove message %d of subject %s from stream %s: unreadable answer: %w", seq, subject, name, err)
+	if err := json.Unmarshal(resp.Data, &envelope); err != nil {
+		return nil, fmt.Errorf("%s in stream %s: unreadable answer: %w", what, name, err)
 	}
-	gone := answer.Error != nil && (answer.Error.ErrCode == errCodeNoMessage || answer.Error.ErrCode == errCodeSeqNotFound ||
-		answer.Error.ErrCode == errCodeDeleteFailed && strings.Contains(answer.Error.Description, "no message found"))
-	if answer.Error != nil && !gone {
-		return fmt.Errorf("remove message %d of subject %s from stream %s: %s", seq, subject, name, answer.Error.Description)
+	if envelope.Error != nil {
+		return &streamAPIError{what: what, stream: name, jsAPIError: *envelope.Error}, nil
 	}
-	return nil
+	if out != nil {
+		if err := json.Unmarshal(resp.Data, out); err != nil {
+			return nil, fmt.Errorf("%s in stream %s: unreadable answer: %w", what, name, err)
+		}
+	}
+	return nil, nil
+}
+
+// streamAPIError is the error a stream's JetStream API answered a request with.
+type streamAPIError struct {
+	what, stream string
+	jsAPIError
+}
+
+func (e *streamAPIError) Error() string {
+	return fmt.Sprintf("%s in stream %s: %s", e.what, e.stream, e.Description)
 }
 
 // streamOf returns the name of the stream that captures subject.
@@ -322,21 +326,6 @@ func (p *changePublisher) streamOf(ctx context.Context, subject string) (string,
 		return "", fmt.Errorf("look up the stream of subject %s: %w", subject, err)
 	}
 	return name, nil
-}
-
-// firstSeq returns the sequence of the first message the stream of subject holds.
-func (p *changePublisher) firstSeq(ctx context.Context, subject string, timeout time.Duration) (uint64, error) {
-	name, err := p.streamOf(ctx, subject)
-	if err != nil {
-		return 0, err
-	}
-	ctx, cancel := context.WithTimeout(ctx, timeout)
-	defer cancel()
-	st, err := p.js.(batchPublisher).Stream(ctx, name)
-	if err != nil {
-		return 0, fmt.Errorf("read stream %s: %w", name, err)
-	}
-	return st.CachedInfo().State.FirstSeq, nil
 }
 
 // attemptFenced is attempt under f: the publish expects f.last as the subject's last sequence,
@@ -554,11 +543,7 @@ func (h *handler) healStream(ctx context.Context, db string, rule *rules.OnChang
 	if cp.Stream.Seq == 0 || cp.Stream.Subject != subject || last.seq >= cp.Stream.Seq {
 		return since, nil
 	}
-	first, err := h.publisher.firstSeq(ctx, subject, rule.Timeout)
-	if err != nil {
-		return since, err
-	}
-	if first > cp.Stream.Seq {
+	if st.streamFirst > cp.Stream.Seq {
 		return since, nil // dropped by the stream's limits
 	}
 	log = log.WithFields(logrus.Fields{"stream_seq": cp.Stream.Seq, "subject_last_seq": last.seq})

@@ -200,13 +200,7 @@ func TestChangeStreamHoleHealed(t *testing.T) {
 		}
 		return out
 	}
-	for _, id := range []string{"a", "b", "c", "d", "e", "f", "g"} {
-		e.Couch.Put(t, db, id, map[string]any{"v": id})
-	}
-	e.enqueue(t, db)
-	require.Eventually(t, func() bool {
-		return len(subjectMessages(t, e.JS, subject)) == 7 && e.caughtUp(t, "pub", db)
-	}, 30*time.Second, 20*time.Millisecond)
+	e.putAndWaitSubject(t, db, subject, 7, "a", "b", "c", "d", "e", "f", "g")
 	before := subjectMessages(t, e.JS, subject)
 	require.Equal(t, []string{"a", "b", "c", "d", "e", "f", "g"}, docs(before))
 	for i, m := range before {
@@ -266,13 +260,7 @@ func TestChangeStreamOldestDroppedIsNotAHole(t *testing.T) {
 	db := e.Couch.NewOneShardDB(t, e.Prefix)
 	e.ruleIn(t, app, "pub", db, map[string]any{"subject": "spiegel.changes.${db_name}"})
 	subject := "spiegel.changes." + events.EncodeDBName(db)
-	for _, id := range []string{"a", "b", "c", "d"} {
-		e.Couch.Put(t, db, id, map[string]any{"v": id})
-	}
-	e.enqueue(t, db)
-	require.Eventually(t, func() bool {
-		return len(subjectMessages(t, e.JS, subject)) == 4 && e.caughtUp(t, "pub", db)
-	}, 30*time.Second, 20*time.Millisecond)
+	e.putAndWaitSubject(t, db, subject, 4, "a", "b", "c", "d")
 	before := subjectMessages(t, e.JS, subject)
 	stream, err := e.JS.Stream(t.Context(), "SPIEGEL_CHANGES")
 	require.NoError(t, err)
@@ -308,13 +296,7 @@ func TestChangeStreamOldestLostHealed(t *testing.T) {
 	subject := "spiegel.changes." + events.EncodeDBName(db)
 	_, err := e.JS.Publish(t.Context(), "spiegel.changes.another", []byte(`{}`)) // an older message of another subject
 	require.NoError(t, err)
-	for _, id := range []string{"a", "b", "c", "d"} {
-		e.Couch.Put(t, db, id, map[string]any{"v": id})
-	}
-	e.enqueue(t, db)
-	require.Eventually(t, func() bool {
-		return len(subjectMessages(t, e.JS, subject)) == 4 && e.caughtUp(t, "pub", db)
-	}, 30*time.Second, 20*time.Millisecond)
+	e.putAndWaitSubject(t, db, subject, 4, "a", "b", "c", "d")
 	before := subjectMessages(t, e.JS, subject)
 	stream, err := e.JS.Stream(t.Context(), "SPIEGEL_CHANGES")
 	require.NoError(t, err)
@@ -341,4 +323,17 @@ func TestChangeStreamOldestLostHealed(t *testing.T) {
 	require.NoError(t, err)
 	require.Len(t, cp.Stream.Heals, 1, "the checkpoint remembers the heal")
 	assert.Zero(t, cp.Stream.Heals[0].After)
+}
+
+// putAndWaitSubject writes docs ids to db (each {"v": id}), runs the db's job, and waits until
+// subject holds n messages and rule "pub" caught up.
+func (e *env) putAndWaitSubject(t *testing.T, db, subject string, n int, ids ...string) {
+	t.Helper()
+	for _, id := range ids {
+		e.Couch.Put(t, db, id, map[string]any{"v": id})
+	}
+	e.enqueue(t, db)
+	require.Eventually(t, func() bool {
+		return len(subjectMessages(t, e.JS, subject)) == n && e.caughtUp(t, "pub", db)
+	}, 30*time.Second, 20*time.Millisecond)
 }
