@@ -30,9 +30,9 @@ type CheckpointCache struct {
 
 type cacheEntry struct {
 	src, tgt checkpointDoc
-	// progress is where a run whose checkpoint was deferred got to: every change up to it is on
-	// the target, but the checkpoints say less. The next run starts there.
-	progress couch.Seq
+	// progress is where the runs whose checkpoints were deferred got to: every change up to it
+	// is on the target, but the checkpoints say less. The next run starts there.
+	progress progress
 	at       time.Time
 	elem     *list.Element
 }
@@ -43,21 +43,28 @@ func NewCheckpointCache(maxAge time.Duration, max int) *CheckpointCache {
 	return &CheckpointCache{maxAge: maxAge, max: max, order: list.New(), entries: map[string]*cacheEntry{}}
 }
 
+// progress is where the runs of a replication whose checkpoints were deferred got to.
+type progress struct {
+	seq couch.Seq // every change up to it is on the target ("": no deferred run)
+	// changes is the number of changes those runs read past the checkpoints
+	changes int
+}
+
 // get returns copies of the cached checkpoint docs of replication id, if fresh, and the
-// progress of a deferred run since ("" if none).
-func (c *CheckpointCache) get(id string) (src, tgt *checkpointDoc, progress couch.Seq, ok bool) {
+// progress of deferred runs since (zero if none).
+func (c *CheckpointCache) get(id string) (src, tgt *checkpointDoc, p progress, ok bool) {
 	if c == nil {
-		return nil, nil, "", false
+		return nil, nil, progress{}, false
 	}
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	e, found := c.entries[id]
 	if !found {
-		return nil, nil, "", false
+		return nil, nil, progress{}, false
 	}
 	if time.Since(e.at) > c.maxAge {
 		c.removeLocked(id, e)
-		return nil, nil, "", false
+		return nil, nil, progress{}, false
 	}
 	c.order.MoveToFront(e.elem)
 	s, t := e.src, e.tgt
@@ -65,15 +72,15 @@ func (c *CheckpointCache) get(id string) (src, tgt *checkpointDoc, progress couc
 	return &s, &t, e.progress, true
 }
 
-// advance records where a deferred run of replication id got to.
-func (c *CheckpointCache) advance(id string, progress couch.Seq) {
+// advance records where the deferred runs of replication id got to.
+func (c *CheckpointCache) advance(id string, p progress) {
 	if c == nil {
 		return
 	}
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if e, found := c.entries[id]; found {
-		e.progress = progress
+		e.progress = p
 	}
 }
 
@@ -86,7 +93,7 @@ func (c *CheckpointCache) put(id string, src, tgt checkpointDoc) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if e, found := c.entries[id]; found {
-		e.src, e.tgt, e.progress, e.at = src, tgt, "", time.Now()
+		e.src, e.tgt, e.progress, e.at = src, tgt, progress{}, time.Now()
 		c.order.MoveToFront(e.elem)
 		return
 	}

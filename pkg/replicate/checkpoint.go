@@ -99,6 +99,9 @@ type checkpointer struct {
 	deferred bool      // the final checkpoint was left to a later run
 	// deferredSeq is where the run got to when its checkpoint was deferred
 	deferredSeq couch.Seq
+	// deferredBefore is the number of changes that deferred runs before this one read past the
+	// checkpoints; deferredChanges adds this run's when it defers too
+	deferredBefore, deferredChanges int
 	// lastWritten is the doc this run last wrote on both sides (nil: none)
 	lastWritten *checkpointDoc
 	// lastSession is the session of the checkpoint both sides hold alike ("" if they differ)
@@ -123,6 +126,12 @@ func (c *checkpointer) recent(d time.Duration) bool {
 	}
 	age := time.Since(end)
 	return age >= -time.Minute && age < d // a clock far ahead is not trusted
+}
+
+// fewSince reports whether fewer than n changes, with the run's read ones, were read past the
+// checkpoint this run started from, which both sides hold alike.
+func (c *checkpointer) fewSince(n, read int) bool {
+	return n > 0 && c.startSeq != "" && c.lastSession != "" && c.deferredBefore+read < n
 }
 
 func (c *checkpointer) path(e *endpoint) string {

@@ -144,9 +144,9 @@ func (r *run) pipeline(parent context.Context, reader *changesReader, first chan
 	if recorded == cp.written || errors.Is(err, ErrFenced) {
 		return err
 	}
-	if err == nil && next == 1 && cp.recent(r.opt.CheckpointDefer) {
-		cp.deferred, cp.deferredSeq = true, recorded
-		r.log.WithField("seq", string(recorded)).Debug("checkpoint deferred: the last one is recent and this run was small")
+	if err == nil && next == 1 && (cp.recent(r.opt.CheckpointDefer) || r.opt.CheckpointDefer > 0 && cp.fewSince(r.opt.CheckpointDeferChanges, firstRaw)) {
+		cp.deferred, cp.deferredSeq, cp.deferredChanges = true, recorded, cp.deferredBefore+firstRaw
+		r.log.WithField("seq", string(recorded)).Debug("checkpoint deferred: the last one is recent or few changes behind, and this run was small")
 		return nil
 	}
 	wctx := ctx

@@ -103,6 +103,12 @@ type Options struct {
 	// checkpoint per CheckpointDefer while its runs stay small. 0 (the default) checkpoints
 	// at the end of every run that replicated something.
 	CheckpointDefer time.Duration
+	// CheckpointDeferChanges, with CheckpointDefer, also defers the final checkpoint of a small
+	// run after an older checkpoint, while the changes read past the checkpoint both sides hold
+	// (by this run and the deferred ones before it) are fewer than CheckpointDeferChanges: a
+	// db written now and then would otherwise pay two PUTs for nearly every change. A later run
+	// that starts from the checkpoint re-reads at most that many changes. 0: off.
+	CheckpointDeferChanges int
 	// Fence, when set, orders the checkpoint writes of the runs of a replication: a run reads
 	// the replication's token when it starts and advances it before every checkpoint write;
 	// when another run advanced it since, the write is not made and the run ends with
@@ -263,13 +269,13 @@ func (r *run) run(ctx context.Context) (Result, error) {
 		}
 		cp.fence = r.opt.Fence
 	}
-	srcDoc, tgtDoc, progress, cached := r.opt.Checkpoints.get(r.id)
+	srcDoc, tgtDoc, done, cached := r.opt.Checkpoints.get(r.id)
 	if !cached {
 		if srcDoc, tgtDoc, err = r.readCheckpoints(ctx, cp); err != nil {
 			return res, err
 		}
 	}
-	r.startFrom(cp, &res, srcDoc, tgtDoc, progress)
+	r.startFrom(cp, &res, srcDoc, tgtDoc, done)
 
 	pouchDB := false
 	if r.opt.Selector != nil {
@@ -318,7 +324,7 @@ func (r *run) run(ctx context.Context) (Result, error) {
 			if srcDoc, tgtDoc, err = r.readCheckpoints(ctx, cp); err != nil {
 				return res, err
 			}
-			r.startFrom(cp, &res, srcDoc, tgtDoc, "")
+			r.startFrom(cp, &res, srcDoc, tgtDoc, progress{})
 			first, raw, err = reader.page(ctx, cp.startSeq)
 		}
 	}
@@ -354,7 +360,7 @@ func (r *run) run(ctx context.Context) (Result, error) {
 		if !cached && srcDoc != nil && tgtDoc != nil { // both sides still hold what was read
 			r.opt.Checkpoints.put(r.id, *srcDoc, *tgtDoc)
 		}
-		r.opt.Checkpoints.advance(r.id, cp.deferredSeq)
+		r.opt.Checkpoints.advance(r.id, progress{cp.deferredSeq, cp.deferredChanges})
 	}
 	res.EndSeq, res.CheckpointDeferred, res.FeedEnd = string(cp.written), cp.deferred, string(cp.feedEnd)
 	res.OK = err == nil
@@ -375,14 +381,14 @@ func (r *run) run(ctx context.Context) (Result, error) {
 }
 
 // startFrom sets where cp's run starts from the checkpoint docs read (nil: none) and the
-// progress of an earlier deferred run ("" if none).
-func (r *run) startFrom(cp *checkpointer, res *Result, srcDoc, tgtDoc *checkpointDoc, progress couch.Seq) {
+// progress of earlier deferred runs (zero if none).
+func (r *run) startFrom(cp *checkpointer, res *Result, srcDoc, tgtDoc *checkpointDoc, done progress) {
 	cp.startSeq, cp.history = findStartSeq(srcDoc, tgtDoc)
-	cp.written = cp.startSeq
-	if progress != "" {
+	cp.written, cp.deferredBefore = cp.startSeq, 0
+	if done.seq != "" {
 		// An earlier run of this process left its checkpoint to a later run: everything up to
 		// its progress is on the target already.
-		cp.startSeq, cp.written = progress, progress
+		cp.startSeq, cp.written, cp.deferredBefore = done.seq, done.seq, done.changes
 	}
 	cp.lastSession, cp.srcRev, cp.tgtRev = "", "", ""
 	if srcDoc != nil && tgtDoc != nil && srcDoc.SessionID == tgtDoc.SessionID {

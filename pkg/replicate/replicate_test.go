@@ -236,6 +236,55 @@ func TestCheckpointDefer(t *testing.T) {
 	requireSameLeaves(t, s, source, target)
 }
 
+// TestCheckpointDeferChanges: past the time window, a small run still defers its checkpoint
+// while fewer than CheckpointDeferChanges changes were read past the checkpoint, counted across
+// runs whether their progress was cached or the changes were read again; the run that reaches
+// the count checkpoints, and the count starts again.
+func TestCheckpointDeferChanges(t *testing.T) {
+	for _, cached := range []bool{false, true} {
+		t.Run(fmt.Sprintf("cached=%v", cached), func(t *testing.T) {
+			s := couchtest.Get(t)
+			source, target := s.NewDB(t, "csrc_"), s.NewDB(t, "ctgt_")
+			createDocs(t, s, source, "base", 10)
+			opt := Options{Source: dbURL(s, source), Target: dbURL(s, target),
+				CheckpointDefer: time.Nanosecond, CheckpointDeferChanges: 3} // every checkpoint is old
+			if cached {
+				opt.Checkpoints = NewCheckpointCache(time.Hour, 10)
+			}
+			first, err := Run(t.Context(), opt, testLog(t))
+			require.NoError(t, err)
+			require.False(t, first.CheckpointDeferred, "the first run has no checkpoint to lean on")
+			session := targetSession(t, s, target, first.ReplicationID)
+
+			for i := 1; i <= 4; i++ {
+				s.Put(t, source, fmt.Sprintf("later-%d", i), map[string]any{"i": i})
+				res, err := Run(t.Context(), opt, testLog(t))
+				require.NoError(t, err)
+				assert.EqualValues(t, 1, res.DocsWritten, "run %d writes only its new doc", i)
+				switch i {
+				case 1, 2:
+					assert.True(t, res.CheckpointDeferred, "run %d: %d changes past the checkpoint", i, i)
+					assert.Equal(t, session, targetSession(t, s, target, res.ReplicationID))
+				case 3:
+					assert.False(t, res.CheckpointDeferred, "run 3 reaches 3 changes")
+					assert.Equal(t, res.SessionID, targetSession(t, s, target, res.ReplicationID))
+					session = res.SessionID
+				case 4:
+					assert.True(t, res.CheckpointDeferred, "the count started again")
+					assert.Equal(t, session, targetSession(t, s, target, res.ReplicationID))
+				}
+			}
+			requireSameLeaves(t, s, source, target)
+
+			opt.CheckpointDeferChanges = 0 // the time window alone: an old checkpoint is written
+			s.Put(t, source, "after", map[string]any{})
+			res, err := Run(t.Context(), opt, testLog(t))
+			require.NoError(t, err)
+			assert.False(t, res.CheckpointDeferred)
+		})
+	}
+}
+
 // TestMissingDBs: a missing source is ErrSourceNotFound naming it; a missing target is
 // ErrTargetNotFound without CreateTarget and is created with it. Neither is created by a
 // failed run.
