@@ -318,7 +318,7 @@ func (h *handler) runRule(ctx context.Context, db string, rule *rules.OnChange, 
 			if !worker.Held(ctx) {
 				return finish(ruleResult{err: worker.ErrLeaseLost})
 			}
-			if err := cps.save(ctx, next, h.streamPoint(ctx, db, rule)); err != nil {
+			if err := cps.save(ctx, next, h.streamPoint(ctx, db, rule), max(b.done, 1)); err != nil {
 				return finish(ruleResult{err: err})
 			}
 			since = next
@@ -379,7 +379,7 @@ func (h *handler) caughtUp(ctx context.Context, cps *checkpointWriter, end strin
 		return ruleResult{err: worker.ErrLeaseLost}
 	}
 	cps.cp.EndReplay()
-	if err := cps.save(ctx, cps.stored, nil); err != nil {
+	if err := cps.save(ctx, cps.stored, nil, 0); err != nil {
 		return ruleResult{err: err}
 	}
 	log.WithField("replay", id).Info("replay reached the end of the feed")
@@ -402,15 +402,16 @@ type checkpointWriter struct {
 	inFlightSeq string
 }
 
-// save waits for the previous write (returning its error) and starts writing seq, with stream
-// as the checkpoint's stream point unless it is nil.
-func (w *checkpointWriter) save(ctx context.Context, seq string, stream *checkpoint.StreamPoint) error {
+// save waits for the previous write (returning its error) and starts writing seq, after acted
+// more changes, with stream as the checkpoint's stream point unless it is nil.
+func (w *checkpointWriter) save(ctx context.Context, seq string, stream *checkpoint.StreamPoint, acted int) error {
 	if err := w.wait(); err != nil {
 		return err
 	}
 	if stream != nil {
 		w.cp.Stream = *stream
 	}
+	w.cp.Acted(acted)
 	done := make(chan error, 1)
 	w.inFlight, w.inFlightSeq = done, seq
 	go func() { done <- w.store.Save(ctx, &w.cp, seq) }()

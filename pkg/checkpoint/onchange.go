@@ -64,6 +64,12 @@ type OnChangeStore struct {
 	// long; should the entry be lost, the changes in between are acted on once more
 	// (at-least-once). Set it before use.
 	LocalEvery time.Duration
+	// LocalChanges, when above 0 (with LocalEvery), leaves a doc older than LocalEvery behind
+	// too while it trails the entry by fewer than LocalChanges changes (OnChangePoint.Acted): a
+	// db written now and then would otherwise write its doc with nearly every change. Should the
+	// entry be lost, at most that many changes, or LocalEvery's worth, are acted on once more.
+	// Set it before use.
+	LocalChanges int
 	// ReplayID, when set, is the replay that Reset records in the checkpoints it resets (see
 	// OnChangePoint.Replay). Set it before use.
 	ReplayID string
@@ -94,7 +100,12 @@ type OnChangePoint struct {
 	kvRev    uint64    // the fencing token: the entry's revision read or last written (0: none)
 	cached   bool      // read from the cache, not from CouchDB
 	docStale bool      // the _local doc is not the entry's: the next Save writes it
+	trail    int       // changes acted on since the _local doc was written (see Acted)
 }
+
+// Acted counts n more changes acted on since the _local doc was last written, for the next
+// Save to weigh against OnChangeStore.LocalChanges.
+func (p *OnChangePoint) Acted(n int) { p.trail += n }
 
 // StreamPoint is a message stored on a subject: its stream sequence, and the heals of holes in
 // the subject that are recent enough to matter.
@@ -140,10 +151,12 @@ type cacheEntry struct {
 	Instance string      `json:"instance,omitempty"`
 	StoredAt time.Time   `json:"stored_at,omitzero"`
 	Stream   StreamPoint `json:"stream,omitzero"`
+	// Trail is the number of changes acted on since the _local doc was written.
+	Trail int `json:"trail,omitempty"`
 }
 
 func (p *OnChangePoint) entry(seq string) []byte {
-	v, _ := json.Marshal(cacheEntry{LastSeq: seq, Rev: p.rev, Replayed: p.replayed, Instance: p.instance, StoredAt: p.storedAt, Stream: p.Stream})
+	v, _ := json.Marshal(cacheEntry{LastSeq: seq, Rev: p.rev, Replayed: p.replayed, Instance: p.instance, StoredAt: p.storedAt, Stream: p.Stream, Trail: p.trail})
 	return v
 }
 
@@ -164,7 +177,7 @@ func (s *OnChangeStore) Load(ctx context.Context, rule, db string) (OnChangePoin
 		default:
 			var c cacheEntry
 			if json.Unmarshal(e.Value(), &c) == nil {
-				p.LastSeq, p.rev, p.replayed, p.instance, p.storedAt, p.Stream = c.LastSeq, c.Rev, c.Replayed, c.Instance, c.StoredAt, c.Stream
+				p.LastSeq, p.rev, p.replayed, p.instance, p.storedAt, p.Stream, p.trail = c.LastSeq, c.Rev, c.Replayed, c.Instance, c.StoredAt, c.Stream, c.Trail
 				p.kvRev, p.Found, p.cached = e.Revision(), true, true
 				return p, nil
 			}
@@ -243,7 +256,8 @@ func (s *OnChangeStore) moved(ctx context.Context, p *OnChangePoint, op string) 
 //  1. claim: the cache entry is moved to seq by a compare-and-set over the revision p holds
 //     (none: the entry must not exist). Refused: ErrFenced, nothing written. No answer: a
 //     transient error, nothing written.
-//  2. the _local doc — unless it was written less than LocalEvery ago and is the entry's. When
+//  2. the _local doc — unless it is the entry's and was written less than LocalEvery ago or
+//     fewer than LocalChanges changes ago. When
 //     PouchDB Server refuses the doc's rev, the doc is read again: gone (the db was deleted) is
 //     ErrMoved; an entry no longer at p's token (a replay, a newer holder) is ErrFenced;
 //     otherwise (a late write of a fenced holder) the doc is overwritten.
@@ -261,8 +275,9 @@ func (s *OnChangeStore) save(ctx context.Context, p *OnChangePoint, seq string, 
 	if err := s.claim(ctx, p, seq); err != nil {
 		return err
 	}
-	if !now && !p.docStale && p.kvRev != 0 && p.Found && p.rev != "" && s.LocalEvery > 0 && !p.storedAt.IsZero() && time.Since(p.storedAt) < s.LocalEvery {
-		// The entry holds seq; the doc, written lately, trails it for now.
+	if !now && !p.docStale && p.kvRev != 0 && p.Found && p.rev != "" && s.LocalEvery > 0 && !p.storedAt.IsZero() &&
+		(time.Since(p.storedAt) < s.LocalEvery || p.trail < s.LocalChanges) {
+		// The entry holds seq; the doc, written lately or a few changes behind, trails it for now.
 		p.LastSeq, p.cached = seq, true
 		return nil
 	}
@@ -288,7 +303,7 @@ func (s *OnChangeStore) save(ctx context.Context, p *OnChangePoint, seq string, 
 	if err != nil {
 		return fmt.Errorf("save checkpoint of rule %s in %s: %w", p.Rule, p.DB, err)
 	}
-	p.LastSeq, p.rev, p.Found, p.storedAt, p.docStale = seq, rev, true, time.Now(), false
+	p.LastSeq, p.rev, p.Found, p.storedAt, p.docStale, p.trail = seq, rev, true, time.Now(), false, 0
 	return s.cache(ctx, p)
 }
 

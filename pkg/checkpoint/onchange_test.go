@@ -104,6 +104,49 @@ func TestOnChangeStoreVerify(t *testing.T) {
 	assert.False(t, fresh.Found, "forgotten: read from CouchDB, where there is none")
 }
 
+// TestOnChangeStoreLocalChanges: with LocalChanges, a doc older than LocalEvery still trails the
+// entry while the changes acted on since it was written are fewer; the save that reaches
+// LocalChanges writes it, and the count starts again. The count rides in the entry, so another
+// process that loads it carries on counting.
+func TestOnChangeStoreLocalChanges(t *testing.T) {
+	a, b, db := newOnChangeStores(t)
+	a.LocalEvery, b.LocalEvery = time.Nanosecond, time.Nanosecond // every doc is old
+	a.LocalChanges, b.LocalChanges = 5, 5
+	ctx := t.Context()
+	doc := func() string {
+		t.Helper()
+		d, _, err := a.readDoc(ctx, "r", db)
+		require.NoError(t, err)
+		return d.LastSeq
+	}
+	p, err := a.Load(ctx, "r", db)
+	require.NoError(t, err)
+	p.Acted(1)
+	require.NoError(t, a.Save(ctx, &p, "1-x"), "the first save writes the doc")
+	require.Equal(t, "1-x", doc())
+	p.Acted(2)
+	require.NoError(t, a.Save(ctx, &p, "3-x"))
+	assert.Equal(t, "1-x", doc(), "2 changes behind: the doc trails")
+
+	q, err := b.Load(ctx, "r", db)
+	require.NoError(t, err)
+	require.Equal(t, "3-x", q.LastSeq)
+	q.Acted(2)
+	require.NoError(t, b.Save(ctx, &q, "5-x"))
+	assert.Equal(t, "1-x", doc(), "4 changes behind, counted across processes: the doc trails")
+	q.Acted(1)
+	require.NoError(t, b.Save(ctx, &q, "6-x"))
+	assert.Equal(t, "6-x", doc(), "5 changes behind: written")
+	q.Acted(1)
+	require.NoError(t, b.Save(ctx, &q, "7-x"))
+	assert.Equal(t, "6-x", doc(), "the count started again")
+
+	b.LocalChanges = 0 // LocalEvery alone: an old doc is written
+	q.Acted(1)
+	require.NoError(t, b.Save(ctx, &q, "8-x"))
+	assert.Equal(t, "8-x", doc())
+}
+
 // TestOnChangeStoreLocalEvery: with LocalEvery, saves within the interval move the cache entry
 // only; the _local doc trails it (what a lost entry falls back to), is still what Verify checks,
 // and is written again once the interval is over. A replay still wins.
