@@ -120,11 +120,15 @@ func syncCell(r benchdata.Run) string {
 	return fmt.Sprintf("%.1f s", r.InitialSyncS)
 }
 
-func connCells(r benchdata.Run) (maxConns, idle string) {
+func connCells(r benchdata.Run) (maxConns, writing, idle string) {
 	if !r.ConnsMeasured || r.MaxConns == nil {
-		return "not measured", "not measured"
+		return "not measured", "not measured", "not measured"
 	}
-	return fmt.Sprint(benchdata.SumConns(r.MaxConns)), fmt.Sprint(benchdata.SumConns(r.IdleConns))
+	writing = "—"
+	if med, most, ok := r.WritingConns(); ok {
+		writing = fmt.Sprintf("%d, %d", med, most)
+	}
+	return fmt.Sprint(benchdata.SumConns(r.MaxConns)), writing, fmt.Sprint(benchdata.SumConns(r.IdleConns))
 }
 
 // render writes the charts into dir and returns the report's Markdown.
@@ -151,7 +155,7 @@ func render(runs []benchdata.Run, dir string, m machine) (string, error) {
 
 	sb.WriteString("## Summary\n\n")
 	sb.WriteString("| N | setup | write→target p50 / p95 / p99 / max | write→webhook p50 / p95 / p99 / max | delivered target / webhook | initial sync | " +
-		"CouchDB requests per written doc | spiegel-db writes per doc | connections max / idle | idle requests/s | load average start → end |\n" +
+		"CouchDB requests per written doc | spiegel-db writes per doc | connections max / while writing (median, max) / idle | idle requests/s | load average start → end |\n" +
 		"|---|---|---|---|---|---|---|---|---|---|---|\n")
 	for _, n := range ns {
 		for _, r := range groups[n] {
@@ -168,9 +172,9 @@ func render(runs []benchdata.Run, dir string, m machine) (string, error) {
 			if !r.Baseline {
 				writes = num(r.PerDoc(spiegelWrites(r)))
 			}
-			mx, id := connCells(r)
-			fmt.Fprintf(&sb, "| %d | %s | %s | %s | %s | %s | %s | %s | %s / %s | %s | %s → %s |\n", n, r.SetupName,
-				latencyCells(r.Latencies(benchdata.Replication)), hook, delivered, syncCell(r), reqs, writes, mx, id, idle, r.LoadAvgStart, r.LoadAvgEnd)
+			mx, wr, id := connCells(r)
+			fmt.Fprintf(&sb, "| %d | %s | %s | %s | %s | %s | %s | %s | %s / %s / %s | %s | %s → %s |\n", n, r.SetupName,
+				latencyCells(r.Latencies(benchdata.Replication)), hook, delivered, syncCell(r), reqs, writes, mx, wr, id, idle, r.LoadAvgStart, r.LoadAvgEnd)
 		}
 	}
 

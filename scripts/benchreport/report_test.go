@@ -75,6 +75,7 @@ func TestRender(t *testing.T) {
 	// idle 1 vs 4 requests/s.
 	assert.Contains(t, md, "| 100 | hot | 0.50× | 0.50× | 0.50× | 0.50× | +20.0 pts | 1.00× | 0.50× | 0.25× | 0.25× |")
 	assert.Contains(t, md, "| 1000 | hot | 0.50× | 0.50× | 0.50× | 0.50× | +0.0 pts | baseline incomplete |")
+	assert.Contains(t, md, "| 4 / 3, 3 / 2 |", "connections: the run's most, while writing (median, most), idle")
 	assert.Contains(t, md, "80.0 % / —")
 	assert.Contains(t, md, "at the start: 0.5 0.4 0.3")
 	for _, f := range []string{"latency-cdf-100", "latency-time-100", "jobs-hot-100", "rss-1000", "cpu-100", "connections-100",

@@ -169,6 +169,22 @@ func (r Run) IdleRate() float64 {
 	return float64(Total(r.IdleRequests)) / d
 }
 
+// WritingConns returns the median and the most of the connections open through the proxies
+// (summed over the processes) in the samples taken while the writer wrote; ok is false without
+// such samples.
+func (r Run) WritingConns() (median, most int, ok bool) {
+	var open []int
+	for _, s := range r.Samples {
+		if s.AtS >= r.WriterStartS && s.AtS <= r.WriterEndS && s.ProxyConns != nil {
+			open = append(open, SumConns(s.ProxyConns))
+		}
+	}
+	if len(open) == 0 {
+		return 0, 0, false
+	}
+	return Percentile(open, 0.5), slices.Max(open), true
+}
+
 // SumConns sums connections over the processes.
 func SumConns(byProc map[string]int) int {
 	n := 0
