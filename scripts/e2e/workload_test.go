@@ -56,6 +56,7 @@ func BenchmarkWorkload(b *testing.B) {
 	cs := couchtest.Get(b)
 	w := workloadFromEnv(b)
 	up := cs.NewUpdatesProxy(b, couchtest.CoalesceWindow(500*time.Millisecond))
+	dir := os.Getenv("BENCH_REPORT_DIR")
 	var results []workloadResult
 	for range b.N {
 		results = results[:0]
@@ -63,6 +64,11 @@ func BenchmarkWorkload(b *testing.B) {
 			r := runWorkload(b, root, cs, up, w, s)
 			b.Logf("%s: %s", s.key, r.summary())
 			results = append(results, r)
+			if dir != "" {
+				// Each setup's figures are kept as soon as it ends: a run of several setups at
+				// N = 10,000 takes over an hour, and one stopped later keeps the setups done.
+				writeRun(b, dir, r.record(cs, w))
+			}
 		}
 	}
 	byKey := map[string]workloadResult{}
@@ -82,17 +88,19 @@ func BenchmarkWorkload(b *testing.B) {
 			}
 		}
 	}
-	if dir := os.Getenv("BENCH_REPORT_DIR"); dir != "" {
+	if dir != "" {
 		report := workloadReport(cs, w, results)
 		if err := os.WriteFile(filepath.Join(dir, "workload.md"), []byte(report), 0o644); err != nil {
 			b.Fatalf("write report: %v", err)
 		}
-		for _, r := range results {
-			run := r.record(cs, w)
-			if err := benchdata.WriteFile(filepath.Join(dir, benchdata.FileName(run.Setup, run.DBs)), run); err != nil {
-				b.Fatal(err)
-			}
-		}
+	}
+}
+
+// writeRun writes one setup's figures into dir, for scripts/benchreport.
+func writeRun(b *testing.B, dir string, run benchdata.Run) {
+	b.Helper()
+	if err := benchdata.WriteFile(filepath.Join(dir, benchdata.FileName(run.Setup, run.DBs)), run); err != nil {
+		b.Fatal(err)
 	}
 }
 
