@@ -58,6 +58,9 @@ type Config struct {
 	// wakeupPause paces the jobs enqueued again after a failed lost-wakeup check
 	// (wakeupFailurePause; tests lengthen it).
 	wakeupPause backoff.Policy
+	// queuedLong is how long a first delivery must have waited in the queue for its run to read
+	// the db's wakeup marker before it starts (queuedMarkerRead; tests change it).
+	queuedLong time.Duration
 	// Grace is how long running jobs may take to finish once shutdown starts before their
 	// context is cancelled and they are nak'ed (default 20s).
 	Grace time.Duration
@@ -90,6 +93,9 @@ func (c Config) withDefaults() (Config, error) {
 	}
 	if c.wakeupPause == (backoff.Policy{}) {
 		c.wakeupPause = wakeupFailurePause
+	}
+	if c.queuedLong == 0 {
+		c.queuedLong = queuedMarkerRead
 	}
 	return c, nil
 }

@@ -26,9 +26,12 @@ const (
 // checkWakeup), which the caller runs after it freed the job's slot, so that waits do not hold
 // slots that other jobs could use.
 func (r *Runner) process(handlerCtx context.Context, msg jetstream.Msg, pulled time.Time) (then func()) {
-	attempt := 1
-	if md, err := msg.Metadata(); err == nil && md.NumDelivered > 0 {
-		attempt = int(md.NumDelivered)
+	attempt, queued := 1, time.Duration(0)
+	if md, err := msg.Metadata(); err == nil {
+		if md.NumDelivered > 0 {
+			attempt = int(md.NumDelivered)
+		}
+		queued = time.Since(md.Timestamp)
 	}
 	group, db, err := r.subjects.ParseWork(msg.Subject())
 	if err == nil && group != r.cfg.Group {
@@ -60,7 +63,7 @@ func (r *Runner) process(handlerCtx context.Context, msg jetstream.Msg, pulled t
 		cancel(ErrLeaseLost)
 	})
 	stopKeepAlive := r.keepAlive(ctx, msg, job.lease, log)
-	if attempt > 1 {
+	if attempt > 1 || queued >= r.cfg.queuedLong {
 		r.readWakeupAtStart(ctx, job, log)
 	}
 	started := time.Now()
@@ -295,12 +298,20 @@ func (r *Runner) checkWakeup(handlerCtx context.Context, job *Job, log logrus.Fi
 	return nil
 }
 
-// readWakeupAtStart reads the db's wakeup marker before a redelivered job runs (postponed by
-// RetryAfter, e.g. a rule's dirty_after delay, or retried after a failure): changes that came
-// while it waited are read by this run, so their marker, read now, counts as covered and costs
-// no run more after this one. A first delivery skips it (its wait in the queue is short: one API
-// request per job); a marker set while it was queued costs one more run. A failure is harmless:
-// the check after the run then offers the job again for the marker.
+// queuedMarkerRead is how long a first delivery must have waited in the queue for its run to read
+// the db's wakeup marker before it starts (readWakeupAtStart). A job taken at once skips the read
+// (the job path stays at one API request beyond fetch and ack); behind a backlog — an initial
+// sync of 10,000 dbs keeps jobs queued for minutes, while the producer's feed and its sweep offer
+// most dbs a second time — the read saves the run per db that the marker would have cost.
+const queuedMarkerRead = time.Second
+
+// readWakeupAtStart reads the db's wakeup marker before a job runs that waited: redelivered
+// (postponed by RetryAfter, e.g. a rule's dirty_after delay, or retried after a failure), or
+// delivered first after queuedMarkerRead in the queue. Changes that came while it waited are
+// read by this run, so their marker, read now, counts as covered and costs no run more after
+// this one. A first delivery taken at once skips it; a marker set in its short wait costs one
+// more run. A failure is harmless: the check after the run then offers the job again for the
+// marker.
 func (r *Runner) readWakeupAtStart(ctx context.Context, job *Job, log logrus.FieldLogger) {
 	rctx, cancel := context.WithTimeout(ctx, settleTimeout)
 	defer cancel()
