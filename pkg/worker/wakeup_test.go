@@ -69,6 +69,17 @@ func (e *env) marker(t *testing.T, db string) uint64 {
 	return seq
 }
 
+// queueWithMarker queues db's job and offers db once more while it waits: the offer is refused
+// and leaves a wakeup marker.
+func (e *env) queueWithMarker(t *testing.T, db string) {
+	t.Helper()
+	e.publish(t, db, events.TypeUpdated)
+	dedup, err := e.jobs.Offer(t.Context(), group, events.Job{DB: db, Reason: events.TypeUpdated})
+	require.NoError(t, err)
+	require.True(t, dedup, "the queued job holds the db's slot")
+	require.NotZero(t, e.marker(t, db), "the refused offer left a marker")
+}
+
 // TestWakeupDuringRunRunsTheJobAgain: a change offered while the job runs makes a second run,
 // which deletes the marker.
 func TestWakeupDuringRunRunsTheJobAgain(t *testing.T) {
@@ -98,10 +109,7 @@ func TestWakeupDuringRunRunsTheJobAgain(t *testing.T) {
 func TestWakeupWhilePendingRunsOnceMore(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, 0)
-	e.publish(t, "queued", events.TypeUpdated)
-	dedup, err := e.jobs.Offer(t.Context(), group, events.Job{DB: "queued", Reason: events.TypeUpdated})
-	require.NoError(t, err)
-	require.True(t, dedup)
+	e.queueWithMarker(t, "queued")
 	var rec recorder
 	var obs results
 	cfg := testConfig()
@@ -121,11 +129,7 @@ func TestWakeupWhilePendingRunsOnceMore(t *testing.T) {
 func TestWakeupWhileQueuedLongCostsNoRun(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, 0)
-	e.publish(t, "backlog", events.TypeUpdated)
-	dedup, err := e.jobs.Offer(t.Context(), group, events.Job{DB: "backlog", Reason: events.TypeUpdated})
-	require.NoError(t, err)
-	require.True(t, dedup)
-	require.NotZero(t, e.marker(t, "backlog"))
+	e.queueWithMarker(t, "backlog")
 	var rec recorder
 	var obs results
 	cfg := testConfig()
