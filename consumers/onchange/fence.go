@@ -538,6 +538,7 @@ func (h *handler) healStream(ctx context.Context, db string, rule *rules.OnChang
 	if hole, err := h.publisher.findHole(ctx, subject, st, rule.Timeout, log); err != nil {
 		return since, err
 	} else if hole != nil {
+		h.lossNoticed(ctx, subject)
 		return h.healHole(ctx, db, rule, cps, f, subject, *hole, since, log)
 	}
 	if cp.Stream.Seq == 0 || cp.Stream.Subject != subject || last.seq >= cp.Stream.Seq {
@@ -547,12 +548,26 @@ func (h *handler) healStream(ctx context.Context, db string, rule *rules.OnChang
 		return since, nil // dropped by the stream's limits
 	}
 	log = log.WithFields(logrus.Fields{"stream_seq": cp.Stream.Seq, "subject_last_seq": last.seq})
+	h.lossNoticed(ctx, subject)
 	if last.feedSeq == "" && last.seq > 0 || last.feedSeq == "" && rule.Since == rules.SinceNow {
 		log.Error("the change stream lost changes it had stored, and where they start is not known: they are not published again")
 		return since, nil
 	}
 	log.WithField("from_seq", last.feedSeq).Warn("the change stream lost changes it had stored: publishing them again")
 	return last.feedSeq, nil
+}
+
+// lossNoticed tells the producers that the stream capturing subject lost messages it had
+// acknowledged (events.Subjects.StreamLoss): they rebuild its replicas from its leader, so that
+// the heals of the jobs hold whichever replica leads next, and enqueue every on_change db. Fire
+// and forget: the next job that finds the loss tells them again.
+func (h *handler) lossNoticed(ctx context.Context, subject string) {
+	if h.notice == nil {
+		return
+	}
+	if stream, err := h.publisher.streamOf(ctx, subject); err == nil {
+		h.notice(stream)
+	}
 }
 
 // hole is a gap in a subject: before is the last message stored before it (seq 0: the gap is

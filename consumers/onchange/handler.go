@@ -14,6 +14,7 @@ import (
 	"github.com/spiegel-nats/spiegel/pkg/config"
 	"github.com/spiegel-nats/spiegel/pkg/consumer"
 	"github.com/spiegel-nats/spiegel/pkg/couch"
+	"github.com/spiegel-nats/spiegel/pkg/events"
 	"github.com/spiegel-nats/spiegel/pkg/metrics"
 	"github.com/spiegel-nats/spiegel/pkg/reconcile"
 	"github.com/spiegel-nats/spiegel/pkg/rules"
@@ -65,6 +66,9 @@ type handler struct {
 	inlineRetry        time.Duration
 	maxDefer           time.Duration
 	book               *retryBook
+	// notice tells the producers that a stream lost messages it had acknowledged (the stream's
+	// name; see lossNoticed). nil: nobody is told.
+	notice func(stream string)
 }
 
 // newHandler wires a handler from an opened consumer app and the binary's config.
@@ -85,6 +89,9 @@ func newHandler(app consumer.Deps, cfg *config.OnChange) *handler {
 		inlineRetry:        defaultInlineRetry,
 		maxDefer:           defaultMaxDefer,
 		book:               newRetryBook(),
+		notice: func(stream string) {
+			_ = app.JS.Conn().Publish(events.NewSubjects(cfg.SubjectPrefix).StreamLoss(), []byte(stream))
+		},
 	}
 }
 

@@ -4,11 +4,14 @@ import (
 	"encoding/json"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
+	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -91,10 +94,13 @@ func TestChangeStreamLossHealed(t *testing.T) {
 	e.NATS.StartAgain(t)
 	require.Eventually(t, func() bool { return len(onSubject()) == 3 }, 30*time.Second, 20*time.Millisecond)
 	e.onChangeStore(t).Forget(t.Context(), "pub", db)
+	notices := lossNotices(t, e)
 
 	put("f")
 	require.Eventually(t, func() bool { return len(onSubject()) >= 6 && e.caughtUp(t, "pub", db) }, 60*time.Second, 20*time.Millisecond,
 		"d and e published again: the subject holds %v", onSubject())
+	assert.Eventually(t, func() bool { return slices.Contains(notices(), "SPIEGEL_CHANGES") }, 10*time.Second, 20*time.Millisecond,
+		"the producers are told: they rebuild the stream's replicas")
 	// Every change once; a sharded db (CouchDB, q > 1) lists its docs in no global order, so the
 	// order is checked as far as it is defined: what was stored before the failure stays first.
 	got := onSubject()
@@ -141,10 +147,34 @@ func TestChangeStreamAgedOutIsNotALoss(t *testing.T) {
 	_, err = e.JS.Publish(t.Context(), "spiegel.changes.another", []byte(`{}`))
 	require.NoError(t, err)
 
+	notices := lossNotices(t, e)
 	e.Couch.Put(t, db, "c", map[string]any{"v": "c"})
 	e.enqueue(t, db)
 	require.Eventually(t, func() bool { return count(subject) >= 1 && e.caughtUp(t, "pub", db) }, 30*time.Second, 20*time.Millisecond)
 	assert.Equal(t, uint64(1), count(subject), "only the new change: the aged-out ones are not published again")
+	assert.Empty(t, notices(), "no loss told")
+}
+
+// lossNotices listens to the notices of stream losses that jobs send the producers
+// (events.Subjects.StreamLoss) and returns what came so far.
+func lossNotices(t *testing.T, e *env) func() []string {
+	t.Helper()
+	nc, _ := e.NATS.Connect(t)
+	var mu sync.Mutex
+	var got []string
+	sub, err := nc.Subscribe(events.NewSubjects("spiegel").StreamLoss(), func(m *nats.Msg) {
+		mu.Lock()
+		got = append(got, string(m.Data))
+		mu.Unlock()
+	})
+	require.NoError(t, err)
+	require.NoError(t, nc.Flush())
+	t.Cleanup(func() { _ = sub.Unsubscribe() })
+	return func() []string {
+		mu.Lock()
+		defer mu.Unlock()
+		return append([]string(nil), got...)
+	}
 }
 
 // subjectMessage is a message of a change subject as the tests read it.
@@ -212,6 +242,7 @@ func TestChangeStreamHoleHealed(t *testing.T) {
 	require.NoError(t, err)
 	require.NoError(t, stream.DeleteMsg(t.Context(), before[3].seq))
 	require.NoError(t, stream.DeleteMsg(t.Context(), before[4].seq))
+	notices := lossNotices(t, e)
 
 	e.Couch.Put(t, db, "h", map[string]any{"v": "h"})
 	e.enqueue(t, db)
@@ -220,6 +251,8 @@ func TestChangeStreamHoleHealed(t *testing.T) {
 	}, 30*time.Second, 20*time.Millisecond, "a to h on the subject")
 	after := subjectMessages(t, e.JS, subject)
 	assert.Equal(t, []string{"a", "b", "c", "d", "e", "f", "g", "h"}, docs(after), "every change once, in feed order")
+	assert.Eventually(t, func() bool { return slices.Contains(notices(), "SPIEGEL_CHANGES") }, 10*time.Second, 20*time.Millisecond,
+		"the producers are told: they rebuild the stream's replicas")
 	for i, m := range after {
 		assert.Equal(t, strconv.Itoa(i+1), m.pos, "message %s: consecutive positions", m.doc)
 		switch {

@@ -124,6 +124,13 @@ func (s Subjects) DeadLetter(g Group, db string) string {
 // ChangesAll is the changes stream's subject filter.
 func (s Subjects) ChangesAll() string { return s.Prefix + ".changes.>" }
 
+// StreamLoss is the core NATS subject on which onchange tells the producers that a job found a
+// stream (the changes stream, a mirror bucket's) without messages it had acknowledged; the
+// payload is the stream's name. The producers rebuild its replicas from its leader and enqueue
+// every on_change db (see producer streamWatch). A notice lost on the way costs nothing but time:
+// the next job to find the loss sends another.
+func (s Subjects) StreamLoss() string { return s.Prefix + ".notice.streamloss" }
+
 // DefaultChangeSubject is the subject template of a `subject` rule that names none.
 func (s Subjects) DefaultChangeSubject() string { return s.Prefix + ".changes.${db_name}" }
 

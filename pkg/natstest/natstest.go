@@ -4,6 +4,7 @@ package natstest
 import (
 	"fmt"
 	"net"
+	"net/url"
 	"os"
 	"testing"
 	"time"
@@ -147,4 +148,46 @@ func Answers(t testing.TB, nc *nats.Conn, subject string, want int, within time.
 		}
 	}
 	return out
+}
+
+// StartCluster starts a JetStream cluster of n servers (n1, n2, ...) routed to each other on
+// loopback, each with its own temporary store, and waits until it has a meta leader. The
+// servers are shut down when the test ends.
+func StartCluster(t testing.TB, n int) []*Server {
+	t.Helper()
+	ports := make([]int, n)
+	for i := range ports {
+		ln, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatalf("natstest: cluster port: %v", err)
+		}
+		ports[i] = ln.Addr().(*net.TCPAddr).Port
+		_ = ln.Close()
+	}
+	servers := make([]*Server, n)
+	for i := range servers {
+		var routes []*url.URL
+		for j, p := range ports {
+			if j != i {
+				routes = append(routes, &url.URL{Scheme: "nats-route", Host: fmt.Sprintf("127.0.0.1:%d", p)})
+			}
+		}
+		servers[i] = Start(t, func(o *server.Options) {
+			o.ServerName = fmt.Sprintf("n%d", i+1)
+			o.Cluster = server.ClusterOpts{Name: "spiegel-test", Host: "127.0.0.1", Port: ports[i]}
+			o.Routes = routes
+		})
+	}
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		for _, s := range servers {
+			if s.JetStreamIsLeader() {
+				return servers
+			}
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("natstest: the cluster of %d servers has no JetStream meta leader after 30s", n)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
 }

@@ -68,16 +68,25 @@ func (p *producer) sweepOnce(ctx context.Context, prev couch.Snapshot) (couch.Sn
 	}
 	lostChanges := false // the changes stream lost messages: every on_change db runs (streamWatch)
 	if p.changes != nil {
+		if p.takeNotice(p.changes.name) {
+			p.changes.noticed.Store(true)
+		}
 		lost, why, err := p.changes.lost(ctx)
 		switch {
 		case err != nil && ctx.Err() == nil:
 			p.log.WithError(err).Debug("look at the changes stream failed: the next sweep looks again")
+		case lost && p.changes.certain:
+			lostChanges = true
+			p.log.Warn(why + ": it lost messages it had acknowledged; its replicas are rebuilt from its leader and every db of an on_change rule is enqueued, so that subject rules publish them again")
 		case lost:
 			lostChanges = true
-			p.log.Warn(why + ": it lost messages it had acknowledged; every db of an on_change rule is enqueued, so that subject rules publish them again")
+			p.log.Warn(why + ": every db of an on_change rule is enqueued, so that subject rules check what they published")
+		}
+		if err == nil {
+			p.changes.repair(ctx, p.cfg.Replicas, p.log)
 		}
 	}
-	if !lostChanges && p.watchMirrors(ctx) {
+	if p.watchMirrors(ctx) {
 		lostChanges = true
 	}
 	if derr == nil {
@@ -163,13 +172,22 @@ func (p *producer) watchMirrors(ctx context.Context) bool {
 			w = &streamWatch{js: p.changes.js, name: "KV_" + b}
 			p.mirrors[b] = w
 		}
+		if p.takeNotice(w.name) {
+			w.noticed.Store(true)
+		}
 		l, why, err := w.lost(ctx)
 		switch {
 		case err != nil && ctx.Err() == nil:
 			p.log.WithError(err).Debug("look at a mirror bucket failed: the next sweep looks again")
+		case l && w.certain:
+			lost = true
+			p.log.Warn(why + ": mirror bucket " + b + " lost writes it had acknowledged; its replicas are rebuilt from its leader and every db of an on_change rule is enqueued, so that mirror rules write them again")
 		case l:
 			lost = true
-			p.log.Warn(why + ": mirror bucket " + b + " lost writes it had acknowledged; every db of an on_change rule is enqueued, so that mirror rules write them again")
+			p.log.Warn(why + ": every db of an on_change rule is enqueued, so that mirror rules check what they wrote in bucket " + b)
+		}
+		if err == nil {
+			w.repair(ctx, p.cfg.Replicas, p.log)
 		}
 	}
 	return lost

@@ -119,14 +119,15 @@ func Run(ctx context.Context, cfg *config.Producer, log *logrus.Logger) error {
 		cfg: producerSettings{
 			SpiegelDB: cfg.DBName, Source: cfg.Source, Start: cfg.Start, Heartbeat: cfg.FeedHeartbeat,
 			PollInterval: cfg.PollInterval, SweepInterval: cfg.SweepInterval, SaveInterval: cfg.PositionSaveInterval,
-			Grace: cfg.ShutdownGrace,
+			Grace: cfg.ShutdownGrace, Replicas: cfg.StreamReplicas,
 		},
-		couch:   d.Couch,
-		store:   checkpoint.NewStore(d.Couch, cfg.DBName),
-		rules:   rules.NewSet(),
-		log:     plog,
-		metrics: producerMetrics{m: pm},
-		resync:  make(chan struct{}, 1),
+		couch:    d.Couch,
+		store:    checkpoint.NewStore(d.Couch, cfg.DBName),
+		rules:    rules.NewSet(),
+		log:      plog,
+		metrics:  producerMetrics{m: pm},
+		resync:   make(chan struct{}, 1),
+		sweepNow: make(chan struct{}, 1),
 	}
 	dropper, err := checkpoint.NewCacheDropper(ctx, d.JS, kv)
 	if err != nil {
@@ -143,6 +144,12 @@ func Run(ctx context.Context, cfg *config.Producer, log *logrus.Logger) error {
 		p.hot = publisher.NewHotFeeds(d.Couch, p.pub, func(db string) []events.Group { return p.rules.Groups(db).Groups() },
 			cfg.HotFeeds, cfg.HotFeedIdle, cfg.FeedHeartbeat, pm, log.WithField("component", "hot"))
 	}
+
+	notices, err := d.NC.Subscribe(d.Topo.Subjects.StreamLoss(), func(m *nats.Msg) { p.noticeLoss(string(m.Data)) })
+	if err != nil {
+		return fmt.Errorf("subscribe to %s: %w", d.Topo.Subjects.StreamLoss(), err)
+	}
+	defer func() { _ = notices.Unsubscribe() }()
 
 	svc, err := p.registerService(d.NC, cfg.SubjectPrefix)
 	if err != nil {

@@ -1,0 +1,168 @@
+package producer
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/sirupsen/logrus"
+)
+
+// streamScaler is the part of jetstream.JetStream that makes a stream's replicas converge.
+type streamScaler interface {
+	streamStater
+	UpdateStream(ctx context.Context, cfg jetstream.StreamConfig) (jetstream.Stream, error)
+}
+
+// How long convergeReplicas waits for the stream to have one replica, then all of them again,
+// looking every convergePoll.
+var (
+	convergeWait = 30 * time.Second
+	convergePoll = 250 * time.Millisecond
+)
+
+// convergeReplicas makes every replica of a replicated stream hold what its leader holds, after
+// the stream watch found that it lost messages it had acknowledged (SPEC §3 "CouchDB is the
+// truth"). When every NATS node comes back from an older store of its own (a power failure with
+// lazy sync), the replicas can each hold other messages at the same sequences, or one a hole
+// that the others do not have: JetStream compares their last sequences only and never repairs
+// them. The jobs heal what the stream's leader shows (consumers/onchange healStream, healHole,
+// healMirror), but a later leader shows its own history, and removals by sequence remove
+// different messages on each replica, so heals done under one leader can undo themselves under
+// the next.
+//
+// So the stream is scaled to one replica, which JetStream does keeping its leader, then back to
+// want: the new replicas are copies of the leader's store, and the jobs the sweep enqueues heal
+// that one history. Until the new replicas caught up the stream runs on fewer copies; that is
+// the cost of a loss that already happened, not of every sweep. A stream with one replica, or
+// none wanted (want < 2), is left as it is. It returns once the stream has want replicas again,
+// without waiting for the new ones to catch up (the jobs heal the leader's history meanwhile). A
+// converge stopped half-way (the producer killed, NATS down) leaves the stream with fewer
+// replicas than want: the next sweep's restoreReplicas scales it back.
+func convergeReplicas(ctx context.Context, js streamScaler, name string, want int, log logrus.FieldLogger) error {
+	if want < 2 {
+		return nil
+	}
+	st, err := js.Stream(ctx, name)
+	if err != nil {
+		return fmt.Errorf("read stream %s: %w", name, err)
+	}
+	if cfg := st.CachedInfo().Config; cfg.Replicas > 1 {
+		cfg.Replicas = 1
+		if _, err := js.UpdateStream(ctx, cfg); err != nil {
+			return fmt.Errorf("scale stream %s to one replica (to rebuild the others from its leader): %w", name, err)
+		}
+		if err := waitReplicas(ctx, js, name, 1, false, convergeWait); err != nil {
+			log.WithError(err).Warn("stream " + name + " did not come down to one replica in time: scaling it back anyway")
+		}
+	}
+	if err := restoreReplicas(ctx, js, name, want); err != nil {
+		return err
+	}
+	if err := waitReplicas(ctx, js, name, want, false, convergeWait); err != nil {
+		return err
+	}
+	log.Warnf("stream %s rebuilt from its leader: its other %d replicas are new copies of the leader's store", name, want-1)
+	return nil
+}
+
+// restoreReplicas scales stream name to want replicas when it has fewer configured (a converge
+// stopped half-way). It does nothing otherwise.
+func restoreReplicas(ctx context.Context, js streamScaler, name string, want int) error {
+	st, err := js.Stream(ctx, name)
+	if err != nil {
+		return fmt.Errorf("read stream %s: %w", name, err)
+	}
+	cfg := st.CachedInfo().Config
+	if cfg.Replicas >= want {
+		return nil
+	}
+	cfg.Replicas = want
+	if _, err := js.UpdateStream(ctx, cfg); err != nil {
+		return fmt.Errorf("scale stream %s back to %d replicas: %w", name, want, err)
+	}
+	return nil
+}
+
+// waitReplicas waits until stream name has a leader and n replicas in all, and with current
+// until every one of them is current with the leader.
+func waitReplicas(ctx context.Context, js streamStater, name string, n int, current bool, within time.Duration) error {
+	ctx, cancel := context.WithTimeout(ctx, within)
+	defer cancel()
+	t := time.NewTicker(convergePoll)
+	defer t.Stop()
+	var last string
+	for {
+		st, err := js.Stream(ctx, name)
+		if err == nil {
+			c := st.CachedInfo().Cluster
+			switch {
+			case c == nil || c.Leader == "":
+				last = "no leader"
+			case len(c.Replicas) != n-1:
+				last = fmt.Sprintf("%d replicas", len(c.Replicas)+1)
+			default:
+				cur := 1
+				for _, p := range c.Replicas {
+					if p.Current && !p.Offline {
+						cur++
+					}
+				}
+				if !current || cur == n {
+					return nil
+				}
+				last = fmt.Sprintf("%d of %d replicas current", cur, n)
+			}
+		} else {
+			last = err.Error()
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("stream %s: want %d replicas, %s after %s", name, n, last, within)
+		case <-t.C:
+		}
+	}
+}
+
+// repair runs after each look of the watch. After a loss for certain (w.certain) it makes the
+// replicas of the stream converge on its leader's history (convergeReplicas); otherwise it scales
+// back a stream left with fewer replicas than want by a converge stopped half-way. want is the
+// replicas configured (SPIEGEL_STREAM_REPLICAS), or more where the stream had more at the look.
+// It logs what fails: the next sweep tries again.
+func (w *streamWatch) repair(ctx context.Context, want int, log logrus.FieldLogger) {
+	js, ok := w.js.(streamScaler)
+	if !ok || w.replicas == 0 {
+		return
+	}
+	want = max(want, w.replicas)
+	var err error
+	switch {
+	case w.certain:
+		if err = convergeReplicas(ctx, js, w.name, want, log); err == nil {
+			w.rebuilt = time.Now()
+			w.relook(ctx)
+		}
+	case w.replicas < want:
+		log.Warnf("stream %s has %d replicas, %d wanted (a rebuild stopped half-way): scaling it back", w.name, w.replicas, want)
+		if err = restoreReplicas(ctx, js, w.name, want); err == nil {
+			w.relook(ctx)
+		}
+	}
+	if err != nil && ctx.Err() == nil {
+		log.WithError(err).Warn("rebuild the replicas of stream " + w.name + " failed: the next sweep tries again")
+	}
+}
+
+// relook takes the stream's leader term and replicas after a rebuild, so that the next look
+// compares with the rebuilt stream.
+func (w *streamWatch) relook(ctx context.Context) {
+	st, err := w.js.Stream(ctx, w.name)
+	if err != nil {
+		return
+	}
+	if t := termOf(st.CachedInfo().Cluster); t.leader != "" {
+		w.term = t
+	}
+	w.replicas = st.CachedInfo().Config.Replicas
+}
