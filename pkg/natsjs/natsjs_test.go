@@ -45,6 +45,21 @@ func TestEnsureIsIdempotentAndConcurrent(t *testing.T) {
 	assert.Equal(t, int64(1), cfg.MaxMsgsPerSubject)
 	assert.True(t, cfg.DiscardNewPerSubject)
 
+	// The buckets are read at their leader: a replica's direct get can answer with an older
+	// revision, which makes the compare-and-set of the next write fail.
+	for _, bucket := range []string{topo.Subjects.OnChangeBucket(), topo.Subjects.DoneBucket()} {
+		st, err := js.Stream(t.Context(), "KV_"+bucket)
+		require.NoError(t, err)
+		assert.False(t, st.CachedInfo().Config.AllowDirect, "bucket %s allows direct gets", bucket)
+		kv, err := js.KeyValue(t.Context(), bucket)
+		require.NoError(t, err)
+		rev, err := kv.Put(t.Context(), "k", []byte("v"))
+		require.NoError(t, err)
+		got, err := kv.Get(t.Context(), "k")
+		require.NoError(t, err)
+		assert.Equal(t, rev, got.Revision())
+	}
+
 	require.NoError(t, Remove(t.Context(), js, topo))
 	require.ErrorIs(t, CheckInstalled(t.Context(), js, topo), ErrNotInstalled)
 	require.NoError(t, Remove(t.Context(), js, topo))

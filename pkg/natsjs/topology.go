@@ -185,17 +185,36 @@ func Ensure(ctx context.Context, js jetstream.JetStream, t Topology) error {
 	return nil
 }
 
+// ensureBucket creates or updates a key-value bucket, and makes its reads go to its stream's
+// leader: the bucket's stream allows no direct gets. A direct get may be answered by any replica,
+// one that lags behind the leader or, after NATS lost acknowledged writes, one that came back
+// with another history; the values of these buckets are written with a compare-and-set on the
+// revision read (a checkpoint's fence, a record's update), which such a read makes fail at the
+// leader again and again. A read at the leader costs the same one request.
 func ensureBucket(ctx context.Context, js jetstream.JetStream, cfg jetstream.KeyValueConfig) error {
 	var err error
 	for attempt := 0; attempt < 5; attempt++ {
 		if _, err = js.CreateOrUpdateKeyValue(ctx, cfg); err == nil {
-			return nil
+			break
 		}
 		if !isRace(err) {
 			break
 		}
 	}
-	return fmt.Errorf("create key-value bucket %s: %w", cfg.Bucket, err)
+	if err != nil {
+		return fmt.Errorf("create key-value bucket %s: %w", cfg.Bucket, err)
+	}
+	st, err := js.Stream(ctx, "KV_"+cfg.Bucket)
+	if err != nil {
+		return fmt.Errorf("read the stream of key-value bucket %s: %w", cfg.Bucket, err)
+	}
+	if scfg := st.CachedInfo().Config; scfg.AllowDirect {
+		scfg.AllowDirect = false
+		if _, err := js.UpdateStream(ctx, scfg); err != nil {
+			return fmt.Errorf("make key-value bucket %s read at its leader: %w", cfg.Bucket, err)
+		}
+	}
+	return nil
 }
 
 // OnChangeBucket opens the cache of on_change checkpoints; a missing bucket is an error wrapping
