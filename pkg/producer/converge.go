@@ -3,6 +3,7 @@ package producer
 import (
 	"context"
 	"fmt"
+	"maps"
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
@@ -57,7 +58,7 @@ func convergeReplicas(ctx context.Context, js streamScaler, name string, want in
 			log.WithError(err).Warn("stream " + name + " did not come down to one replica in time: scaling it back anyway")
 		}
 	}
-	if err := restoreReplicas(ctx, js, name, want); err != nil {
+	if err := restoreReplicas(ctx, js, name, want, time.Now()); err != nil {
 		return err
 	}
 	if err := waitReplicas(ctx, js, name, want, false, convergeWait); err != nil {
@@ -67,9 +68,22 @@ func convergeReplicas(ctx context.Context, js streamScaler, name string, want in
 	return nil
 }
 
+// rebuiltKey is the stream metadata key in which the producer that rebuilt a stream's replicas
+// records when (RFC 3339): every producer watching the stream reads it (see rebuiltAt), so that
+// the leader term the rebuild makes, and the notices of the loss it rebuilt for, rebuild nothing
+// more, whichever producer did it.
+const rebuiltKey = "spiegel_rebuilt_at"
+
+// rebuiltAt is when the replicas of the stream of cfg were last rebuilt (zero: never).
+func rebuiltAt(cfg jetstream.StreamConfig) time.Time {
+	t, _ := time.Parse(time.RFC3339Nano, cfg.Metadata[rebuiltKey])
+	return t
+}
+
 // restoreReplicas scales stream name to want replicas when it has fewer configured (a converge
-// stopped half-way). It does nothing otherwise.
-func restoreReplicas(ctx context.Context, js streamScaler, name string, want int) error {
+// stopped half-way, or the second step of one: then rebuilt is when, recorded in the stream's
+// metadata, else zero). It does nothing otherwise.
+func restoreReplicas(ctx context.Context, js streamScaler, name string, want int, rebuilt time.Time) error {
 	st, err := js.Stream(ctx, name)
 	if err != nil {
 		return fmt.Errorf("read stream %s: %w", name, err)
@@ -79,6 +93,13 @@ func restoreReplicas(ctx context.Context, js streamScaler, name string, want int
 		return nil
 	}
 	cfg.Replicas = want
+	if !rebuilt.IsZero() {
+		cfg.Metadata = maps.Clone(cfg.Metadata)
+		if cfg.Metadata == nil {
+			cfg.Metadata = map[string]string{}
+		}
+		cfg.Metadata[rebuiltKey] = rebuilt.UTC().Format(time.RFC3339Nano)
+	}
 	if _, err := js.UpdateStream(ctx, cfg); err != nil {
 		return fmt.Errorf("scale stream %s back to %d replicas: %w", name, want, err)
 	}
@@ -140,12 +161,11 @@ func (w *streamWatch) repair(ctx context.Context, want int, log logrus.FieldLogg
 	switch {
 	case w.certain:
 		if err = convergeReplicas(ctx, js, w.name, want, log); err == nil {
-			w.rebuilt = time.Now()
 			w.relook(ctx)
 		}
 	case w.replicas < want:
 		log.Warnf("stream %s has %d replicas, %d wanted (a rebuild stopped half-way): scaling it back", w.name, w.replicas, want)
-		if err = restoreReplicas(ctx, js, w.name, want); err == nil {
+		if err = restoreReplicas(ctx, js, w.name, want, time.Time{}); err == nil {
 			w.relook(ctx)
 		}
 	}

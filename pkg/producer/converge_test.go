@@ -72,6 +72,13 @@ func TestStreamWatchRebuildsReplicasAfterALoss(t *testing.T) {
 	require.True(t, w.certain)
 	w.repair(ctx, 3, log)
 	assert.Equal(t, []int{1, 3}, js.took(), "down to the leader's copy, then back to three")
+	// Another producer watching the stream: the rebuild's new leader term, and notices of the
+	// loss, rebuild nothing more.
+	other := &streamWatch{js: js, name: cfg.Name, gaps: true, looked: true, term: leaderTerm{leader: "elsewhere"}, suspect: time.Now().Add(time.Hour)}
+	other.noticed.Store(true)
+	_, _, err = other.lost(ctx)
+	require.NoError(t, err)
+	assert.False(t, other.certain, "another producer right after the rebuild")
 	require.NoError(t, waitReplicas(ctx, raw, cfg.Name, 3, true, time.Minute), "the new replicas catch up from the leader")
 	st, err := raw.Stream(ctx, cfg.Name)
 	require.NoError(t, err)

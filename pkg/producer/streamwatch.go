@@ -62,9 +62,6 @@ type streamWatch struct {
 	certain bool
 	// noticed: a job told of a loss since the last look (see producer.noticeLoss).
 	noticed atomic.Bool
-	// rebuilt is when repair last rebuilt the replicas: notices for a while after it are of the
-	// loss it rebuilt for, and rebuild nothing more.
-	rebuilt time.Time
 	// suspect is until when a new leader counts as a loss: after a loss the replicas of a
 	// replicated stream may each have come back with other messages (every node restarted
 	// from its own older store), the same sequence holding another message on each, and a
@@ -75,15 +72,17 @@ type streamWatch struct {
 // suspectFor is how long after a loss a new stream leader is taken for one.
 const suspectFor = time.Hour
 
-// noticeQuiet is how long after a rebuild a job's notice of a loss rebuilds nothing more: the
-// jobs enqueued for the loss find it too, and heal it in the rebuilt stream.
-const noticeQuiet = 2 * time.Minute
+// rebuildQuiet is how long after a rebuild of the stream's replicas (by any producer: the
+// stream's metadata records it) a job's notice of a loss, or a new leader term, rebuilds nothing
+// more: the jobs enqueued for the loss find it too, and heal it in the rebuilt stream; the
+// rebuild itself may elect a leader.
+const rebuildQuiet = 2 * time.Minute
 
 // lost looks at the stream and reports whether it lost messages since the previous look, or may
 // have; w.certain tells which.
 func (w *streamWatch) lost(ctx context.Context) (bool, string, error) {
 	w.certain = false
-	noticed := w.noticed.Swap(false) && time.Since(w.rebuilt) > noticeQuiet
+	noticed := w.noticed.Swap(false)
 	st, err := w.js.Stream(ctx, w.name)
 	if errors.Is(err, jetstream.ErrStreamNotFound) {
 		had := w.seq > 0
@@ -98,6 +97,8 @@ func (w *streamWatch) lost(ctx context.Context) (bool, string, error) {
 	}
 	info := st.CachedInfo()
 	state := info.State
+	quiet := time.Since(rebuiltAt(info.Config)) < rebuildQuiet // rebuilt a moment ago
+	noticed = noticed && !quiet
 	lost, why := false, ""
 	deleted := uint64(0)
 	if w.gaps {
@@ -127,7 +128,7 @@ func (w *streamWatch) lost(ctx context.Context) (bool, string, error) {
 	newTerm := w.looked && term.newAfter(w.term)
 	switch {
 	case lost:
-	case newTerm && time.Now().Before(w.suspect):
+	case newTerm && time.Now().Before(w.suspect) && !quiet:
 		lost, why, w.certain = true, fmt.Sprintf("stream %s has a new leader (%s, was %s) since it lost messages: its replicas may hold other messages each", w.name, term, w.term), true
 	case newTerm:
 		lost, why = true, fmt.Sprintf("stream %s has a new leader (%s, was %s): a leader elected after its nodes restarted may lack the latest messages they acknowledged", w.name, term, w.term)
