@@ -51,9 +51,9 @@ type streamWatch struct {
 	gaps bool // compare the stream's gaps (the changes stream; not a KV bucket's)
 
 	looked  bool
-	seq     uint64    // the stream's last sequence at the previous look (0: none yet, or empty)
-	at      time.Time // the time of that message
-	deleted uint64    // its gaps then (messages missing between its first and last)
+	seq     uint64     // the stream's last sequence at the previous look (0: none yet, or empty)
+	at      time.Time  // the time of that message
+	deleted uint64     // its gaps then (messages missing between its first and last)
 	term    leaderTerm // its leader then, and when it was elected (zero: none known)
 	// replicas is the stream's configured replicas at the previous look (0: none yet, or gone).
 	replicas int
