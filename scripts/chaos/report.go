@@ -212,6 +212,9 @@ func (res *Result) write(w io.Writer) {
 		}
 		p("changes:     %d messages, %d (db, doc, final rev) expected, %d missing; %d stored duplicates; feed-order violations %d",
 			v.StreamMsgs, v.StreamExpected, len(v.StreamMissing), v.StreamDuplicates, len(v.OrderViolations))
+		if v.StreamRereads > 0 {
+			p("             read again from its start %d times: it lost messages it had acknowledged, or a heal removed some", v.StreamRereads)
+		}
 		if n := violationsInRecreated(v.orderViolations()); n > 0 {
 			p("             %d of the %d feed-order violations are in recreated dbs (incarnation > 0)", n, len(v.OrderViolations))
 		}

@@ -25,14 +25,32 @@ type streamMsg struct {
 
 // streamReader reads a stream into memory, incrementally: each catchUp reads the messages
 // stored since the last one, with a fresh ordered consumer starting after the last message
-// read (a NATS node killed meanwhile costs a retry at the next call, nothing else).
+// read (a NATS node killed meanwhile costs a retry at the next call, nothing else). When what it
+// read is no longer what the stream holds — the stream went back (NATS lost messages it had
+// acknowledged, and gave their sequences to later ones), the message at the last sequence read
+// is another, or messages were removed (a rule's heal) — it reads the stream again from its
+// start: the verdict judges what the stream holds, as a service reading it now would see it.
 type streamReader struct {
 	js     jetstream.JetStream
 	stream string
 
-	mu   sync.Mutex
-	last uint64 // stream sequence of the last message read
-	msgs []streamMsg
+	mu      sync.Mutex
+	last    uint64 // stream sequence of the last message read
+	deleted int    // the stream's gaps (messages removed between its first and last) then
+	msgs    []streamMsg
+	rereads int // times the stream was read again from its start
+}
+
+// changed reports whether the stream no longer holds what was read from it (see streamReader).
+func (s *streamReader) changed(ctx context.Context, st jetstream.Stream, state jetstream.StreamState) bool {
+	if s.last == 0 || len(s.msgs) == 0 {
+		return false
+	}
+	if state.LastSeq < s.last || state.NumDeleted != s.deleted {
+		return true
+	}
+	m, err := st.GetMsg(ctx, s.last)
+	return err != nil || !m.Time.Equal(s.msgs[len(s.msgs)-1].Stored)
 }
 
 // catchUp reads every message stored up to the stream's last sequence at the time of the call.
@@ -50,6 +68,11 @@ func (s *streamReader) catchUp(ctx context.Context) (int, error) {
 	if err != nil {
 		return len(s.msgs), err
 	}
+	if s.changed(ctx, st, info.State) {
+		s.last, s.msgs = 0, nil
+		s.rereads++
+	}
+	s.deleted = info.State.NumDeleted
 	target := info.State.LastSeq
 	if target <= s.last {
 		return len(s.msgs), nil
@@ -94,6 +117,13 @@ func (s *streamReader) catchUp(ctx context.Context) (int, error) {
 		}
 	}
 	return len(s.msgs), nil
+}
+
+// rereadCount is how many times the stream was read again from its start.
+func (s *streamReader) rereadCount() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.rereads
 }
 
 // all returns the messages read so far, in stream order.
