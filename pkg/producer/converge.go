@@ -19,7 +19,7 @@ type streamScaler interface {
 // How long convergeReplicas waits for the stream to have one replica, then all of them again,
 // looking every convergePoll.
 var (
-	convergeWait = 30 * time.Second
+	convergeWait = 15 * time.Second
 	convergePoll = 250 * time.Millisecond
 )
 

@@ -82,13 +82,11 @@ func (p *producer) sweepOnce(ctx context.Context, prev couch.Snapshot) (couch.Sn
 			lostChanges = true
 			p.log.Warn(why + ": every db of an on_change rule is enqueued, so that subject rules check what they published")
 		}
-		if err == nil {
-			p.changes.repair(ctx, p.cfg.Replicas, p.log)
-		}
 	}
 	if p.watchMirrors(ctx) {
 		lostChanges = true
 	}
+	defer p.repairStreams(ctx) // after the jobs are enqueued, however the sweep ends
 	if derr == nil {
 		p.forgetVanished(ctx, snap, done)
 	}
@@ -146,6 +144,23 @@ func (p *producer) sweepOnce(ctx context.Context, prev couch.Snapshot) (couch.Sn
 	return snap, nil
 }
 
+// repairStreams rebuilds the replicas of the watched streams that lost messages for certain at
+// this sweep's look, or scales back one a rebuild left with fewer (streamWatch.repair). It runs
+// after the sweep enqueued its jobs, which a rebuild (up to a minute: the stream scaled down and
+// up again) would otherwise hold back; the jobs heal what the leader shows, and the rebuild keeps
+// the leader's store.
+func (p *producer) repairStreams(ctx context.Context) {
+	if p.changes == nil {
+		return
+	}
+	if p.changes.looked {
+		p.changes.repair(ctx, p.cfg.Replicas, p.log)
+	}
+	for _, b := range slices.Sorted(maps.Keys(p.mirrors)) {
+		p.mirrors[b].repair(ctx, p.cfg.Replicas, p.log)
+	}
+}
+
 // watchMirrors looks at the bucket of every mirror rule (see streamWatch) and reports whether
 // one lost writes it had acknowledged: then every db of an on_change rule is enqueued, and each
 // mirror rule's job finds what its bucket lost and mirrors its db again (consumers/onchange
@@ -185,9 +200,6 @@ func (p *producer) watchMirrors(ctx context.Context) bool {
 		case l:
 			lost = true
 			p.log.Warn(why + ": every db of an on_change rule is enqueued, so that mirror rules check what they wrote in bucket " + b)
-		}
-		if err == nil {
-			w.repair(ctx, p.cfg.Replicas, p.log)
 		}
 	}
 	return lost
