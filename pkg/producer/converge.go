@@ -49,7 +49,9 @@ func convergeReplicas(ctx context.Context, js streamScaler, name string, want in
 	if err != nil {
 		return fmt.Errorf("read stream %s: %w", name, err)
 	}
-	if cfg := st.CachedInfo().Config; cfg.Replicas > 1 {
+	if cfg := st.CachedInfo().Config; time.Since(rebuiltAt(cfg)) < rebuildQuiet {
+		return nil // another producer rebuilt it a moment ago, for the same loss
+	} else if cfg.Replicas > 1 {
 		cfg.Replicas = 1
 		if _, err := js.UpdateStream(ctx, cfg); err != nil {
 			return fmt.Errorf("scale stream %s to one replica (to rebuild the others from its leader): %w", name, err)
