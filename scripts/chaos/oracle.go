@@ -112,7 +112,7 @@ type verdict struct {
 	HookDuplicates int      // 200 answers beyond the first per (db, doc, rev)
 
 	StreamMsgs, StreamExpected int
-	StreamRereads              int // times the run read the change stream again from its start (see streamReader)
+	StreamRereads              int              // times the run read the change stream again from its start (see streamReader)
 	StreamMissing              []string         // (db, doc, final rev) not in the change stream
 	StreamDuplicates           int              // messages stored with a message id already stored
 	OrderViolations            []orderViolation // a db incarnation's changes stored against feed order
