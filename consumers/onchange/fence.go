@@ -566,6 +566,13 @@ func (h *handler) lossNoticed(ctx context.Context, subject string) {
 		return
 	}
 	if stream, err := h.publisher.streamOf(ctx, subject); err == nil {
+		h.tellLoss(stream)
+	}
+}
+
+// tellLoss tells the producers that stream lost messages it had acknowledged (see lossNoticed).
+func (h *handler) tellLoss(stream string) {
+	if h.notice != nil {
 		h.notice(stream)
 	}
 }

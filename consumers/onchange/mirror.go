@@ -312,9 +312,7 @@ func (h *handler) healMirror(ctx context.Context, db string, rule *rules.OnChang
 		return since, fmt.Errorf("mirror %s: read key %s: %w", rule.Mirror, strings.TrimPrefix(cp.Stream.Subject, prefix), err)
 	}
 	log = log.WithFields(logrus.Fields{"bucket": rule.Mirror, "bucket_seq": cp.Stream.Seq})
-	if h.notice != nil {
-		h.notice("KV_" + rule.Mirror)
-	}
+	h.tellLoss("KV_" + rule.Mirror)
 	if rule.Since == rules.SinceNow {
 		log.Error("the mirror bucket lost writes it had stored, and the rule's start (since now) is not known: the db is not mirrored again")
 		return since, nil
