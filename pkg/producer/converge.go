@@ -41,7 +41,10 @@ var (
 // without waiting for the new ones to catch up (the jobs heal the leader's history meanwhile). A
 // converge stopped half-way (the producer killed, NATS down) leaves the stream with fewer
 // replicas than want: the next sweep's restoreReplicas scales it back.
-func convergeReplicas(ctx context.Context, js streamScaler, name string, want int, log logrus.FieldLogger) error {
+//
+// key is the stream metadata key that records the rebuild, and keeps any producer from rebuilding
+// the stream again for rebuildQuiet: rebuiltKey after a loss, resetKey for a stuck replica.
+func convergeReplicas(ctx context.Context, js streamScaler, name string, want int, key string, log logrus.FieldLogger) error {
 	if want < 2 {
 		return nil
 	}
@@ -49,8 +52,8 @@ func convergeReplicas(ctx context.Context, js streamScaler, name string, want in
 	if err != nil {
 		return fmt.Errorf("read stream %s: %w", name, err)
 	}
-	if cfg := st.CachedInfo().Config; time.Since(rebuiltAt(cfg)) < rebuildQuiet {
-		return nil // another producer rebuilt it a moment ago, for the same loss
+	if cfg := st.CachedInfo().Config; time.Since(stampedAt(cfg, key)) < rebuildQuiet {
+		return nil // another producer rebuilt it a moment ago, for the same reason
 	} else if cfg.Replicas > 1 {
 		cfg.Replicas = 1
 		if _, err := js.UpdateStream(ctx, cfg); err != nil {
@@ -60,7 +63,7 @@ func convergeReplicas(ctx context.Context, js streamScaler, name string, want in
 			log.WithError(err).Warn("stream " + name + " did not come down to one replica in time: scaling it back anyway")
 		}
 	}
-	if err := restoreReplicas(ctx, js, name, want, time.Now()); err != nil {
+	if err := restoreReplicas(ctx, js, name, want, key, time.Now()); err != nil {
 		return err
 	}
 	if err := waitReplicas(ctx, js, name, want, false, convergeWait); err != nil {
@@ -76,16 +79,20 @@ func convergeReplicas(ctx context.Context, js streamScaler, name string, want in
 // more, whichever producer did it.
 const rebuiltKey = "spiegel_rebuilt_at"
 
-// rebuiltAt is when the replicas of the stream of cfg were last rebuilt (zero: never).
-func rebuiltAt(cfg jetstream.StreamConfig) time.Time {
-	t, _ := time.Parse(time.RFC3339Nano, cfg.Metadata[rebuiltKey])
+// rebuiltAt is when the replicas of the stream of cfg were last rebuilt after a loss (zero:
+// never).
+func rebuiltAt(cfg jetstream.StreamConfig) time.Time { return stampedAt(cfg, rebuiltKey) }
+
+// stampedAt is the time the stream metadata of cfg records at key (zero: none).
+func stampedAt(cfg jetstream.StreamConfig, key string) time.Time {
+	t, _ := time.Parse(time.RFC3339Nano, cfg.Metadata[key])
 	return t
 }
 
 // restoreReplicas scales stream name to want replicas when it has fewer configured (a converge
 // stopped half-way, or the second step of one: then rebuilt is when, recorded in the stream's
-// metadata, else zero). It does nothing otherwise.
-func restoreReplicas(ctx context.Context, js streamScaler, name string, want int, rebuilt time.Time) error {
+// metadata at key, else zero). It does nothing otherwise.
+func restoreReplicas(ctx context.Context, js streamScaler, name string, want int, key string, rebuilt time.Time) error {
 	st, err := js.Stream(ctx, name)
 	if err != nil {
 		return fmt.Errorf("read stream %s: %w", name, err)
@@ -100,7 +107,7 @@ func restoreReplicas(ctx context.Context, js streamScaler, name string, want int
 		if cfg.Metadata == nil {
 			cfg.Metadata = map[string]string{}
 		}
-		cfg.Metadata[rebuiltKey] = rebuilt.UTC().Format(time.RFC3339Nano)
+		cfg.Metadata[key] = rebuilt.UTC().Format(time.RFC3339Nano)
 	}
 	if _, err := js.UpdateStream(ctx, cfg); err != nil {
 		return fmt.Errorf("scale stream %s back to %d replicas: %w", name, want, err)
@@ -162,12 +169,12 @@ func (w *streamWatch) repair(ctx context.Context, want int, log logrus.FieldLogg
 	var err error
 	switch {
 	case w.certain:
-		if err = convergeReplicas(ctx, js, w.name, want, log); err == nil {
+		if err = convergeReplicas(ctx, js, w.name, want, rebuiltKey, log); err == nil {
 			w.relook(ctx)
 		}
 	case w.replicas < want:
 		log.Warnf("stream %s has %d replicas, %d wanted (a rebuild stopped half-way): scaling it back", w.name, w.replicas, want)
-		if err = restoreReplicas(ctx, js, w.name, want, time.Time{}); err == nil {
+		if err = restoreReplicas(ctx, js, w.name, want, "", time.Time{}); err == nil {
 			w.relook(ctx)
 		}
 	}

@@ -169,19 +169,14 @@ func (p *producer) watchMirrors(ctx context.Context) bool {
 	if p.mirrors == nil || p.changes == nil {
 		return false
 	}
-	named := map[string]bool{}
-	for _, r := range p.rules.All() {
-		if oc, ok := r.(*rules.OnChange); ok && oc.Mirror != "" {
-			named[oc.Mirror] = true
-		}
-	}
+	named := p.mirrorBuckets()
 	for b := range p.mirrors {
-		if !named[b] {
+		if !slices.Contains(named, b) {
 			delete(p.mirrors, b)
 		}
 	}
 	lost := false
-	for _, b := range slices.Sorted(maps.Keys(named)) {
+	for _, b := range named {
 		w := p.mirrors[b]
 		if w == nil {
 			w = &streamWatch{js: p.changes.js, name: "KV_" + b}
@@ -318,4 +313,15 @@ func (p *producer) forgetVanished(ctx context.Context, snap couch.Snapshot, done
 		p.undone.Add(db)
 		p.deleted.Add(db) // cached on_change checkpoints and fencing tokens
 	}
+}
+
+// mirrorBuckets are the buckets the mirror rules name, sorted.
+func (p *producer) mirrorBuckets() []string {
+	named := map[string]bool{}
+	for _, r := range p.rules.All() {
+		if oc, ok := r.(*rules.OnChange); ok && oc.Mirror != "" {
+			named[oc.Mirror] = true
+		}
+	}
+	return slices.Sorted(maps.Keys(named))
 }

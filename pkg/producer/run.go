@@ -203,6 +203,15 @@ func Run(ctx context.Context, cfg *config.Producer, log *logrus.Logger) error {
 	go func() { defer feedWG.Done(); p.runSweepIfFeed(ctx) }()
 	go func() { defer feedWG.Done(); p.runResyncs(ctx) }()
 	go func() { defer feedWG.Done(); p.runFeed(ctx, since) }()
+	if cfg.StreamReplicas > 1 {
+		sub := d.Topo.Subjects
+		rw := &replicaWatch{js: d.JS, want: cfg.StreamReplicas, log: plog, names: p.streamNames([]string{
+			sub.WorkStream(), sub.WakeupStream(), sub.DeadLetterStream(), sub.ChangesStream(),
+			"KV_" + sub.OnChangeBucket(), "KV_" + sub.DoneBucket(),
+		})}
+		feedWG.Add(1)
+		go func() { defer feedWG.Done(); rw.run(ctx) }()
+	}
 	saverCtx, stopSaver := context.WithCancel(ctx)
 	saverDone := make(chan struct{})
 	go func() {
