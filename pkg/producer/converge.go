@@ -42,8 +42,9 @@ var (
 // converge stopped half-way (the producer killed, NATS down) leaves the stream with fewer
 // replicas than want: the next sweep's restoreReplicas scales it back.
 //
-// key is the stream metadata key that records the rebuild, and keeps any producer from rebuilding
-// the stream again for rebuildQuiet: rebuiltKey after a loss, resetKey for a stuck replica.
+// key is the stream metadata key that records the rebuild (rebuiltKey after a loss, resetKey for
+// a stuck replica); a rebuild recorded under either keeps every producer from rebuilding the
+// stream again for rebuildQuiet: either makes every replica a copy of the leader's store.
 func convergeReplicas(ctx context.Context, js streamScaler, name string, want int, key string, log logrus.FieldLogger) error {
 	if want < 2 {
 		return nil
@@ -52,10 +53,17 @@ func convergeReplicas(ctx context.Context, js streamScaler, name string, want in
 	if err != nil {
 		return fmt.Errorf("read stream %s: %w", name, err)
 	}
-	if cfg := st.CachedInfo().Config; time.Since(stampedAt(cfg, key)) < rebuildQuiet {
-		return nil // another producer rebuilt it a moment ago, for the same reason
+	if cfg := st.CachedInfo().Config; time.Since(stampedAt(cfg, rebuiltKey)) < rebuildQuiet || time.Since(stampedAt(cfg, resetKey)) < rebuildQuiet {
+		return nil // rebuilt a moment ago (by another producer, for the same reason, or for the other)
 	} else if cfg.Replicas > 1 {
+		// Recorded at this step already: another producer that sees the same loss or stuck
+		// replica a moment later leaves the rebuild to this one.
 		cfg.Replicas = 1
+		cfg.Metadata = maps.Clone(cfg.Metadata)
+		if cfg.Metadata == nil {
+			cfg.Metadata = map[string]string{}
+		}
+		cfg.Metadata[key] = time.Now().UTC().Format(time.RFC3339Nano)
 		if _, err := js.UpdateStream(ctx, cfg); err != nil {
 			return fmt.Errorf("scale stream %s to one replica (to rebuild the others from its leader): %w", name, err)
 		}

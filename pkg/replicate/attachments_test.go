@@ -29,11 +29,16 @@ type requestLog struct {
 	reqs     []string
 	inFlight int // requests sent whose response body is not closed yet
 	peak     int // the most in flight at once since the last take
+	queries  bool // record each request's query after its path
 }
 
 func (l *requestLog) RoundTrip(req *http.Request) (*http.Response, error) {
 	l.mu.Lock()
-	l.reqs = append(l.reqs, req.Method+" "+req.URL.Path+" "+req.Header.Get("Content-Type"))
+	path := req.URL.Path
+	if l.queries && req.URL.RawQuery != "" {
+		path += "?" + req.URL.RawQuery
+	}
+	l.reqs = append(l.reqs, req.Method+" "+path+" "+req.Header.Get("Content-Type"))
 	l.inFlight++
 	l.peak = max(l.peak, l.inFlight)
 	l.mu.Unlock()

@@ -1,12 +1,14 @@
 package replicate
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"fmt"
 	"net/http"
 	"net/url"
 	"strconv"
+	"strings"
 
 	"github.com/spiegel-nats/spiegel/pkg/couch"
 	"github.com/spiegel-nats/spiegel/pkg/mango"
@@ -20,7 +22,9 @@ type change struct {
 	Changes []struct {
 		Rev string `json:"rev"`
 	} `json:"changes"`
-	Doc json.RawMessage `json:"doc,omitempty"` // only when filtering locally
+	// Doc is the doc at its winning rev, when the page was read with include_docs (see
+	// changesReader.docs, firstGeneration).
+	Doc json.RawMessage `json:"doc,omitempty"`
 }
 
 // changesPage is one answer of a normal _changes feed.
@@ -38,12 +42,18 @@ type changesReader struct {
 	query  url.Values // filter parameters
 	body   any        // POST body (doc_ids, selector), nil for GET
 	local  *mango.Selector
+	// docs asks the next page with include_docs, for the first-generation revisions the batch
+	// writes without _revs_diff and _bulk_get (see firstGeneration). On at first; each page
+	// turns it off when fewer than half its rows were such revisions (a db whose docs are
+	// updated, not created: their bodies would be read for nothing), and on again otherwise.
+	docs    bool
+	noFirst bool // the shortcut is off: docs stays off
 }
 
 // newChangesReader prepares the reader for opt. pouchDB tells whether the source server is
 // PouchDB Server; it matters only with a selector.
 func newChangesReader(src *endpoint, opt Options, pouchDB bool) (*changesReader, error) {
-	r := &changesReader{src: src, limit: opt.BatchSize, query: url.Values{}}
+	r := &changesReader{src: src, limit: opt.BatchSize, query: url.Values{}, docs: !opt.noFirstGeneration, noFirst: opt.noFirstGeneration}
 	switch {
 	case len(opt.DocIDs) > 0:
 		r.filter = "_doc_ids"
@@ -99,7 +109,7 @@ func (r *changesReader) page(ctx context.Context, since couch.Seq) (p changesPag
 	if r.filter != "" {
 		q.Set("filter", r.filter)
 	}
-	if r.local != nil {
+	if r.local != nil || r.docs {
 		q.Set("include_docs", "true")
 	}
 	method := http.MethodGet
@@ -111,18 +121,72 @@ func (r *changesReader) page(ctx context.Context, since couch.Seq) (p changesPag
 	}
 	raw = len(p.Results)
 	kept := p.Results[:0]
+	first := 0 // rows of one first-generation revision
 	for _, c := range p.Results {
 		if c.ID == "" || len(c.Changes) == 0 {
 			continue
 		}
-		if r.local != nil {
-			if !r.local.MatchRaw(c.Doc) {
-				continue
-			}
-			c.Doc = nil
+		if r.local != nil && !r.local.MatchRaw(c.Doc) {
+			continue
+		}
+		if len(c.Changes) == 1 && strings.HasPrefix(c.Changes[0].Rev, "1-") {
+			first++
+		}
+		if !r.docs {
+			c.Doc = nil // read for the local selector only
 		}
 		kept = append(kept, c)
 	}
 	p.Results = kept
+	if len(kept) > 0 && r.docs != (first*2 >= len(kept)) && !r.noFirst {
+		r.docs = !r.docs
+	}
 	return p, raw, nil
+}
+
+// firstGeneration returns the revision of a change row ready for _bulk_docs with
+// new_edits=false when the row carries all the write needs, so that the batch asks the target
+// no _revs_diff and the source no _bulk_get for it: the doc has one leaf, of generation 1 (a
+// doc created and not edited since: its history is that revision alone), the page was read with
+// include_docs and gave the doc at that very revision (not one edited after the row was read),
+// and the doc has no attachments (include_docs gives their stubs only). The body is the doc as
+// read with its _revisions added. A target that holds the revision already stores nothing and
+// moves no seq (CouchDB and PouchDB Server alike): the price of skipping _revs_diff is that
+// body sent for nothing, and such a doc counts as written. It is the common case of dbs whose
+// docs are mostly created (a new doc is what most writes to a user db are), and PouchDB's
+// replicator reads first-generation docs the same way.
+func firstGeneration(c change) (fetchedDoc, bool) {
+	if len(c.Changes) != 1 || len(c.Doc) == 0 {
+		return fetchedDoc{}, false
+	}
+	rev := c.Changes[0].Rev
+	hash, ok := strings.CutPrefix(rev, "1-")
+	if !ok || hash == "" {
+		return fetchedDoc{}, false
+	}
+	var meta struct {
+		ID          string          `json:"_id"`
+		Rev         string          `json:"_rev"`
+		Attachments json.RawMessage `json:"_attachments"`
+		Conflicts   json.RawMessage `json:"_conflicts"`
+		Revisions   json.RawMessage `json:"_revisions"`
+	}
+	if json.Unmarshal(c.Doc, &meta) != nil || meta.ID != c.ID || meta.Rev != rev ||
+		meta.Attachments != nil || meta.Conflicts != nil || meta.Revisions != nil {
+		return fetchedDoc{}, false
+	}
+	doc := bytes.TrimSpace(c.Doc)
+	if len(doc) < 2 || doc[0] != '{' || doc[len(doc)-1] != '}' {
+		return fetchedDoc{}, false
+	}
+	revisions, err := json.Marshal(map[string]any{"start": 1, "ids": []string{hash}})
+	if err != nil {
+		return fetchedDoc{}, false
+	}
+	body := make([]byte, 0, len(doc)+len(revisions)+16)
+	body = append(body, doc[:len(doc)-1]...)
+	body = append(body, `,"_revisions":`...)
+	body = append(body, revisions...)
+	body = append(body, '}')
+	return fetchedDoc{ID: c.ID, Rev: rev, Body: body}, true
 }

@@ -125,6 +125,10 @@ type Options struct {
 	// connections per host, this one must not, or attachments could deadlock the two; default
 	// HTTPClient.
 	StreamHTTPClient *http.Client
+
+	// noFirstGeneration turns the first-generation shortcut off (see firstGeneration): every
+	// revision goes through _revs_diff and _bulk_get, as before it (benchmarks compare).
+	noFirstGeneration bool
 }
 
 func (o Options) withDefaults() Options {
