@@ -180,6 +180,8 @@ func (w *streamWatch) repair(ctx context.Context, want int, log logrus.FieldLogg
 		if err = convergeReplicas(ctx, js, w.name, want, rebuiltKey, log); err == nil {
 			w.relook(ctx)
 		}
+	case w.replicas < want && time.Since(w.stamped) < shortFor:
+		// a rebuild began a moment ago (this producer's or another's): it scales back itself
 	case w.replicas < want:
 		log.Warnf("stream %s has %d replicas, %d wanted (a rebuild stopped half-way): scaling it back", w.name, w.replicas, want)
 		if err = restoreReplicas(ctx, js, w.name, want, "", time.Time{}); err == nil {

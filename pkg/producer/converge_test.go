@@ -98,6 +98,10 @@ func TestStreamWatchRebuildsReplicasAfterALoss(t *testing.T) {
 	require.NoError(t, err)
 	require.False(t, lost, why)
 	w.repair(ctx, 3, log)
+	assert.Len(t, js.took(), 2, "a rebuild began a moment ago: left to scale back itself")
+	defer func(d time.Duration) { shortFor = d }(shortFor)
+	shortFor = 0 // the rebuild began longer ago: it stopped half-way
+	w.repair(ctx, 3, log)
 	require.NoError(t, waitReplicas(ctx, raw, cfg.Name, 3, true, time.Minute), "scaled back to the replicas wanted")
 	st, err = raw.Stream(ctx, cfg.Name)
 	require.NoError(t, err)

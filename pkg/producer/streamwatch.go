@@ -60,6 +60,10 @@ type streamWatch struct {
 	// certain tells whether the loss the last look found is certain (see above): repair rebuilds
 	// the replicas of the stream only then.
 	certain bool
+	// stamped is the latest rebuild the stream's metadata recorded at the previous look (either
+	// kind: rebuiltKey, resetKey; zero: none), so that repair does not scale back a stream that
+	// a rebuild under way holds at one replica.
+	stamped time.Time
 	// noticed: a job told of a loss since the last look (see producer.noticeLoss).
 	noticed atomic.Bool
 	// suspect is until when a new leader counts as a loss: after a loss the replicas of a
@@ -142,6 +146,10 @@ func (w *streamWatch) lost(ctx context.Context) (bool, string, error) {
 	}
 	w.seq, w.at, w.deleted, w.looked = state.LastSeq, state.LastTime, deleted, true
 	w.replicas = info.Config.Replicas
+	w.stamped = stampedAt(info.Config, rebuiltKey)
+	if r := stampedAt(info.Config, resetKey); r.After(w.stamped) {
+		w.stamped = r
+	}
 	if term.leader != "" {
 		w.term = term
 	}

@@ -27,8 +27,8 @@ type requestLog struct {
 	base     http.RoundTripper
 	mu       sync.Mutex
 	reqs     []string
-	inFlight int // requests sent whose response body is not closed yet
-	peak     int // the most in flight at once since the last take
+	inFlight int  // requests sent whose response body is not closed yet
+	peak     int  // the most in flight at once since the last take
 	queries  bool // record each request's query after its path
 }
 

@@ -43,7 +43,7 @@ type changesReader struct {
 	body   any        // POST body (doc_ids, selector), nil for GET
 	local  *mango.Selector
 	// docs asks the next page with include_docs, for the first-generation revisions the batch
-	// writes without _revs_diff and _bulk_get (see firstGeneration). On at first; each page
+	// writes without fetching them (see firstGeneration). On at first; each page
 	// turns it off when fewer than half its rows were such revisions (a db whose docs are
 	// updated, not created: their bodies would be read for nothing), and on again otherwise.
 	docs    bool
@@ -145,16 +145,13 @@ func (r *changesReader) page(ctx context.Context, since couch.Seq) (p changesPag
 }
 
 // firstGeneration returns the revision of a change row ready for _bulk_docs with
-// new_edits=false when the row carries all the write needs, so that the batch asks the target
-// no _revs_diff and the source no _bulk_get for it: the doc has one leaf, of generation 1 (a
+// new_edits=false when the row carries all the write needs, so that the batch does not ask the
+// source's _bulk_get for it when the target lacks it: the doc has one leaf, of generation 1 (a
 // doc created and not edited since: its history is that revision alone), the page was read with
 // include_docs and gave the doc at that very revision (not one edited after the row was read),
 // and the doc has no attachments (include_docs gives their stubs only). The body is the doc as
-// read with its _revisions added. A target that holds the revision already stores nothing and
-// moves no seq (CouchDB and PouchDB Server alike): the price of skipping _revs_diff is that
-// body sent for nothing, and such a doc counts as written. It is the common case of dbs whose
-// docs are mostly created (a new doc is what most writes to a user db are), and PouchDB's
-// replicator reads first-generation docs the same way.
+// read with its _revisions added. A new doc is what most writes to a user db are; PouchDB's
+// replicator reads first-generation docs the same way, without their history.
 func firstGeneration(c change) (fetchedDoc, bool) {
 	if len(c.Changes) != 1 || len(c.Doc) == 0 {
 		return fetchedDoc{}, false

@@ -162,59 +162,57 @@ func (r *run) pipeline(parent context.Context, reader *changesReader, first chan
 }
 
 // process replicates one batch: _revs_diff, fetch (attachments as stubs), _bulk_docs for the
-// docs without attachments, then transferAttachments for the others. The first-generation
-// revisions the page carried whole skip _revs_diff and the fetch (firstGeneration): a batch of
-// new docs is one _bulk_docs. It returns only when
+// docs without attachments, then transferAttachments for the others. The missing
+// first-generation revisions the page carried whole are not fetched (firstGeneration): a batch
+// of new docs is _revs_diff and _bulk_docs. It returns only when
 // every fetched doc was written or refused by the target, or with an error.
 func (r *run) process(ctx context.Context, b batch) error {
 	if len(b.rows) == 0 {
 		return nil
 	}
 	revs := make(map[string][]string, len(b.rows))
-	var direct []fetchedDoc // first-generation revisions the page carried whole (firstGeneration)
+	whole := map[string]fetchedDoc{} // first-generation revisions the page carried whole (firstGeneration)
 	var checked int64
 	for _, c := range b.rows {
 		if d, ok := firstGeneration(c); ok {
-			direct = append(direct, d)
-			continue
+			whole[c.ID] = d
 		}
 		for _, ch := range c.Changes {
 			revs[c.ID] = append(revs[c.ID], ch.Rev)
 			checked++
 		}
 	}
-	r.counters.missingChecked.Add(checked + int64(len(direct)))
-	r.counters.missingFound.Add(int64(len(direct)))
-	r.counters.docsRead.Add(int64(len(direct)))
-	missing := map[string]revsDiff{}
-	if len(revs) > 0 {
-		var err error
-		if missing, err = missingRevs(ctx, r.tgt, revs); err != nil {
-			return err
-		}
+	r.counters.missingChecked.Add(checked)
+	missing, err := missingRevs(ctx, r.tgt, revs)
+	if err != nil {
+		return err
 	}
 	var found int64
+	var direct []fetchedDoc
 	for id, d := range missing {
-		if len(d.Missing) == 0 {
+		found += int64(len(d.Missing))
+		if w, ok := whole[id]; ok && len(d.Missing) == 1 && d.Missing[0] == w.Rev {
+			direct = append(direct, w)
+			delete(missing, id)
+		} else if len(d.Missing) == 0 {
 			delete(missing, id)
 		}
-		found += int64(len(d.Missing))
 	}
 	r.counters.missingFound.Add(found)
-	if found == 0 && len(direct) == 0 {
+	if found == 0 {
 		return nil
 	}
-	var docs []fetchedDoc
+	docs := direct
 	var skipped []skippedRev
-	if found > 0 {
-		var err error
-		if docs, skipped, err = r.fetch(ctx, missing, false); err != nil {
+	if len(missing) > 0 {
+		fetched, s, err := r.fetch(ctx, missing, false)
+		if err != nil {
 			return err
 		}
-		r.counters.docsRead.Add(int64(len(docs)))
+		docs, skipped = append(docs, fetched...), s
 	}
+	r.counters.docsRead.Add(int64(len(docs)))
 	plain, withAtts := splitAttachments(docs)
-	plain = append(direct, plain...)
 	failed, err := bulkDocs(ctx, r.tgt, plain)
 	if err != nil {
 		return err

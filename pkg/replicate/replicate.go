@@ -127,7 +127,7 @@ type Options struct {
 	StreamHTTPClient *http.Client
 
 	// noFirstGeneration turns the first-generation shortcut off (see firstGeneration): every
-	// revision goes through _revs_diff and _bulk_get, as before it (benchmarks compare).
+	// missing revision is fetched with _bulk_get, as before it (benchmarks compare).
 	noFirstGeneration bool
 }
 
