@@ -63,6 +63,9 @@ func Rebuild(ctx context.Context, js jetstream.JetStream, bucket, db string, sta
 			return nil
 		case e, ok := <-w.Updates():
 			if !ok {
+				if ctx.Err() != nil {
+					return nil // the watch ends with ctx: it may close its channel before ctx.Done is chosen
+				}
 				return errors.New("watch ended")
 			}
 			if e == nil { // every current value delivered
