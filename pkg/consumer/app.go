@@ -217,6 +217,7 @@ func (a *App) Run(ctx context.Context, httpAddr string, h worker.Handler) error 
 			Group: a.group, Concurrency: a.cfg.Concurrency, AckWait: a.cfg.AckWait, Grace: a.cfg.ShutdownGrace,
 			Retry:    backoff.Policy{Initial: a.cfg.RetryInitial, Max: a.cfg.RetryMax, Multiplier: 2, Jitter: 0.2},
 			Observer: observers{a.Metrics, a.Status},
+			Drained:  a.Couch.CloseIdleConnections, // a burst's extra connections are not kept for the idle timeout
 		}, h, a.log.WithField("component", "worker"))
 		return err
 	})

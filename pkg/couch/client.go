@@ -272,6 +272,13 @@ func (c *Client) HTTPClient() *http.Client { return c.http }
 // Config.MaxConns, with no overall timeout.
 func (c *Client) StreamHTTPClient() *http.Client { return c.streams }
 
+// CloseIdleConnections closes the connections of the client's pools that carry no request
+// now; running requests and feeds keep theirs.
+func (c *Client) CloseIdleConnections() {
+	c.http.CloseIdleConnections()
+	c.streams.CloseIdleConnections()
+}
+
 // BaseURL returns a copy of the server URL with its credentials. Never log it.
 func (c *Client) BaseURL() *url.URL {
 	u := *c.base

@@ -105,3 +105,52 @@ func TestMaxConnsZeroIsUncapped(t *testing.T) {
 		require.NoError(t, err)
 	}
 }
+
+// TestCloseIdleConnectionsKeepsFeeds: after a burst of 6 requests the pool keeps their 6
+// connections idle; CloseIdleConnections closes them, while a continuous feed keeps its own
+// and still delivers, and the next request opens one again.
+func TestCloseIdleConnectionsKeepsFeeds(t *testing.T) {
+	srv := couchtest.Get(t)
+	db := srv.NewDB(t, "closeidle")
+	proxy := srv.NewProxy(t)
+	l, _ := testLogger()
+	c, err := New(Config{URL: proxy.URL(srv.URL), RequestTimeout: 30 * time.Second}, l)
+	require.NoError(t, err)
+
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	connected := make(chan struct{})
+	changes := make(chan Change, 16)
+	go func() {
+		_ = c.WatchChanges(ctx, db, ChangesOptions{Heartbeat: time.Second}, func() { close(connected) }, func(ch Change) error {
+			changes <- ch
+			return nil
+		})
+	}()
+	select {
+	case <-connected:
+	case <-ctx.Done():
+		t.Fatal("the continuous feed did not connect")
+	}
+
+	release := make(chan struct{})
+	wait := heldRequests(ctx, c, db, 6, release)
+	require.Eventually(t, func() bool { return proxy.Open() >= 7 }, 20*time.Second, 10*time.Millisecond, "six held requests and the feed")
+	close(release)
+	for _, err := range wait() {
+		require.NoError(t, err)
+	}
+	assert.Equal(t, 7, proxy.Open(), "the burst's connections stay open, idle")
+
+	c.CloseIdleConnections()
+	require.Eventually(t, func() bool { return proxy.Open() == 1 }, 10*time.Second, 10*time.Millisecond, "only the feed's connection is left")
+	srv.Put(t, db, "after-close", map[string]any{"n": 1})
+	select {
+	case ch := <-changes:
+		assert.Equal(t, "after-close", ch.ID)
+	case <-ctx.Done():
+		t.Fatal("the feed delivered nothing after the idle connections were closed")
+	}
+	_, err = c.DBInfo(ctx, db)
+	require.NoError(t, err)
+}

@@ -28,6 +28,14 @@ func PlusSafe(next http.RoundTripper) http.RoundTripper {
 
 type plusSafe struct{ next http.RoundTripper }
 
+// CloseIdleConnections passes the call on (http.Client.CloseIdleConnections reaches the pool
+// through it).
+func (t plusSafe) CloseIdleConnections() {
+	if c, ok := t.next.(interface{ CloseIdleConnections() }); ok {
+		c.CloseIdleConnections()
+	}
+}
+
 func (t plusSafe) RoundTrip(req *http.Request) (*http.Response, error) {
 	path := req.URL.EscapedPath()
 	if !strings.Contains(path, "+") {

@@ -69,6 +69,14 @@ type Config struct {
 	Retry backoff.Policy
 	// Observer, when set, is told the result and duration of every job.
 	Observer Observer
+	// Drained, when set, is called when the last running job ends after a burst: at least
+	// BurstJobs (default max(4, Concurrency/4)) jobs ran at once since the previous call. A
+	// consumer closes the idle CouchDB connections the burst opened there (an initial sync holds
+	// two per running replication), instead of leaving them to their idle timeout. A quiet
+	// stream of single jobs never calls it, so its connections are reused.
+	Drained func()
+	// BurstJobs is the number of jobs at once that makes a burst for Drained.
+	BurstJobs int
 }
 
 func (c Config) withDefaults() (Config, error) {
@@ -83,6 +91,9 @@ func (c Config) withDefaults() (Config, error) {
 	}
 	if c.FetchBatch == 0 {
 		c.FetchBatch = min(c.Concurrency, maxFetchBatch)
+	}
+	if c.BurstJobs <= 0 {
+		c.BurstJobs = max(4, c.Concurrency/4)
 	}
 	c.FetchBatch = min(c.FetchBatch, c.Concurrency)
 	if c.Grace == 0 {

@@ -46,6 +46,7 @@ type Runner struct {
 	now         func() time.Time // the clock of job leases (a test moves it past AckWait)
 
 	inFlight     atomic.Int64
+	peak         atomic.Int64 // most jobs in flight at once since Drained was last called
 	running      atomic.Bool
 	wakeupStreak backoff.Streak // lost-wakeup checks failing since
 }
@@ -206,6 +207,25 @@ func release(slots chan struct{}, n int) {
 	}
 }
 
+// started counts a job in flight and keeps the peak.
+func (r *Runner) started() {
+	n := r.inFlight.Add(1)
+	for {
+		p := r.peak.Load()
+		if n <= p || r.peak.CompareAndSwap(p, n) {
+			return
+		}
+	}
+}
+
+// ended counts a job out; the last of a burst calls Config.Drained.
+func (r *Runner) ended() {
+	if r.inFlight.Add(-1) == 0 && r.cfg.Drained != nil && r.peak.Load() >= int64(r.cfg.BurstJobs) {
+		r.peak.Store(0)
+		r.cfg.Drained()
+	}
+}
+
 // pull asks for n jobs, n slots being reserved for them, and starts each job as it arrives; the
 // slots of jobs that did not come are released. When ctx ends the pull is withdrawn at once; a
 // job that still arrives is nak'ed, except one the server sent in the very instant of the
@@ -237,13 +257,13 @@ func (r *Runner) pull(ctx, handlerCtx context.Context, n int, slots chan struct{
 			<-slots
 			continue
 		}
-		r.inFlight.Add(1)
+		r.started()
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
 			var then func()
 			func() {
-				defer func() { r.inFlight.Add(-1); <-slots }()
+				defer func() { r.ended(); <-slots }()
 				then = r.process(handlerCtx, msg, pulled)
 			}()
 			if then != nil {

@@ -338,3 +338,43 @@ func TestLeaseRunsOutForGood(t *testing.T) {
 	assert.False(t, late.held())
 	assert.True(t, (&Job{}).Held(), "a job without a lease is held")
 }
+
+// TestDrainedAfterABurstOnly: Config.Drained is called once when the last job of a burst (5 jobs
+// at once, BurstJobs 4) ends, and never for jobs that run one at a time after it.
+func TestDrainedAfterABurstOnly(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 0)
+	var drained atomic.Int32
+	cfg := testConfig()
+	cfg.Concurrency = 8
+	cfg.Drained = func() { drained.Add(1) }
+	release := make(chan struct{})
+	var rec recorder
+	r := e.newRunner(t, nil, cfg, func(ctx context.Context, job *Job) error {
+		rec.add(job)
+		if job.DB[:5] == "burst" {
+			select {
+			case <-release:
+			case <-ctx.Done():
+				return ctx.Err()
+			}
+		}
+		return nil
+	})
+	require.Equal(t, 4, r.cfg.BurstJobs, "the default for 8 slots")
+	start(t, r)
+
+	for i := range 5 {
+		e.publish(t, fmt.Sprintf("burst/%d", i), events.TypeUpdated)
+	}
+	require.Eventually(t, func() bool { return r.InFlight() == 5 }, waitFor, tick, "five jobs at once")
+	assert.Zero(t, drained.Load(), "called while jobs run")
+	close(release)
+	require.Eventually(t, func() bool { return drained.Load() == 1 }, waitFor, tick, "not called when the burst ended")
+
+	for i := range 6 {
+		e.publish(t, fmt.Sprintf("single/%d", i), events.TypeUpdated)
+		require.Eventually(t, func() bool { return rec.count() == 6+i && r.InFlight() == 0 }, waitFor, tick)
+	}
+	holdsFor(t, 300*time.Millisecond, func() bool { return drained.Load() == 1 }, "called again for jobs run one at a time")
+}
