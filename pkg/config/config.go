@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"strconv"
 	"strings"
 	"time"
 )
@@ -21,7 +22,42 @@ type CouchDB struct {
 	CouchDBCAFile      string        `envconfig:"SPIEGEL_COUCHDB_CA_FILE" desc:"PEM file of CAs to trust for an https CouchDB (default: system roots)"`
 	CouchDBInsecureTLS bool          `envconfig:"SPIEGEL_COUCHDB_INSECURE_SKIP_VERIFY" default:"false" desc:"skip TLS certificate verification of CouchDB (testing only)"`
 	CouchDBTimeout     time.Duration `envconfig:"SPIEGEL_COUCHDB_TIMEOUT" default:"30s" desc:"timeout of one CouchDB request (feeds excepted)"`
-	CouchDBMaxConns    int           `envconfig:"SPIEGEL_COUCHDB_MAX_CONNECTIONS" default:"0" desc:"most connections one process opens to a CouchDB host for requests (e.g. 8); more requests at once wait for one. Continuous feeds come on top (0: no cap)"`
+	CouchDBMaxConns    MaxConns      `envconfig:"SPIEGEL_COUCHDB_MAX_CONNECTIONS" default:"auto" desc:"most connections one process opens to a CouchDB host for requests; more requests at once wait for one. Continuous feeds come on top. auto: half of SPIEGEL_CONCURRENCY, at least 4 (the producer, whose requests are few at a time: no cap); 0: no cap"`
+}
+
+// MaxConns is SPIEGEL_COUCHDB_MAX_CONNECTIONS: a number, or "auto" (AutoConns).
+type MaxConns int
+
+// AutoConns is MaxConns' "auto": the process picks its cap (see For).
+const AutoConns MaxConns = -1
+
+// Decode implements envconfig.Decoder.
+func (m *MaxConns) Decode(v string) error {
+	v = strings.TrimSpace(v)
+	if v == "" || strings.EqualFold(v, "auto") {
+		*m = AutoConns
+		return nil
+	}
+	n, err := strconv.Atoi(v)
+	if err != nil {
+		return fmt.Errorf("want auto or a number of connections, not %q", v)
+	}
+	*m = MaxConns(n)
+	return nil
+}
+
+// For returns the cap of a process running concurrency jobs at once (0: no cap): auto gives half
+// of them, at least 4. A consumer's jobs wait on CouchDB and NATS by turns, and CouchDB serves
+// few requests at once on its cores (BenchmarkConnections: 8 per process cost no speed), while
+// connections per process times processes is what CouchDB holds open.
+func (m MaxConns) For(concurrency int) int { return m.Or(max(4, concurrency/2)) }
+
+// Or returns auto for "auto", else the number set.
+func (m MaxConns) Or(auto int) int {
+	if m == AutoConns {
+		return auto
+	}
+	return int(m)
 }
 
 // NATS says how to reach NATS and how the JetStream topology is named.
@@ -112,8 +148,8 @@ func (c *CouchDB) validate() error {
 		}
 	}
 	errs = append(errs, positive("SPIEGEL_COUCHDB_TIMEOUT", c.CouchDBTimeout))
-	if c.CouchDBMaxConns < 0 || c.CouchDBMaxConns > 10000 {
-		errs = append(errs, fmt.Errorf("SPIEGEL_COUCHDB_MAX_CONNECTIONS=%d: want 0 (no cap) to 10000", c.CouchDBMaxConns))
+	if (c.CouchDBMaxConns < 0 && c.CouchDBMaxConns != AutoConns) || c.CouchDBMaxConns > 10000 {
+		errs = append(errs, fmt.Errorf("SPIEGEL_COUCHDB_MAX_CONNECTIONS=%d: want auto, 0 (no cap) or up to 10000", c.CouchDBMaxConns))
 	}
 	return errors.Join(errs...)
 }

@@ -161,3 +161,33 @@ func TestHTTPAddr(t *testing.T) {
 	t.Setenv("SPIEGEL_HTTP_ADDR", "")
 	assert.Equal(t, "", HTTPAddr(&Replicator{}))
 }
+
+// SPIEGEL_COUCHDB_MAX_CONNECTIONS: auto by default (half of SPIEGEL_CONCURRENCY, at least 4; the
+// producer picks its own), a number, 0 for no cap; anything else is refused with the variable named.
+func TestCouchDBMaxConnections(t *testing.T) {
+	t.Setenv("SPIEGEL_COUCHDB_URL", "http://127.0.0.1:5984")
+	var o OnChange
+	require.NoError(t, Load(&o))
+	assert.Equal(t, AutoConns, o.CouchDBMaxConns)
+	assert.Equal(t, 10, o.CouchDBMaxConns.For(o.Concurrency))
+	assert.Equal(t, 4, o.CouchDBMaxConns.For(3))
+	assert.Equal(t, 8, o.CouchDBMaxConns.Or(8))
+
+	for value, want := range map[string]int{"auto": 10, "AUTO": 10, "8": 8, "0": 0} {
+		t.Setenv("SPIEGEL_COUCHDB_MAX_CONNECTIONS", value)
+		var o OnChange
+		require.NoError(t, Load(&o), value)
+		assert.Equal(t, want, o.CouchDBMaxConns.For(o.Concurrency), value)
+		assert.Equal(t, want, o.CouchDBMaxConns.For(o.Concurrency), value)
+	}
+	for value, want := range map[string]string{
+		"many": `SPIEGEL_COUCHDB_MAX_CONNECTIONS="many": want auto or a number of connections, not "many"`,
+		"-2":   "SPIEGEL_COUCHDB_MAX_CONNECTIONS=-2: want auto, 0 (no cap) or up to 10000",
+	} {
+		t.Setenv("SPIEGEL_COUCHDB_MAX_CONNECTIONS", value)
+		var o OnChange
+		err := Load(&o)
+		require.Error(t, err, value)
+		assert.Contains(t, err.Error(), want)
+	}
+}

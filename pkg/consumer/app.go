@@ -60,6 +60,7 @@ type App struct {
 	topology  natsjs.Topology
 	registry  *prometheus.Registry
 	spiegelDB string
+	probe     *couch.Client // the readiness check's: outside the cap on requests
 	cfg       *config.Consumer
 	group     events.Group
 	follower  *rulefeed.Follower
@@ -102,12 +103,22 @@ func Open(ctx context.Context, cfg *config.Consumer, group events.Group, log log
 // OpenWith is Open with the binary's options.
 func OpenWith(ctx context.Context, cfg *config.Consumer, group events.Group, log logrus.FieldLogger, o Options) (*App, error) {
 	o.Rules.SubjectPrefix = cfg.SubjectPrefix
-	cc, err := couch.New(couch.Config{
+	ccfg := couch.Config{
 		URL: cfg.CouchDBURL, CAFile: cfg.CouchDBCAFile, InsecureSkipVerify: cfg.CouchDBInsecureTLS, RequestTimeout: cfg.CouchDBTimeout,
-		MaxConns: cfg.CouchDBMaxConns,
-	}, log.WithField("component", "couch"))
+		MaxConns: cfg.CouchDBMaxConns.For(cfg.Concurrency),
+	}
+	cc, err := couch.New(ccfg, log.WithField("component", "couch"))
 	if err != nil {
 		return nil, err
+	}
+	// The readiness check has a connection of its own: behind a cap, a slow CouchDB and a full
+	// pool of jobs' requests would make it time out, and an orchestrator restart a busy process.
+	probe := cc
+	if ccfg.MaxConns > 0 {
+		ccfg.MaxConns = 0
+		if probe, err = couch.New(ccfg, log.WithField("component", "couch")); err != nil {
+			return nil, err
+		}
 	}
 	pw, err := passwords.Load(cfg.PasswordsFile)
 	if err != nil {
@@ -172,7 +183,7 @@ func OpenWith(ctx context.Context, cfg *config.Consumer, group events.Group, log
 			Log: log, Couch: cc, Passwords: pw, Rules: rules.NewSetWith(o.Rules), Checkpoints: checkpoints,
 			DeadLetters: worker.NewDeadLetters(js, topo.Subjects), Metrics: m, JS: js, Status: status.NewRecorder(),
 		},
-		log: log, nc: nc, topology: topo, registry: reg, spiegelDB: cfg.DBName, cfg: cfg, group: group,
+		log: log, nc: nc, topology: topo, registry: reg, spiegelDB: cfg.DBName, cfg: cfg, group: group, probe: probe,
 		done: reconcile.NewRecorder(cc, reconcile.New(js, doneKV), log.WithField("component", "reconcile")),
 	}
 	a.follower = &rulefeed.Follower{Couch: cc, DB: cfg.DBName, Set: a.Rules, Log: log.WithField("component", "rules"), Metrics: m}
@@ -279,7 +290,7 @@ func (a *App) reloadOnHUP(ctx context.Context) {
 
 func (a *App) readiness() map[string]health.Check {
 	return health.Dependencies(func(ctx context.Context) error {
-		_, err := a.Couch.DBInfo(ctx, a.spiegelDB)
+		_, err := a.probe.DBInfo(ctx, a.spiegelDB)
 		return err
 	}, a.nc, "consumer", func(ctx context.Context) error {
 		return natsjs.CheckInstalled(ctx, a.JS, a.topology, a.group)

@@ -2,7 +2,9 @@ package consumer_test
 
 import (
 	"context"
+	"io"
 	"net/http"
+	"net/http/httptrace"
 	"net/url"
 	"strings"
 	"testing"
@@ -226,4 +228,70 @@ func TestRunWaitsOutJetStream(t *testing.T) {
 	s.waitRetrying(t, "consumer running", done, 30*time.Second)
 	r := healthtest.WaitReady(t, addr, http.StatusOK, 30*time.Second)
 	assert.Equal(t, "ok", r.Checks["consumer"])
+}
+
+// Behind SPIEGEL_COUCHDB_MAX_CONNECTIONS, the readiness check has a connection of its own: with
+// the process's only capped connection held by a request (a slow CouchDB, a pool full of jobs'
+// requests), /readyz still answers 200 instead of timing out on the pool.
+func TestReadyzOutsideTheCap(t *testing.T) {
+	t.Parallel()
+	cs := couchtest.Get(t)
+	ns := natstest.Start(t)
+	_, js := ns.Connect(t)
+	topo := natsjs.DefaultTopology("spiegel")
+	require.NoError(t, natsjs.Ensure(t.Context(), js, topo))
+	spiegelDB := couchtest.UniqueName(t, "c") + "_spiegel"
+	cs.CreateDB(t, spiegelDB)
+
+	addr := healthtest.FreeAddr(t)
+	cfg := config.Consumer{
+		CouchDB:     config.CouchDB{CouchDBURL: cs.URL, DBName: spiegelDB, CouchDBTimeout: 30 * time.Second, CouchDBMaxConns: 1},
+		NATS:        config.NATS{NATSURL: ns.URL(), SubjectPrefix: "spiegel", StreamReplicas: 1, AckWait: 30 * time.Second},
+		Concurrency: 2, ShutdownGrace: 2 * time.Second, RetryInitial: 100 * time.Millisecond, RetryMax: time.Second,
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	app, err := consumer.Open(ctx, &cfg, events.GroupOnChange, logrus.New())
+	require.NoError(t, err)
+	done := make(chan error, 1)
+	go func() { done <- app.Run(ctx, addr, func(context.Context, *worker.Job) error { return nil }) }()
+	t.Cleanup(func() {
+		cancel()
+		select {
+		case err := <-done:
+			assert.NoError(t, err)
+		case <-time.After(20 * time.Second):
+			t.Error("consumer did not stop within 20s")
+		}
+	})
+	healthtest.WaitReady(t, addr, http.StatusOK, 10*time.Second)
+
+	// A request whose body is not sent yet holds the one connection of the cap.
+	pr, pw := io.Pipe()
+	held := make(chan error, 1)
+	gotConn := make(chan struct{})
+	hctx := httptrace.WithClientTrace(context.Background(), &httptrace.ClientTrace{GotConn: func(httptrace.GotConnInfo) { close(gotConn) }})
+	go func() {
+		held <- app.Couch.Do(hctx, http.MethodPost, app.Couch.DBPath(spiegelDB)+"/_bulk_docs", nil, pr, nil)
+	}()
+	select {
+	case <-gotConn:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the held request got no connection")
+	}
+	blocked := make(chan error, 1)
+	go func() { _, err := app.Couch.DBInfo(ctx, spiegelDB); blocked <- err }()
+	select {
+	case err := <-blocked:
+		t.Fatalf("a second capped request went through while the first held the connection: %v", err)
+	case <-time.After(500 * time.Millisecond):
+	}
+	for range 2 { // each within health's check timeout (3 s), which a wait for the pool would use up
+		status, err := healthtest.GetStatus(addr, "/readyz")
+		require.NoError(t, err)
+		assert.Equal(t, http.StatusOK, status, "readiness waited behind the capped pool")
+	}
+	_, _ = pw.Write([]byte(`{"docs":[]}`))
+	require.NoError(t, pw.Close())
+	require.NoError(t, <-held)
+	<-blocked
 }

@@ -57,11 +57,17 @@ func connect(ctx context.Context, cfg *config.Producer, log *logrus.Logger, maxP
 	return NewConns(cfg, log, cc, nc, maxPending)
 }
 
+// producerConns is the producer's cap on CouchDB connections for requests under
+// SPIEGEL_COUCHDB_MAX_CONNECTIONS=auto: none. Its requests are few at a time by design (a sweep
+// sends at most 8 at once, then rule loads and position saves), so a cap would only queue its
+// readiness check behind a sweep.
+const producerConns = 0
+
 // NewCouch returns the CouchDB client of cfg.
 func NewCouch(cfg *config.Producer, log *logrus.Logger) (*couch.Client, error) {
 	return couch.New(couch.Config{
 		URL: cfg.CouchDBURL, CAFile: cfg.CouchDBCAFile, InsecureSkipVerify: cfg.CouchDBInsecureTLS, RequestTimeout: cfg.CouchDBTimeout,
-		MaxConns: cfg.CouchDBMaxConns,
+		MaxConns: cfg.CouchDBMaxConns.Or(producerConns),
 	}, log.WithField("component", "couch"))
 }
 
