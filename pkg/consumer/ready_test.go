@@ -28,37 +28,38 @@ import (
 // syncBuffer captures logs while they are written.
 type syncBuffer = logtest.Buffer
 
-// A consumer's /readyz turns 503 while CouchDB or NATS is down, naming the failing dependency
-// (and only it), and 200 again once it is back, without a restart; /healthz stays 200 all along,
-// so an orchestrator stops routing to the process but does not kill it.
-func TestReadyzFollowsDependencies(t *testing.T) {
-	t.Parallel()
-	cs := couchtest.Get(t)
-	ns := natstest.Start(t)
-	_, js := ns.Connect(t)
-	topo := natsjs.DefaultTopology("spiegel")
-	require.NoError(t, natsjs.Ensure(t.Context(), js, topo))
-	spiegelDB := couchtest.UniqueName(t, "c") + "_spiegel"
-	cs.CreateDB(t, spiegelDB)
-	proxy := cs.NewProxy(t)
+// readyEnv is a NATS with the streams installed and a spiegel db on the test's CouchDB.
+type readyEnv struct {
+	cs        *couchtest.Server
+	ns        *natstest.Server
+	spiegelDB string
+}
 
-	addr := healthtest.FreeAddr(t)
-	cfg := config.Consumer{
-		CouchDB:     config.CouchDB{CouchDBURL: proxy.URL(cs.URL), DBName: spiegelDB, CouchDBTimeout: 2 * time.Second},
-		NATS:        config.NATS{NATSURL: ns.URL(), SubjectPrefix: "spiegel", StreamReplicas: 1, AckWait: 30 * time.Second},
+func newReadyEnv(t *testing.T) readyEnv {
+	t.Helper()
+	e := readyEnv{cs: couchtest.Get(t), ns: natstest.Start(t)}
+	_, js := e.ns.Connect(t)
+	require.NoError(t, natsjs.Ensure(t.Context(), js, natsjs.DefaultTopology("spiegel")))
+	e.spiegelDB = couchtest.UniqueName(t, "c") + "_spiegel"
+	e.cs.CreateDB(t, e.spiegelDB)
+	return e
+}
+
+// config returns a consumer config for the env reaching CouchDB at couchURL.
+func (e readyEnv) config(couchURL string, couchTimeout time.Duration) config.Consumer {
+	return config.Consumer{
+		CouchDB:     config.CouchDB{CouchDBURL: couchURL, DBName: e.spiegelDB, CouchDBTimeout: couchTimeout},
+		NATS:        config.NATS{NATSURL: e.ns.URL(), SubjectPrefix: "spiegel", StreamReplicas: 1, AckWait: 30 * time.Second},
 		Concurrency: 2, ShutdownGrace: 2 * time.Second, RetryInitial: 100 * time.Millisecond, RetryMax: time.Second,
 	}
-	logs := &syncBuffer{}
-	log := logrus.New()
-	log.SetOutput(logs)
-	log.SetLevel(logrus.DebugLevel)
-	t.Cleanup(func() {
-		if t.Failed() {
-			t.Logf("consumer logs:\n%s", logs.String())
-		}
-	})
+}
+
+// runApp opens a consumer of group g and runs it (health on addr, jobs doing nothing) until the
+// test ends.
+func runApp(t *testing.T, cfg *config.Consumer, g events.Group, addr string, log logrus.FieldLogger) *consumer.App {
+	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
-	app, err := consumer.Open(ctx, &cfg, events.GroupOnChange, log)
+	app, err := consumer.Open(ctx, cfg, g, log)
 	require.NoError(t, err)
 	done := make(chan error, 1)
 	go func() { done <- app.Run(ctx, addr, func(context.Context, *worker.Job) error { return nil }) }()
@@ -71,6 +72,30 @@ func TestReadyzFollowsDependencies(t *testing.T) {
 			t.Error("consumer did not stop within 20s")
 		}
 	})
+	return app
+}
+
+// A consumer's /readyz turns 503 while CouchDB or NATS is down, naming the failing dependency
+// (and only it), and 200 again once it is back, without a restart; /healthz stays 200 all along,
+// so an orchestrator stops routing to the process but does not kill it.
+func TestReadyzFollowsDependencies(t *testing.T) {
+	t.Parallel()
+	e := newReadyEnv(t)
+	cs, ns, spiegelDB := e.cs, e.ns, e.spiegelDB
+	proxy := cs.NewProxy(t)
+
+	addr := healthtest.FreeAddr(t)
+	cfg := e.config(proxy.URL(cs.URL), 2*time.Second)
+	logs := &syncBuffer{}
+	log := logrus.New()
+	log.SetOutput(logs)
+	log.SetLevel(logrus.DebugLevel)
+	t.Cleanup(func() {
+		if t.Failed() {
+			t.Logf("consumer logs:\n%s", logs.String())
+		}
+	})
+	runApp(t, &cfg, events.GroupOnChange, addr, log)
 
 	allOK := func(r healthtest.Ready) {
 		t.Helper()
@@ -235,34 +260,13 @@ func TestRunWaitsOutJetStream(t *testing.T) {
 // requests), /readyz still answers 200 instead of timing out on the pool.
 func TestReadyzOutsideTheCap(t *testing.T) {
 	t.Parallel()
-	cs := couchtest.Get(t)
-	ns := natstest.Start(t)
-	_, js := ns.Connect(t)
-	topo := natsjs.DefaultTopology("spiegel")
-	require.NoError(t, natsjs.Ensure(t.Context(), js, topo))
-	spiegelDB := couchtest.UniqueName(t, "c") + "_spiegel"
-	cs.CreateDB(t, spiegelDB)
-
+	e := newReadyEnv(t)
+	spiegelDB := e.spiegelDB
 	addr := healthtest.FreeAddr(t)
-	cfg := config.Consumer{
-		CouchDB:     config.CouchDB{CouchDBURL: cs.URL, DBName: spiegelDB, CouchDBTimeout: 30 * time.Second, CouchDBMaxConns: 1},
-		NATS:        config.NATS{NATSURL: ns.URL(), SubjectPrefix: "spiegel", StreamReplicas: 1, AckWait: 30 * time.Second},
-		Concurrency: 2, ShutdownGrace: 2 * time.Second, RetryInitial: 100 * time.Millisecond, RetryMax: time.Second,
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	app, err := consumer.Open(ctx, &cfg, events.GroupOnChange, logrus.New())
-	require.NoError(t, err)
-	done := make(chan error, 1)
-	go func() { done <- app.Run(ctx, addr, func(context.Context, *worker.Job) error { return nil }) }()
-	t.Cleanup(func() {
-		cancel()
-		select {
-		case err := <-done:
-			assert.NoError(t, err)
-		case <-time.After(20 * time.Second):
-			t.Error("consumer did not stop within 20s")
-		}
-	})
+	cfg := e.config(e.cs.URL, 30*time.Second)
+	cfg.CouchDBMaxConns = 1
+	ctx := t.Context()
+	app := runApp(t, &cfg, events.GroupOnChange, addr, logrus.New())
 	healthtest.WaitReady(t, addr, http.StatusOK, 10*time.Second)
 
 	// A request whose body is not sent yet holds the one connection of the cap.

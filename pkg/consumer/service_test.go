@@ -1,7 +1,6 @@
 package consumer_test
 
 import (
-	"context"
 	"encoding/json"
 	"testing"
 	"time"
@@ -12,13 +11,11 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/spiegel-nats/spiegel/pkg/config"
-	"github.com/spiegel-nats/spiegel/pkg/consumer"
 	"github.com/spiegel-nats/spiegel/pkg/couchtest"
 	"github.com/spiegel-nats/spiegel/pkg/events"
 	"github.com/spiegel-nats/spiegel/pkg/natsjs"
 	"github.com/spiegel-nats/spiegel/pkg/natstest"
 	"github.com/spiegel-nats/spiegel/pkg/status"
-	"github.com/spiegel-nats/spiegel/pkg/worker"
 )
 
 // Each consumer's NATS micro service (what `nats micro ls` lists) carries the build's version,
@@ -41,20 +38,7 @@ func TestServiceReportsVersion(t *testing.T) {
 		Concurrency: 1, ShutdownGrace: time.Second, RetryInitial: 100 * time.Millisecond, RetryMax: time.Second,
 	}
 	for _, g := range []events.Group{events.GroupReplicate, events.GroupOnChange} {
-		ctx, cancel := context.WithCancel(context.Background())
-		app, err := consumer.Open(ctx, &cfg, g, logrus.New())
-		require.NoError(t, err)
-		done := make(chan error, 1)
-		go func() { done <- app.Run(ctx, "", func(context.Context, *worker.Job) error { return nil }) }()
-		t.Cleanup(func() {
-			cancel()
-			select {
-			case err := <-done:
-				assert.NoError(t, err)
-			case <-time.After(20 * time.Second):
-				t.Error("consumer did not stop within 20s")
-			}
-		})
+		runApp(t, &cfg, g, "", logrus.New())
 	}
 
 	want := map[string]bool{"spiegel-replicator": true, "spiegel-onchange": true}

@@ -14,6 +14,26 @@ import (
 	"github.com/spiegel-nats/spiegel/pkg/couchtest"
 )
 
+// openFeed follows db's continuous feed until ctx ends and returns its changes once it is
+// connected.
+func openFeed(t *testing.T, ctx context.Context, c *Client, db string) <-chan Change {
+	t.Helper()
+	connected := make(chan struct{})
+	changes := make(chan Change, 16)
+	go func() {
+		_ = c.WatchChanges(ctx, db, ChangesOptions{Heartbeat: time.Second}, func() { close(connected) }, func(ch Change) error {
+			changes <- ch
+			return nil
+		})
+	}()
+	select {
+	case <-connected:
+	case <-ctx.Done():
+		t.Fatal("the continuous feed did not connect")
+	}
+	return changes
+}
+
 // heldRequests starts n POSTs of an empty _bulk_docs to db whose bodies are written only when
 // release is closed: each holds its connection until then. wait returns their errors.
 func heldRequests(ctx context.Context, c *Client, db string, n int, release <-chan struct{}) (wait func() []error) {
@@ -50,21 +70,9 @@ func TestMaxConnsCapsRequestsNotFeeds(t *testing.T) {
 
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	connected := make(chan struct{})
-	changes := make(chan Change, 16)
 	feedCtx, stopFeed := context.WithCancel(ctx)
 	defer stopFeed()
-	go func() {
-		_ = c.WatchChanges(feedCtx, db, ChangesOptions{Heartbeat: time.Second}, func() { close(connected) }, func(ch Change) error {
-			changes <- ch
-			return nil
-		})
-	}()
-	select {
-	case <-connected:
-	case <-ctx.Done():
-		t.Fatal("the continuous feed did not connect")
-	}
+	changes := openFeed(t, feedCtx, c, db)
 
 	release := make(chan struct{})
 	wait := heldRequests(ctx, c, db, 12, release)
@@ -119,19 +127,7 @@ func TestCloseIdleConnectionsKeepsFeeds(t *testing.T) {
 
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	connected := make(chan struct{})
-	changes := make(chan Change, 16)
-	go func() {
-		_ = c.WatchChanges(ctx, db, ChangesOptions{Heartbeat: time.Second}, func() { close(connected) }, func(ch Change) error {
-			changes <- ch
-			return nil
-		})
-	}()
-	select {
-	case <-connected:
-	case <-ctx.Done():
-		t.Fatal("the continuous feed did not connect")
-	}
+	changes := openFeed(t, ctx, c, db)
 
 	release := make(chan struct{})
 	wait := heldRequests(ctx, c, db, 6, release)
