@@ -54,7 +54,7 @@ func compareBool(a, b bool) int {
 }
 
 func setupOrder(key string) int {
-	if i := slices.Index([]string{"hot", "nohot", "capped", "couchdb", "replicator"}, key); i >= 0 {
+	if i := slices.Index([]string{"hot", "nohot", "capped", "uncapped", "couchdb", "replicator"}, key); i >= 0 {
 		return i
 	}
 	return 99

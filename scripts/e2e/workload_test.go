@@ -159,6 +159,7 @@ func workloadSetups() []workloadSetup {
 		{key: "hot", name: "native engine, hot feeds (defaults)"},
 		{key: "nohot", name: "native engine, no hot feeds", vars: []string{"SPIEGEL_HOT_FEEDS=0"}},
 		{key: "capped", name: "defaults, SPIEGEL_COUCHDB_MAX_CONNECTIONS=8", vars: []string{"SPIEGEL_COUCHDB_MAX_CONNECTIONS=8"}},
+		{key: "uncapped", name: "defaults, no cap on connections (SPIEGEL_COUCHDB_MAX_CONNECTIONS=0)", vars: []string{"SPIEGEL_COUCHDB_MAX_CONNECTIONS=0"}},
 		{key: "couchdb", name: "couchdb engine, no hot feeds (earlier default)",
 			vars: []string{"SPIEGEL_HOT_FEEDS=0", "SPIEGEL_REPLICATION_ENGINE=couchdb"}},
 		{key: "replicator", name: "the server's _replicator, one continuous job per db", replicatorDB: true},
