@@ -28,32 +28,6 @@ import (
 // syncBuffer captures logs while they are written.
 type syncBuffer = logtest.Buffer
 
-// readyEnv is a NATS with the streams installed and a spiegel db on the test's CouchDB.
-type readyEnv struct {
-	cs        *couchtest.Server
-	ns        *natstest.Server
-	spiegelDB string
-}
-
-func newReadyEnv(t *testing.T) readyEnv {
-	t.Helper()
-	e := readyEnv{cs: couchtest.Get(t), ns: natstest.Start(t)}
-	_, js := e.ns.Connect(t)
-	require.NoError(t, natsjs.Ensure(t.Context(), js, natsjs.DefaultTopology("spiegel")))
-	e.spiegelDB = couchtest.UniqueName(t, "c") + "_spiegel"
-	e.cs.CreateDB(t, e.spiegelDB)
-	return e
-}
-
-// config returns a consumer config for the env reaching CouchDB at couchURL.
-func (e readyEnv) config(couchURL string, couchTimeout time.Duration) config.Consumer {
-	return config.Consumer{
-		CouchDB:     config.CouchDB{CouchDBURL: couchURL, DBName: e.spiegelDB, CouchDBTimeout: couchTimeout},
-		NATS:        config.NATS{NATSURL: e.ns.URL(), SubjectPrefix: "spiegel", StreamReplicas: 1, AckWait: 30 * time.Second},
-		Concurrency: 2, ShutdownGrace: 2 * time.Second, RetryInitial: 100 * time.Millisecond, RetryMax: time.Second,
-	}
-}
-
 // runApp opens a consumer of group g and runs it (health on addr, jobs doing nothing) until the
 // test ends.
 func runApp(t *testing.T, cfg *config.Consumer, g events.Group, addr string, log logrus.FieldLogger) *consumer.App {
@@ -61,6 +35,13 @@ func runApp(t *testing.T, cfg *config.Consumer, g events.Group, addr string, log
 	ctx, cancel := context.WithCancel(context.Background())
 	app, err := consumer.Open(ctx, cfg, g, log)
 	require.NoError(t, err)
+	runOpened(t, ctx, cancel, app, addr)
+	return app
+}
+
+// runOpened runs app under ctx until the test ends, when cancel stops it; the channel gets what
+// Run returned.
+func runOpened(t *testing.T, ctx context.Context, cancel context.CancelFunc, app *consumer.App, addr string) <-chan error {
 	done := make(chan error, 1)
 	go func() { done <- app.Run(ctx, addr, func(context.Context, *worker.Job) error { return nil }) }()
 	t.Cleanup(func() {
@@ -72,7 +53,7 @@ func runApp(t *testing.T, cfg *config.Consumer, g events.Group, addr string, log
 			t.Error("consumer did not stop within 20s")
 		}
 	})
-	return app
+	return done
 }
 
 // A consumer's /readyz turns 503 while CouchDB or NATS is down, naming the failing dependency
@@ -80,22 +61,11 @@ func runApp(t *testing.T, cfg *config.Consumer, g events.Group, addr string, log
 // so an orchestrator stops routing to the process but does not kill it.
 func TestReadyzFollowsDependencies(t *testing.T) {
 	t.Parallel()
-	e := newReadyEnv(t)
-	cs, ns, spiegelDB := e.cs, e.ns, e.spiegelDB
-	proxy := cs.NewProxy(t)
-
+	s := newConsumerSetup(t)
+	cs, ns, proxy, spiegelDB := s.cs, s.ns, s.proxy, s.cfg.DBName
+	s.log.SetLevel(logrus.DebugLevel)
 	addr := healthtest.FreeAddr(t)
-	cfg := e.config(proxy.URL(cs.URL), 2*time.Second)
-	logs := &syncBuffer{}
-	log := logrus.New()
-	log.SetOutput(logs)
-	log.SetLevel(logrus.DebugLevel)
-	t.Cleanup(func() {
-		if t.Failed() {
-			t.Logf("consumer logs:\n%s", logs.String())
-		}
-	})
-	runApp(t, &cfg, events.GroupOnChange, addr, log)
+	runApp(t, &s.cfg, events.GroupOnChange, addr, s.log)
 
 	allOK := func(r healthtest.Ready) {
 		t.Helper()
@@ -158,6 +128,7 @@ func couchPassword(raw string) string {
 // logger whose output the test reads (and prints when it fails).
 type consumerSetup struct {
 	cfg   config.Consumer
+	cs    *couchtest.Server
 	ns    *natstest.Server
 	proxy *couchtest.Proxy
 	logs  *syncBuffer
@@ -173,7 +144,7 @@ func newConsumerSetup(t *testing.T) consumerSetup {
 	spiegelDB := couchtest.UniqueName(t, "c") + "_spiegel"
 	cs.CreateDB(t, spiegelDB)
 	proxy := cs.NewProxy(t)
-	s := consumerSetup{ns: ns, proxy: proxy, logs: &syncBuffer{}, log: logrus.New(), cfg: config.Consumer{
+	s := consumerSetup{cs: cs, ns: ns, proxy: proxy, logs: &syncBuffer{}, log: logrus.New(), cfg: config.Consumer{
 		CouchDB:     config.CouchDB{CouchDBURL: proxy.URL(cs.URL), DBName: spiegelDB, CouchDBTimeout: 2 * time.Second},
 		NATS:        config.NATS{NATSURL: ns.URL(), SubjectPrefix: "spiegel", StreamReplicas: 1, AckWait: 30 * time.Second},
 		Concurrency: 2, ShutdownGrace: 2 * time.Second, RetryInitial: 100 * time.Millisecond, RetryMax: time.Second,
@@ -237,17 +208,7 @@ func TestRunWaitsOutJetStream(t *testing.T) {
 	require.NoError(t, err)
 
 	s.ns.Stop()
-	done := make(chan error, 1)
-	go func() { done <- app.Run(ctx, addr, func(context.Context, *worker.Job) error { return nil }) }()
-	t.Cleanup(func() {
-		cancel()
-		select {
-		case err := <-done:
-			assert.NoError(t, err)
-		case <-time.After(20 * time.Second):
-			t.Error("consumer did not stop within 20s")
-		}
-	})
+	done := runOpened(t, ctx, cancel, app, addr)
 	s.waitRetrying(t, "did not answer the installation check, retrying", done, 30*time.Second)
 	s.ns.StartAgain(t)
 	s.waitRetrying(t, "consumer running", done, 30*time.Second)
@@ -260,13 +221,13 @@ func TestRunWaitsOutJetStream(t *testing.T) {
 // requests), /readyz still answers 200 instead of timing out on the pool.
 func TestReadyzOutsideTheCap(t *testing.T) {
 	t.Parallel()
-	e := newReadyEnv(t)
-	spiegelDB := e.spiegelDB
+	s := newConsumerSetup(t)
+	spiegelDB := s.cfg.DBName
 	addr := healthtest.FreeAddr(t)
-	cfg := e.config(e.cs.URL, 30*time.Second)
-	cfg.CouchDBMaxConns = 1
+	cfg := s.cfg
+	cfg.CouchDBURL, cfg.CouchDBTimeout, cfg.CouchDBMaxConns = s.cs.URL, 30*time.Second, 1
 	ctx := t.Context()
-	app := runApp(t, &cfg, events.GroupOnChange, addr, logrus.New())
+	app := runApp(t, &cfg, events.GroupOnChange, addr, s.log)
 	healthtest.WaitReady(t, addr, http.StatusOK, 10*time.Second)
 
 	// A request whose body is not sent yet holds the one connection of the cap.

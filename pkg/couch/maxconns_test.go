@@ -14,6 +14,19 @@ import (
 	"github.com/spiegel-nats/spiegel/pkg/couchtest"
 )
 
+// proxiedClient returns the test server, a new db on it, a proxy counting the connections to
+// it and a client through that proxy capped at maxConns.
+func proxiedClient(t *testing.T, dbName string, maxConns int) (*couchtest.Server, string, *couchtest.Proxy, *Client) {
+	t.Helper()
+	srv := couchtest.Get(t)
+	db := srv.NewDB(t, dbName)
+	proxy := srv.NewProxy(t)
+	l, _ := testLogger()
+	c, err := New(Config{URL: proxy.URL(srv.URL), RequestTimeout: 30 * time.Second, MaxConns: maxConns}, l)
+	require.NoError(t, err)
+	return srv, db, proxy, c
+}
+
 // openFeed follows db's continuous feed until ctx ends and returns its changes once it is
 // connected.
 func openFeed(t *testing.T, ctx context.Context, c *Client, db string) <-chan Change {
@@ -61,12 +74,7 @@ func heldRequests(ctx context.Context, c *Client, db string, n int, release <-ch
 // request succeeds. Without the cap each request holds a connection of its own (see
 // TestMaxConnsZeroIsUncapped).
 func TestMaxConnsCapsRequestsNotFeeds(t *testing.T) {
-	srv := couchtest.Get(t)
-	db := srv.NewDB(t, "maxconns")
-	proxy := srv.NewProxy(t)
-	l, _ := testLogger()
-	c, err := New(Config{URL: proxy.URL(srv.URL), RequestTimeout: 30 * time.Second, MaxConns: 2}, l)
-	require.NoError(t, err)
+	srv, db, proxy, c := proxiedClient(t, "maxconns", 2)
 
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
@@ -97,12 +105,7 @@ func TestMaxConnsCapsRequestsNotFeeds(t *testing.T) {
 // TestMaxConnsZeroIsUncapped: the same held requests without a cap open a connection each (the
 // control of the test above).
 func TestMaxConnsZeroIsUncapped(t *testing.T) {
-	srv := couchtest.Get(t)
-	db := srv.NewDB(t, "maxconns0")
-	proxy := srv.NewProxy(t)
-	l, _ := testLogger()
-	c, err := New(Config{URL: proxy.URL(srv.URL), RequestTimeout: 30 * time.Second}, l)
-	require.NoError(t, err)
+	_, db, proxy, c := proxiedClient(t, "maxconns0", 0)
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	release := make(chan struct{})
@@ -118,12 +121,7 @@ func TestMaxConnsZeroIsUncapped(t *testing.T) {
 // connections idle; CloseIdleConnections closes them, while a continuous feed keeps its own
 // and still delivers, and the next request opens one again.
 func TestCloseIdleConnectionsKeepsFeeds(t *testing.T) {
-	srv := couchtest.Get(t)
-	db := srv.NewDB(t, "closeidle")
-	proxy := srv.NewProxy(t)
-	l, _ := testLogger()
-	c, err := New(Config{URL: proxy.URL(srv.URL), RequestTimeout: 30 * time.Second}, l)
-	require.NoError(t, err)
+	srv, db, proxy, c := proxiedClient(t, "closeidle", 0)
 
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
@@ -147,6 +145,6 @@ func TestCloseIdleConnectionsKeepsFeeds(t *testing.T) {
 	case <-ctx.Done():
 		t.Fatal("the feed delivered nothing after the idle connections were closed")
 	}
-	_, err = c.DBInfo(ctx, db)
+	_, err := c.DBInfo(ctx, db)
 	require.NoError(t, err)
 }
