@@ -321,6 +321,37 @@ func TestUnusablePositionStartsOver(t *testing.T) {
 	}
 }
 
+// A first start does not read the feed's history, which grows with every db the server ever
+// had (a test server's with every test run: 220,000 rows held a first start back for minutes
+// before it saw a new write). Its feed starts at the server's current position, and the rules'
+// catch-up, which waits for the feed to run, enqueues the dbs written before.
+func TestFirstStartSkipsTheHistory(t *testing.T) {
+	e := newEnv(t, couchtest.AlwaysSynthesize())
+	old, later := e.Prefix+"old", e.Prefix+"later"
+	e.Couch.CreateDB(t, old)
+	e.Couch.Put(t, old, "d", map[string]any{"x": 1})
+	e.putRule(t, "rep", map[string]any{"type": "replicator", "db_name": "^" + e.Prefix + "(old|later)$", "source": "$db_name", "target": e.Prefix + "all"})
+	e.updates.Flush() // old's rows are history before the producer starts
+
+	e.startProducer(t)
+	e.waitJob(t, rep, old, 20*time.Second)
+	assert.Equal(t, events.ReasonRule, e.jobReason(t, rep, old), "the rule's catch-up enqueued it")
+	mark := e.updatesMark(t)
+	e.Couch.CreateDB(t, later)
+	e.Couch.Put(t, later, "d", map[string]any{"x": 1})
+	e.waitJob(t, rep, later, 20*time.Second)
+	e.waitSettled(t, later, mark)
+
+	feeds := 0
+	for _, q := range e.updates.Queries(http.MethodGet, "/_db_updates") {
+		if q.Get("feed") == "continuous" {
+			feeds++
+			assert.NotContains(t, []string{"", "0"}, q.Get("since"), "a feed read from the beginning")
+		}
+	}
+	assert.Positive(t, feeds)
+}
+
 // A feed refused permanently (here 401: credentials that get fixed later) does not leave a
 // producer that looks ready and does nothing: /readyz answers 503 naming the feed and its
 // reason, the feed is retried, and once the credentials work again jobs flow.

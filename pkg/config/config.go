@@ -89,7 +89,7 @@ type Producer struct {
 	Log
 	HTTPAddr             string        `envconfig:"SPIEGEL_HTTP_ADDR" default:":8080" desc:"health and metrics listener (empty: off)"`
 	Source               string        `envconfig:"SPIEGEL_SOURCE" default:"auto" desc:"feed source: auto|db_updates|global_changes|poll"`
-	Start                string        `envconfig:"SPIEGEL_START" default:"beginning" desc:"where a producer with no saved position starts: beginning|now"`
+	Start                string        `envconfig:"SPIEGEL_START" default:"beginning" desc:"beginning|now, alike: a producer with no saved position starts its feed at the server's current position, not at the history's beginning, and once the feed runs every rule's catch-up enqueues each db it matches, so nothing written before is missed"`
 	FeedHeartbeat        time.Duration `envconfig:"SPIEGEL_FEED_HEARTBEAT" default:"10s" desc:"heartbeat asked of continuous feeds; no byte for twice this reopens the feed"`
 	PollInterval         time.Duration `envconfig:"SPIEGEL_POLL_INTERVAL" default:"2s" desc:"how often the poll source lists dbs and their update_seq"`
 	SweepInterval        time.Duration `envconfig:"SPIEGEL_SWEEP_INTERVAL" default:"10m" desc:"reconciliation sweep period, the first at start: enqueues every matched db not recorded done at its update_seq (0: off)"`

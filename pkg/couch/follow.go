@@ -78,6 +78,9 @@ func (f *follower[T]) run(ctx context.Context, since string, emit func(T) error)
 			if httpStatus(err) == http.StatusBadRequest {
 				err = redact(fmt.Errorf("normal feed with since=now refused: %w", err)) // not fatal: fall back
 			} else if done, rerr := f.terminal(ctx, err); done {
+				if ctx.Err() == nil && !isEmitError(err) {
+					f.state(rerr) // a refused feed is reported whichever request met the refusal
+				}
 				return rerr
 			}
 			if err != nil {

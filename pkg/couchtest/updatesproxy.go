@@ -63,7 +63,7 @@ type UpdatesProxy struct {
 
 	writes   atomic.Int64
 	reqMu    sync.Mutex
-	requests []string // "METHOD path" of every request received
+	requests []proxiedRequest // every request received
 }
 
 // UpdatesProxyOption tunes NewUpdatesProxy.
@@ -211,19 +211,28 @@ func (p *UpdatesProxy) Release() {
 	}
 }
 
+// proxiedRequest is what UpdatesProxy records of a request: its method, escaped path relative
+// to the server URL, and raw query.
+type proxiedRequest struct{ method, path, query string }
+
 // Requests returns how many requests the proxy received, whatever their outcome, whose method is
 // method ("" for any) and whose escaped path, relative to the server URL, starts with pathPrefix.
 func (p *UpdatesProxy) Requests(method, pathPrefix string) int {
+	return len(p.Queries(method, pathPrefix))
+}
+
+// Queries returns the query parameters of the requests Requests counts, in the order received.
+func (p *UpdatesProxy) Queries(method, pathPrefix string) []url.Values {
 	p.reqMu.Lock()
 	defer p.reqMu.Unlock()
-	n := 0
+	var out []url.Values
 	for _, r := range p.requests {
-		m, path, _ := strings.Cut(r, " ")
-		if (method == "" || m == method) && strings.HasPrefix(path, pathPrefix) {
-			n++
+		if (method == "" || r.method == method) && strings.HasPrefix(r.path, pathPrefix) {
+			q, _ := url.ParseQuery(r.query)
+			out = append(out, q)
 		}
 	}
-	return n
+	return out
 }
 
 // Cut closes the listener and every open connection, streaming feeds included: clients see
@@ -310,7 +319,7 @@ func (p *UpdatesProxy) handle(period context.Context, w http.ResponseWriter, r *
 
 	path := strings.TrimPrefix(r.URL.EscapedPath(), p.prefix)
 	p.reqMu.Lock()
-	p.requests = append(p.requests, r.Method+" "+path)
+	p.requests = append(p.requests, proxiedRequest{method: r.Method, path: path, query: r.URL.RawQuery})
 	p.reqMu.Unlock()
 	if p.synthetic {
 		switch {

@@ -123,7 +123,7 @@ func Run(ctx context.Context, cfg *config.Producer, log *logrus.Logger) error {
 	plog := log.WithField("component", "producer")
 	p := &producer{
 		cfg: producerSettings{
-			SpiegelDB: cfg.DBName, Source: cfg.Source, Start: cfg.Start, Heartbeat: cfg.FeedHeartbeat,
+			SpiegelDB: cfg.DBName, Source: cfg.Source, Heartbeat: cfg.FeedHeartbeat,
 			PollInterval: cfg.PollInterval, SweepInterval: cfg.SweepInterval, SaveInterval: cfg.PositionSaveInterval,
 			Grace: cfg.ShutdownGrace, Replicas: cfg.StreamReplicas,
 		},
@@ -133,6 +133,7 @@ func Run(ctx context.Context, cfg *config.Producer, log *logrus.Logger) error {
 		log:      plog,
 		metrics:  producerMetrics{m: pm},
 		resync:   make(chan struct{}, 1),
+		feedUp:   make(chan struct{}),
 		sweepNow: make(chan struct{}, 1),
 	}
 	dropper, err := checkpoint.NewCacheDropper(ctx, d.JS, kv)
@@ -175,7 +176,7 @@ func Run(ctx context.Context, cfg *config.Producer, log *logrus.Logger) error {
 		}
 	}()
 
-	pos, since, err := p.startPosition(ctx)
+	pos, since, first, err := p.startPosition(ctx)
 	if err != nil {
 		return err
 	}
@@ -202,7 +203,12 @@ func Run(ctx context.Context, cfg *config.Producer, log *logrus.Logger) error {
 	go func() { defer feedWG.Done(); p.undone.Run(ctx) }()
 	go func() {
 		defer feedWG.Done()
-		// Rules changed while no producer ran: enqueue their existing dbs, then follow live.
+		// Rules changed while no producer ran: enqueue their existing dbs, then follow live. On a
+		// first start every rule is new, and the feed starts at the server's current position:
+		// the catch-up waits for it, so that a write in between is in one or the other.
+		if first && p.waitFeed(ctx) != nil {
+			return
+		}
 		rf.CatchUp(ctx, pos.RulesSeq, rulesSeq)
 		rf.Follow(ctx, rulesSeq)
 	}()

@@ -319,10 +319,10 @@ func runWorkload(b *testing.B, root string, cs *couchtest.Server, up *couchtest.
 	} else {
 		waitFor(b, max(5*time.Minute, w.syncLimit), s.key+": initial sync", procs, synced)
 		res.initialSync = time.Since(started)
-		// The docs are there, but jobs may still be queued: a fresh producer reads _db_updates
-		// from the beginning (SPIEGEL_START), whose events of the dbs just loaded come after the
-		// rules' catch-up enqueued every db. Those runs find nothing new; the writer starts
-		// once they are done, so that the figures are the steady state's.
+		// The docs are there, but jobs may still be queued: the first reconciliation sweep and
+		// the rules' catch-up both enqueue every db, and the loads' own events may still be on
+		// their way. Those runs find nothing new; the writer starts once they are done, so that
+		// the figures are the steady state's.
 		drained := func() bool {
 			jobs := consumerJobs(ctx, js)
 			if len(jobs) == 0 {
