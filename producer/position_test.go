@@ -352,6 +352,31 @@ func TestFirstStartSkipsTheHistory(t *testing.T) {
 	assert.Positive(t, feeds)
 }
 
+// The rules' catch-up of a first start waits until the feed has fixed its position at the
+// server: a db written before that is listed by the catch-up, whatever the feed's position
+// turns out to be. Here the feed connects late, after a db was created and written: a catch-up
+// that did not wait would have listed the dbs before that db existed, and a feed that starts
+// after its events would never show it (the sweep is off).
+func TestFirstStartCatchUpWaitsForTheFeed(t *testing.T) {
+	e := newEnv(t, couchtest.AlwaysSynthesize())
+	old, gap := e.Prefix+"old", e.Prefix+"gap"
+	e.Couch.CreateDB(t, old)
+	e.putRule(t, "rep", map[string]any{"type": "replicator", "db_name": "^" + e.Prefix + "(old|gap)$", "source": "$db_name", "target": e.Prefix + "all"})
+	release := e.updates.HoldFeeds()
+	t.Cleanup(release)
+
+	e.startProducer(t)
+	require.Eventually(t, func() bool { return e.updates.FeedsWaiting() > 0 }, 20*time.Second, 20*time.Millisecond, "the producer's feed request")
+	assert.Never(t, func() bool { return e.Pending(t)[work(rep, old)] > 0 }, time.Second, 50*time.Millisecond,
+		"the catch-up ran before the feed did")
+	e.Couch.CreateDB(t, gap)
+	e.Couch.Put(t, gap, "d", map[string]any{"x": 1})
+	e.updates.Flush() // gap's rows are before any position the feed resolves from now on
+	release()
+	e.waitJob(t, rep, old, 20*time.Second)
+	e.waitJob(t, rep, gap, 20*time.Second)
+}
+
 // A feed refused permanently (here 401: credentials that get fixed later) does not leave a
 // producer that looks ready and does nothing: /readyz answers 503 naming the feed and its
 // reason, the feed is retried, and once the credentials work again jobs flow.

@@ -102,6 +102,17 @@ func (p *UpdatesProxy) serveDBUpdates(w http.ResponseWriter, r *http.Request) {
 		writeJSONError(w, http.StatusMethodNotAllowed, "method_not_allowed", "Only GET allowed")
 		return
 	}
+	if g := p.gate.Load(); g != nil && r.URL.Query().Has("since") {
+		p.waiting.Add(1)
+		select {
+		case <-*g:
+		case <-r.Context().Done():
+		}
+		p.waiting.Add(-1)
+		if r.Context().Err() != nil {
+			return
+		}
+	}
 	fp, ok := p.parseFeedParams(w, r)
 	if !ok {
 		return

@@ -62,6 +62,8 @@ type UpdatesProxy struct {
 	serving  sync.WaitGroup // Serve loops
 
 	writes   atomic.Int64
+	gate     atomic.Pointer[chan struct{}] // while set, feed requests with a since wait for it to close (HoldFeeds)
+	waiting  atomic.Int64                  // feed requests waiting for gate
 	reqMu    sync.Mutex
 	requests []proxiedRequest // every request received
 }
@@ -203,6 +205,25 @@ func (p *UpdatesProxy) Hold() {
 		p.log.hold()
 	}
 }
+
+// HoldFeeds makes the synthesized _db_updates requests that carry a since (a feed being
+// opened or resumed, not a probe) wait until the returned release is called or their request
+// ends: a feed that connects as late as the test needs. It does nothing when the proxy is not
+// Synthetic; release may be called more than once.
+func (p *UpdatesProxy) HoldFeeds() (release func()) {
+	ch := make(chan struct{})
+	p.gate.Store(&ch)
+	var once sync.Once
+	return func() {
+		once.Do(func() {
+			p.gate.CompareAndSwap(&ch, nil)
+			close(ch)
+		})
+	}
+}
+
+// FeedsWaiting returns how many feed requests HoldFeeds keeps waiting now.
+func (p *UpdatesProxy) FeedsWaiting() int { return int(p.waiting.Load()) }
 
 // Release ends Hold: the rows held get their seqs now.
 func (p *UpdatesProxy) Release() {
