@@ -180,6 +180,9 @@ func Run(ctx context.Context, cfg *config.Producer, log *logrus.Logger) error {
 	if err != nil {
 		return err
 	}
+	if first {
+		plog.Info("first start (no saved position): the feed starts at the server's current position; once it runs, every db a rule matches is enqueued")
+	}
 	p.pub.SetSafe(since)
 	pubDone := make(chan struct{})
 	go func() { defer close(pubDone); p.pub.Run(ctx, cfg.ShutdownGrace) }()
