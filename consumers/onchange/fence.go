@@ -70,6 +70,15 @@ type fence struct {
 	// earlier release) starts counting from the number of messages it holds.
 	pos   uint64
 	heals []checkpoint.StreamHeal // the subject's recent heals, from the checkpoint (see removed)
+	// began, base and start are the checkpoint's beginning on the subject (checkpoint.StreamPoint)
+	began bool
+	base  uint64
+	start string
+}
+
+// point returns the stream point of message seq with the fence's heals and beginning.
+func (f *fence) point(subject string, seq uint64, heals []checkpoint.StreamHeal) checkpoint.StreamPoint {
+	return checkpoint.StreamPoint{Subject: subject, Seq: seq, Heals: heals, Began: f.began, Base: f.base, Start: f.start}
 }
 
 // setRead records what a read of the subject found: its last message and its message count.
@@ -495,7 +504,8 @@ func (h *handler) streamPoint(ctx context.Context, db string, rule *rules.OnChan
 	if !f.read {
 		return nil
 	}
-	return &checkpoint.StreamPoint{Subject: subject, Seq: f.last, Heals: f.heals}
+	pt := f.point(subject, f.last, f.heals)
+	return &pt
 }
 
 // healStream checks, before a subject rule publishes anything in a job, that the stream still
@@ -534,6 +544,14 @@ func (h *handler) healStream(ctx context.Context, db string, rule *rules.OnChang
 	if cp.Stream.Subject == subject {
 		f.heals = cp.Stream.Heals
 	}
+	switch {
+	case cp.Stream.Subject == subject && cp.Stream.Began:
+		f.began, f.base, f.start = true, cp.Stream.Base, cp.Stream.Start
+	case cps.fresh && cp.Stream.Seq == 0:
+		// The rule's first run in this db (or in a db created again under its name): what the
+		// subject holds now is not this db's.
+		f.began, f.base, f.start = true, last.seq, since
+	}
 	log = log.WithField("subject", subject)
 	if hole, err := h.publisher.findHole(ctx, subject, st, rule.Timeout, log); err != nil {
 		return since, err
@@ -549,6 +567,12 @@ func (h *handler) healStream(ctx context.Context, db string, rule *rules.OnChang
 	}
 	log = log.WithFields(logrus.Fields{"stream_seq": cp.Stream.Seq, "subject_last_seq": last.seq})
 	h.lossNoticed(ctx, subject)
+	if cp.Stream.Began && last.seq <= cp.Stream.Base {
+		// Every change of this db the stream held is lost, and its last message (if any) is one
+		// of an earlier db of the same name: its feed seq would skip changes of this one.
+		log.WithField("from_seq", cp.Stream.Start).Warn("the change stream lost every change of the db it had stored: publishing them again from the rule's start in the db")
+		return cp.Stream.Start, nil
+	}
 	if last.feedSeq == "" && last.seq > 0 || last.feedSeq == "" && rule.Since == rules.SinceNow {
 		log.Error("the change stream lost changes it had stored, and where they start is not known: they are not published again")
 		return since, nil
@@ -695,7 +719,7 @@ func (h *handler) healHole(ctx context.Context, db string, rule *rules.OnChange,
 	if err := cps.wait(); err != nil {
 		return since, err
 	}
-	cps.cp.Stream = checkpoint.StreamPoint{Subject: subject, Seq: gap.before.seq, Heals: heals}
+	cps.cp.Stream = f.point(subject, gap.before.seq, heals)
 	if err := h.store.SaveNow(ctx, &cps.cp, gap.before.feedSeq); err != nil {
 		return since, err
 	}

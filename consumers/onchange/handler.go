@@ -187,7 +187,7 @@ func (h *handler) handle(ctx context.Context, job *worker.Job) error {
 // result then names the last stored seq and the error).
 func (h *handler) runRule(ctx context.Context, db string, rule *rules.OnChange, pages *pageReader) ruleResult {
 	log := h.log.WithFields(logrus.Fields{"db": db, "rule": rule.ID()})
-	cp, since, err := h.start(ctx, db, rule)
+	cp, since, fresh, err := h.start(ctx, db, rule)
 	if errors.Is(err, couch.ErrNotFound) {
 		if err := h.dropMirror(ctx, db, rule, log); err != nil {
 			return ruleResult{err: err}
@@ -200,7 +200,7 @@ func (h *handler) runRule(ctx context.Context, db string, rule *rules.OnChange, 
 	}
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel() // stops a page read ahead that is not needed
-	cps := &checkpointWriter{store: h.store, cp: cp, stored: since}
+	cps := &checkpointWriter{store: h.store, cp: cp, stored: since, fresh: fresh}
 	replay := replayOf(cp)
 	finish := func(r ruleResult) ruleResult {
 		if err := cps.wait(); err != nil {
@@ -262,7 +262,7 @@ func (h *handler) runRule(ctx context.Context, db string, rule *rules.OnChange, 
 			verifying, cps.cp = nil, v.cp
 			if errors.Is(v.err, checkpoint.ErrMoved) {
 				log.Info("the cached checkpoint's db was deleted or recreated meanwhile: starting over")
-				if cps.cp, since, err = h.start(ctx, db, rule); err != nil {
+				if cps.cp, since, cps.fresh, err = h.start(ctx, db, rule); err != nil {
 					return finish(ruleResult{err: err})
 				}
 				cps.stored, verifying, replay = since, h.verify(ctx, cps.cp), replayOf(cps.cp)
@@ -405,6 +405,7 @@ type checkpointWriter struct {
 	store       *checkpoint.OnChangeStore
 	cp          checkpoint.OnChangePoint
 	stored      string     // the last seq known stored
+	fresh       bool       // the checkpoint began in this run: the rule had none in the db
 	inFlight    chan error // the write under way (nil: none)
 	inFlightSeq string
 }
@@ -440,28 +441,28 @@ func (w *checkpointWriter) wait() error {
 
 // start returns rule's checkpoint in db and the seq the rule starts after: the checkpoint;
 // without one, per the rule's since: the beginning, or the db's current end, saved at once so
-// that "now" keeps meaning the moment the rule first saw the db. A missing db is an error
-// matching couch.ErrNotFound.
-func (h *handler) start(ctx context.Context, db string, rule *rules.OnChange) (checkpoint.OnChangePoint, string, error) {
-	cp, err := h.store.Load(ctx, rule.ID(), db)
+// that "now" keeps meaning the moment the rule first saw the db. fresh says there was none. A
+// missing db is an error matching couch.ErrNotFound.
+func (h *handler) start(ctx context.Context, db string, rule *rules.OnChange) (cp checkpoint.OnChangePoint, since string, fresh bool, err error) {
+	cp, err = h.store.Load(ctx, rule.ID(), db)
 	if err == nil && !cp.Found {
 		// A mirror rule without a checkpoint in db rebuilds the db's mirror from scratch: what the
 		// bucket holds of db is from before (an earlier db of that name) and goes first.
 		if err := h.dropMirror(ctx, db, rule, h.log.WithFields(logrus.Fields{"db": db, "rule": rule.ID()})); err != nil {
-			return cp, "", err
+			return cp, "", false, err
 		}
 	}
 	if err != nil || cp.Found || rule.Since != rules.SinceNow {
-		return cp, cp.LastSeq, err
+		return cp, cp.LastSeq, err == nil && !cp.Found, err
 	}
 	page, err := h.couch.Changes(ctx, db, couch.ChangesOptions{Since: couch.SinceNow, Limit: 1})
 	if err != nil {
-		return cp, "", err
+		return cp, "", false, err
 	}
 	if err := h.store.Save(ctx, &cp, page.LastSeq); err != nil {
-		return cp, "", err
+		return cp, "", false, err
 	}
-	return cp, cp.LastSeq, nil
+	return cp, cp.LastSeq, true, nil
 }
 
 // dropMirror deletes db's keys from a mirror rule's bucket (nothing for other rules).

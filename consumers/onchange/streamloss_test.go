@@ -16,6 +16,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/spiegel-nats/spiegel/pkg/couchtest"
 	"github.com/spiegel-nats/spiegel/pkg/events"
 )
 
@@ -31,24 +32,7 @@ func TestChangeStreamLossHealed(t *testing.T) {
 	db := e.Couch.NewDB(t, e.Prefix)
 	e.ruleIn(t, app, "pub", db, map[string]any{"subject": "spiegel.changes.${db_name}"})
 	subject := "spiegel.changes." + events.EncodeDBName(db)
-	onSubject := func() []string {
-		stream, err := e.JS.Stream(t.Context(), "SPIEGEL_CHANGES")
-		if err != nil {
-			return nil
-		}
-		var ids []string
-		info, err := stream.Info(t.Context(), jetstream.WithSubjectFilter(subject))
-		if err != nil {
-			return nil
-		}
-		for seq := info.State.FirstSeq; info.State.Msgs > 0 && seq <= info.State.LastSeq; seq++ {
-			m, err := stream.GetMsg(t.Context(), seq)
-			if err == nil && m.Subject == subject {
-				ids = append(ids, m.Header.Get(jetstream.MsgIDHeader))
-			}
-		}
-		return ids
-	}
+	onSubject := func() []string { return e.subjectMsgIDs(t, subject) }
 	revs := map[string]string{}
 	put := func(ids ...string) {
 		for _, id := range ids {
@@ -107,6 +91,87 @@ func TestChangeStreamLossHealed(t *testing.T) {
 	require.Len(t, got, 6)
 	assert.ElementsMatch(t, want("a", "b", "c"), got[:3])
 	assert.ElementsMatch(t, want("d", "e", "f"), got[3:], "d and e published again, f once")
+}
+
+// subjectMsgIDs returns the message ids of the change stream's messages on subject, in stream
+// order (nil when the stream does not answer).
+func (e *env) subjectMsgIDs(t *testing.T, subject string) []string {
+	stream, err := e.JS.Stream(t.Context(), "SPIEGEL_CHANGES")
+	if err != nil {
+		return nil
+	}
+	var ids []string
+	info, err := stream.Info(t.Context(), jetstream.WithSubjectFilter(subject))
+	if err != nil {
+		return nil
+	}
+	for seq := info.State.FirstSeq; info.State.Msgs > 0 && seq <= info.State.LastSeq; seq++ {
+		m, err := stream.GetMsg(t.Context(), seq)
+		if err == nil && m.Subject == subject {
+			ids = append(ids, m.Header.Get(jetstream.MsgIDHeader))
+		}
+	}
+	return ids
+}
+
+// TestChangeStreamLossOfARecreatedDBHealed: a db is deleted and created again under its name;
+// the new db's changes are published after the old db's on the same subject. NATS then comes
+// back from a store older than those: the subject's last message is the old db's. Its feed seq
+// means nothing in the new db (on PouchDB Server the new db's seqs start again at 1, so it
+// would skip the new db's first changes, and the rule would find the loss again in every job
+// without publishing them). The rule's checkpoint knows where the subject stood when it began in
+// the new db, and goes back to its own start: every change of the new db is published again.
+func TestChangeStreamLossOfARecreatedDBHealed(t *testing.T) {
+	e := newEnv(t, 60*time.Second)
+	app := e.start(t)
+	db := e.Couch.NewDB(t, e.Prefix)
+	e.ruleIn(t, app, "pub", db, map[string]any{"subject": "spiegel.changes.${db_name}"})
+	subject := "spiegel.changes." + events.EncodeDBName(db)
+	revs := map[string]string{}
+	put := func(ids ...string) {
+		for _, id := range ids {
+			revs[id] = e.Couch.Put(t, db, id, map[string]any{"v": id})
+		}
+		e.enqueue(t, db)
+	}
+	put("a", "b", "c")
+	require.Eventually(t, func() bool { return len(e.subjectMsgIDs(t, subject)) == 3 && e.caughtUp(t, "pub", db) }, 30*time.Second, 20*time.Millisecond)
+
+	// The db is created again; the producer drops its cached checkpoints on the deleted event.
+	require.NoError(t, e.Couch.Do(t, "DELETE", "/"+couchtest.PathDB(db), nil, nil))
+	e.Couch.CreateDB(t, db)
+	e.onChangeStore(t).Forget(t.Context(), "pub", db)
+	store := e.NATS.StoreDir()
+	saved := filepath.Join(t.TempDir(), "store")
+	e.NATS.Stop()
+	require.NoError(t, os.CopyFS(saved, os.DirFS(store)))
+	e.NATS.StartAgain(t)
+
+	put("x", "y")
+	require.Eventually(t, func() bool { return len(e.subjectMsgIDs(t, subject)) == 5 && e.caughtUp(t, "pub", db) }, 90*time.Second, 20*time.Millisecond)
+	cps := e.onChangeStore(t)
+	p, err := cps.Load(t.Context(), "pub", db)
+	require.NoError(t, err)
+	require.True(t, p.Stream.Began, "the checkpoint records where it began on the subject")
+	require.NoError(t, cps.Save(t.Context(), &p, p.LastSeq))
+
+	// The store comes back without x and y; the subject's last message is the old db's c.
+	e.NATS.Stop()
+	require.NoError(t, os.RemoveAll(store))
+	require.NoError(t, os.CopyFS(store, os.DirFS(saved)))
+	e.NATS.StartAgain(t)
+	require.Eventually(t, func() bool { return len(e.subjectMsgIDs(t, subject)) == 3 }, 30*time.Second, 20*time.Millisecond)
+	e.onChangeStore(t).Forget(t.Context(), "pub", db)
+
+	put("z")
+	want := []string{events.ChangeMsgID(db, "x", revs["x"]), events.ChangeMsgID(db, "y", revs["y"]), events.ChangeMsgID(db, "z", revs["z"])}
+	require.Eventually(t, func() bool {
+		got := e.subjectMsgIDs(t, subject)
+		return len(got) >= 6 && e.caughtUp(t, "pub", db)
+	}, 60*time.Second, 20*time.Millisecond, "x and y published again: the subject holds %v", e.subjectMsgIDs(t, subject))
+	got := e.subjectMsgIDs(t, subject)
+	require.Len(t, got, 6)
+	assert.ElementsMatch(t, want, got[3:], "the new db's changes published again from its start, z once")
 }
 
 // TestChangeStreamAgedOutIsNotALoss: the stream drops a quiet db's changes by its max age; the

@@ -113,6 +113,13 @@ type StreamPoint struct {
 	Subject string       `json:"subject,omitempty"`
 	Seq     uint64       `json:"seq,omitempty"`
 	Heals   []StreamHeal `json:"heals,omitempty"`
+	// Began says that Base and Start are known: the checkpoint began in its db (no checkpoint
+	// before it, as in a db created again) when the subject's last message was Base (0: none),
+	// from the feed seq Start. A message at or before Base is not a change of this checkpoint's
+	// db: it may be one of an earlier db of the same name, whose feed seqs mean nothing here.
+	Began bool   `json:"began,omitempty"`
+	Base  uint64 `json:"base,omitempty"`
+	Start string `json:"start,omitempty"`
 }
 
 // StreamHeal records one heal of a hole in the middle of a subject: the messages stored after
