@@ -280,9 +280,11 @@ func mirrorPointOf(ctx context.Context, bucket string) *mirrorPoint {
 // the write's sequence), and returns the seq the rule goes on from. A bucket that acknowledged
 // writes and lost them — NATS restarted from a store older than what it had acknowledged — holds
 // another message at that sequence (given again to a later write), or none, while the key's
-// last message is older: the rule then mirrors the db again from the start of its feed. Keys
-// that hold the doc's winning revision already are not written again, so that costs a read per
-// doc. A key written again since (its last message newer) is no loss. One request per job (the
+// last message is older: the rule then mirrors the db again from the start of its feed, after
+// deleting the db's keys — the store the bucket came back from may hold keys that a drop had
+// deleted (an earlier db of the same name, deleted and created again: seen in a chaos run), and
+// the feed of the db as it is now never names them. Each doc is written again. A key written
+// again since (its last message newer) is no loss. One request per job (the
 // message at the sequence, at the stream's leader), two when it is not there. A write lost in the
 // middle of the bucket, with later ones of the db kept, is not seen: sync_interval always is what
 // keeps that from happening.
@@ -291,6 +293,7 @@ func (h *handler) healMirror(ctx context.Context, db string, rule *rules.OnChang
 	if rule.Mirror == "" || cp.Stream.Seq == 0 || !strings.HasPrefix(cp.Stream.Subject, prefix) || since == "" {
 		return since, nil
 	}
+	jobCtx := ctx
 	ctx, cancel := context.WithTimeout(ctx, rule.Timeout)
 	defer cancel()
 	b, err := h.mirrors.bucket(ctx, rule.Mirror)
@@ -318,6 +321,9 @@ func (h *handler) healMirror(ctx context.Context, db string, rule *rules.OnChang
 		return since, nil
 	}
 	log.Warn("the mirror bucket lost writes it had stored: mirroring the db again from the start of its feed")
+	if err := h.dropMirror(jobCtx, db, rule, log); err != nil {
+		return since, err
+	}
 	h.metrics.StreamHealed()
 	return "", nil
 }

@@ -413,6 +413,65 @@ func TestMirrorLossHealed(t *testing.T) {
 	assert.Equal(t, 1.0, healthtest.Scrape(t, addr).Get("spiegel_change_stream_heals_total"))
 }
 
+// TestMirrorLossOfARecreatedDBHealed: a db is deleted and created again under its name, and
+// the rule's first job in the new db deletes the old db's keys. NATS then comes back from a
+// store older than that drop: the old keys are back, the new db's write is gone. The rule mirrors
+// the db again from the start of its feed, and first deletes the db's keys, which the new db's
+// feed would never name (seen in a chaos run: the old db's docs stayed in the mirror).
+func TestMirrorLossOfARecreatedDBHealed(t *testing.T) {
+	e := newEnv(t, 60*time.Second)
+	app := e.start(t)
+	db := e.Couch.NewDB(t, e.Prefix)
+	e.ruleIn(t, app, "mir", db, map[string]any{"mirror": bucketDocs})
+	e.Couch.Put(t, db, "a", map[string]any{"v": "a"})
+	e.Couch.Put(t, db, "b", map[string]any{"v": "b"})
+	e.enqueue(t, db)
+	e.requireMirror(t, bucketDocs, db)
+	require.Eventually(t, func() bool { return e.caughtUp(t, "mir", db) }, 30*time.Second, 20*time.Millisecond)
+
+	// The copy of the store that the power failure leaves: the old db's keys, before the drop.
+	store := e.NATS.StoreDir()
+	saved := filepath.Join(t.TempDir(), "store")
+	e.NATS.Stop()
+	require.NoError(t, os.CopyFS(saved, os.DirFS(store)))
+	e.NATS.StartAgain(t)
+
+	require.NoError(t, e.Couch.Do(t, "DELETE", "/"+couchtest.PathDB(db), nil, nil))
+	e.Couch.CreateDB(t, db)
+	e.onChangeStore(t).Forget(t.Context(), "mir", db) // as the producer does on the deleted event
+	e.Couch.Put(t, db, "x", map[string]any{"v": "x"})
+	e.enqueue(t, db)
+	require.Eventually(t, func() bool {
+		ok, _ := e.mirrorEquals(t, bucketDocs, db)
+		return ok && e.caughtUp(t, "mir", db)
+	}, 90*time.Second, 50*time.Millisecond, "the new db mirrored, the old db's keys deleted")
+	cps := e.onChangeStore(t)
+	p, err := cps.Load(t.Context(), "mir", db)
+	require.NoError(t, err)
+	require.NoError(t, cps.SaveNow(t.Context(), &p, p.LastSeq)) // CouchDB is past x when NATS fails
+
+	e.NATS.Stop()
+	require.NoError(t, os.RemoveAll(store))
+	require.NoError(t, os.CopyFS(store, os.DirFS(saved)))
+	e.NATS.StartAgain(t)
+	require.Eventually(t, func() bool {
+		_, err := e.JS.KeyValue(t.Context(), bucketDocs)
+		return err == nil
+	}, 30*time.Second, 50*time.Millisecond)
+	require.Contains(t, e.mirrorOf(t, bucketDocs, db), "a", "the store came back with the old db's keys")
+	e.onChangeStore(t).Forget(t.Context(), "mir", db)
+
+	e.Couch.Put(t, db, "y", map[string]any{"v": "y"})
+	e.enqueue(t, db)
+	require.Eventually(t, func() bool {
+		ok, _ := e.mirrorEquals(t, bucketDocs, db)
+		return ok
+	}, 90*time.Second, 50*time.Millisecond, "the mirror holds x and y only: %v", e.mirrorOf(t, bucketDocs, db))
+	got := e.mirrorOf(t, bucketDocs, db)
+	assert.Contains(t, got, "x", "the lost write is mirrored again")
+	assert.NotContains(t, got, "a", "the old db's keys are deleted")
+}
+
 // TestMirrorKeyWrittenAgainIsNoLoss: the message at the checkpoint's sequence is gone because
 // its key was written again since (a later doc revision): no loss, the db is not mirrored again.
 func TestMirrorKeyWrittenAgainIsNoLoss(t *testing.T) {
