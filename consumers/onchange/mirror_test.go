@@ -5,8 +5,6 @@ import (
 	"encoding/json"
 	"fmt"
 	"net/url"
-	"os"
-	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -367,11 +365,7 @@ func TestMirrorLossHealed(t *testing.T) {
 	require.Eventually(t, func() bool { return e.caughtUp(t, "mir", db) }, 30*time.Second, 20*time.Millisecond)
 
 	// The copy of the store that the power failure leaves, taken while NATS is down.
-	store := e.NATS.StoreDir()
-	saved := filepath.Join(t.TempDir(), "store")
-	e.NATS.Stop()
-	require.NoError(t, os.CopyFS(saved, os.DirFS(store)))
-	e.NATS.StartAgain(t)
+	powerFailure := e.storeCopy(t)
 
 	// Right after the restart an ack can go unanswered: the wait covers one redelivery.
 	e.Couch.Put(t, db, "c", map[string]any{"v": "c"})
@@ -392,10 +386,7 @@ func TestMirrorLossHealed(t *testing.T) {
 
 	// The power failure: the store comes back as the copy has it, without c's write, and the
 	// checkpoint's cache entry is lost with it (the _local doc is what the next job reads).
-	e.NATS.Stop()
-	require.NoError(t, os.RemoveAll(store))
-	require.NoError(t, os.CopyFS(store, os.DirFS(saved)))
-	e.NATS.StartAgain(t)
+	powerFailure()
 	require.Eventually(t, func() bool {
 		_, err := e.JS.KeyValue(t.Context(), bucketDocs)
 		return err == nil
@@ -430,11 +421,7 @@ func TestMirrorLossOfARecreatedDBHealed(t *testing.T) {
 	require.Eventually(t, func() bool { return e.caughtUp(t, "mir", db) }, 30*time.Second, 20*time.Millisecond)
 
 	// The copy of the store that the power failure leaves: the old db's keys, before the drop.
-	store := e.NATS.StoreDir()
-	saved := filepath.Join(t.TempDir(), "store")
-	e.NATS.Stop()
-	require.NoError(t, os.CopyFS(saved, os.DirFS(store)))
-	e.NATS.StartAgain(t)
+	powerFailure := e.storeCopy(t)
 
 	require.NoError(t, e.Couch.Do(t, "DELETE", "/"+couchtest.PathDB(db), nil, nil))
 	e.Couch.CreateDB(t, db)
@@ -450,10 +437,7 @@ func TestMirrorLossOfARecreatedDBHealed(t *testing.T) {
 	require.NoError(t, err)
 	require.NoError(t, cps.SaveNow(t.Context(), &p, p.LastSeq)) // CouchDB is past x when NATS fails
 
-	e.NATS.Stop()
-	require.NoError(t, os.RemoveAll(store))
-	require.NoError(t, os.CopyFS(store, os.DirFS(saved)))
-	e.NATS.StartAgain(t)
+	powerFailure()
 	require.Eventually(t, func() bool {
 		_, err := e.JS.KeyValue(t.Context(), bucketDocs)
 		return err == nil

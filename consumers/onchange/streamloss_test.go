@@ -52,11 +52,7 @@ func TestChangeStreamLossHealed(t *testing.T) {
 	require.Eventually(t, func() bool { return len(onSubject()) == 3 && e.caughtUp(t, "pub", db) }, 30*time.Second, 20*time.Millisecond)
 
 	// The copy of the store that the power failure leaves, taken while NATS is down.
-	store := e.NATS.StoreDir()
-	saved := filepath.Join(t.TempDir(), "store")
-	e.NATS.Stop()
-	require.NoError(t, os.CopyFS(saved, os.DirFS(store)))
-	e.NATS.StartAgain(t)
+	powerFailure := e.storeCopy(t)
 
 	// Right after the restart an ack can go unanswered (seen on a loaded machine): the job then
 	// runs again after AckWait (60 s here), so the wait covers one redelivery.
@@ -72,10 +68,7 @@ func TestChangeStreamLossHealed(t *testing.T) {
 
 	// The power failure: the store comes back as the copy has it, without d and e, and the
 	// checkpoint's cache entry is lost with it (the _local doc is what the next job reads).
-	e.NATS.Stop()
-	require.NoError(t, os.RemoveAll(store))
-	require.NoError(t, os.CopyFS(store, os.DirFS(saved)))
-	e.NATS.StartAgain(t)
+	powerFailure()
 	require.Eventually(t, func() bool { return len(onSubject()) == 3 }, 30*time.Second, 20*time.Millisecond)
 	e.onChangeStore(t).Forget(t.Context(), "pub", db)
 	notices := lossNotices(t, e)
@@ -91,6 +84,23 @@ func TestChangeStreamLossHealed(t *testing.T) {
 	require.Len(t, got, 6)
 	assert.ElementsMatch(t, want("a", "b", "c"), got[:3])
 	assert.ElementsMatch(t, want("d", "e", "f"), got[3:], "d and e published again, f once")
+}
+
+// storeCopy takes the copy of the NATS store that a power failure leaves (NATS is stopped for
+// it and started again) and returns powerFailure, which brings NATS back from that copy, as a
+// server restarted from a store older than what it had acknowledged.
+func (e *env) storeCopy(t *testing.T) (powerFailure func()) {
+	store := e.NATS.StoreDir()
+	saved := filepath.Join(t.TempDir(), "store")
+	e.NATS.Stop()
+	require.NoError(t, os.CopyFS(saved, os.DirFS(store)))
+	e.NATS.StartAgain(t)
+	return func() {
+		e.NATS.Stop()
+		require.NoError(t, os.RemoveAll(store))
+		require.NoError(t, os.CopyFS(store, os.DirFS(saved)))
+		e.NATS.StartAgain(t)
+	}
 }
 
 // subjectMsgIDs returns the message ids of the change stream's messages on subject, in stream
@@ -141,11 +151,7 @@ func TestChangeStreamLossOfARecreatedDBHealed(t *testing.T) {
 	require.NoError(t, e.Couch.Do(t, "DELETE", "/"+couchtest.PathDB(db), nil, nil))
 	e.Couch.CreateDB(t, db)
 	e.onChangeStore(t).Forget(t.Context(), "pub", db)
-	store := e.NATS.StoreDir()
-	saved := filepath.Join(t.TempDir(), "store")
-	e.NATS.Stop()
-	require.NoError(t, os.CopyFS(saved, os.DirFS(store)))
-	e.NATS.StartAgain(t)
+	powerFailure := e.storeCopy(t)
 
 	put("x", "y")
 	require.Eventually(t, func() bool { return len(e.subjectMsgIDs(t, subject)) == 5 && e.caughtUp(t, "pub", db) }, 90*time.Second, 20*time.Millisecond)
@@ -156,10 +162,7 @@ func TestChangeStreamLossOfARecreatedDBHealed(t *testing.T) {
 	require.NoError(t, cps.Save(t.Context(), &p, p.LastSeq))
 
 	// The store comes back without x and y; the subject's last message is the old db's c.
-	e.NATS.Stop()
-	require.NoError(t, os.RemoveAll(store))
-	require.NoError(t, os.CopyFS(store, os.DirFS(saved)))
-	e.NATS.StartAgain(t)
+	powerFailure()
 	require.Eventually(t, func() bool { return len(e.subjectMsgIDs(t, subject)) == 3 }, 30*time.Second, 20*time.Millisecond)
 	e.onChangeStore(t).Forget(t.Context(), "pub", db)
 
