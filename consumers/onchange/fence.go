@@ -288,13 +288,19 @@ func (p *changePublisher) streamAPI(ctx context.Context, subject, api string, re
 	if err != nil {
 		return nil, err
 	}
+	ctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	return streamRequest(ctx, p.js.(batchPublisher).Conn(), name, api, req, out, what)
+}
+
+// streamRequest sends req to the JetStream API request api of stream name over nc and decodes
+// the answer into out (nil: only its error); see streamAPI.
+func streamRequest(ctx context.Context, nc *nats.Conn, name, api string, req, out any, what string) (*streamAPIError, error) {
 	body, err := json.Marshal(req)
 	if err != nil {
 		return nil, err
 	}
-	ctx, cancel := context.WithTimeout(ctx, timeout)
-	defer cancel()
-	resp, err := p.js.(batchPublisher).Conn().RequestWithContext(ctx, "$JS.API."+api+"."+name, body)
+	resp, err := nc.RequestWithContext(ctx, "$JS.API."+api+"."+name, body)
 	if err != nil {
 		return nil, fmt.Errorf("%s in stream %s: %w", what, name, err)
 	}

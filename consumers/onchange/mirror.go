@@ -9,6 +9,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/sirupsen/logrus"
 
@@ -32,11 +33,12 @@ const maxSubject = 3584
 // payloadMargin is kept free of a message's max payload for the headers a KV write carries.
 const payloadMargin = 1024
 
-// kvManager is the part of jetstream.JetStream that mirror rules use.
+// kvManager is the part of jetstream.JetStream that mirror rules use: the buckets, and the
+// connection for reads at a bucket's leader.
 type kvManager interface {
 	KeyValue(ctx context.Context, bucket string) (jetstream.KeyValue, error)
 	CreateKeyValue(ctx context.Context, cfg jetstream.KeyValueConfig) (jetstream.KeyValue, error)
-	Stream(ctx context.Context, name string) (jetstream.Stream, error)
+	Conn() *nats.Conn
 }
 
 // mirrorWriter keeps the doc-state mirrors of `mirror` rules: the winning revision of every
@@ -54,9 +56,57 @@ type mirrorWriter struct {
 
 type mirrorBucket struct {
 	kv       jetstream.KeyValue
-	stream   jetstream.Stream // the bucket's stream: a key's last message, delete markers included
-	maxValue int              // the largest value written as is
+	nc       *nats.Conn // reads of the bucket's stream at its leader (leaderMsg)
+	stream   string     // the bucket's stream, KV_<bucket>
+	maxValue int        // the largest value written as is
 	opened   time.Time
+}
+
+// bucketMsg is a message of a bucket's stream.
+type bucketMsg struct {
+	Subject string
+	Seq     uint64
+	Header  nats.Header
+	Data    []byte
+}
+
+// leaderMsg reads one message of the bucket's stream, as req asks ({"seq": n}, or
+// {"last_by_subj": subject}, a delete marker included), with the JetStream API's message get,
+// which only the stream's leader answers; found is false when there is none. KV buckets allow
+// direct gets by default, which any replica answers, one that lags behind the leader included:
+// read so, a key whose doc the mirror deleted a moment before (a db's keys dropped before it is
+// mirrored again) could still show the doc's revision, and the write that brings the doc back
+// was skipped as done — seen in a chaos run on a three-node JetStream, where that doc stayed
+// missing from the mirror. Every read that decides a write, or a heal, is made here.
+func (b *mirrorBucket) leaderMsg(ctx context.Context, req map[string]any, what string) (bucketMsg, bool, error) {
+	var answer struct {
+		Message *struct {
+			Subject string `json:"subject"`
+			Seq     uint64 `json:"seq"`
+			Headers []byte `json:"hdrs"`
+			Data    []byte `json:"data"`
+		} `json:"message"`
+	}
+	apiErr, err := streamRequest(ctx, b.nc, b.stream, "STREAM.MSG.GET", req, &answer, what)
+	switch {
+	case err != nil:
+		return bucketMsg{}, false, err
+	case apiErr != nil && (apiErr.ErrCode == errCodeNoMessage || apiErr.ErrCode == errCodeSeqNotFound):
+		return bucketMsg{}, false, nil
+	case apiErr != nil:
+		return bucketMsg{}, false, apiErr
+	case answer.Message == nil:
+		return bucketMsg{}, false, fmt.Errorf("%s in stream %s: empty answer", what, b.stream)
+	}
+	m := bucketMsg{Subject: answer.Message.Subject, Seq: answer.Message.Seq, Data: answer.Message.Data}
+	if len(answer.Message.Headers) > 0 {
+		hdr, err := nats.DecodeHeadersMsg(answer.Message.Headers)
+		if err != nil {
+			return bucketMsg{}, false, fmt.Errorf("%s in stream %s: unreadable headers: %w", what, b.stream, err)
+		}
+		m.Header = hdr
+	}
+	return m, true, nil
 }
 
 func newMirrorWriter(js kvManager, replicas int, maxPayload func() int64) *mirrorWriter {
@@ -88,10 +138,6 @@ func (m *mirrorWriter) bucket(ctx context.Context, name string) (*mirrorBucket, 
 	if err != nil {
 		return nil, fmt.Errorf("read mirror bucket %s: %w", name, err)
 	}
-	stream, err := m.js.Stream(ctx, "KV_"+name)
-	if err != nil {
-		return nil, fmt.Errorf("open the stream of mirror bucket %s: %w", name, err)
-	}
 	limit := int64(1<<31 - 1)
 	if v := st.Config().MaxValueSize; v > 0 {
 		limit = int64(v)
@@ -101,7 +147,7 @@ func (m *mirrorWriter) bucket(ctx context.Context, name string) (*mirrorBucket, 
 			limit = min(limit, p-payloadMargin)
 		}
 	}
-	b = &mirrorBucket{kv: kv, stream: stream, maxValue: int(limit), opened: time.Now()}
+	b = &mirrorBucket{kv: kv, nc: m.js.Conn(), stream: "KV_" + name, maxValue: int(limit), opened: time.Now()}
 	m.mu.Lock()
 	m.buckets[name] = b
 	m.mu.Unlock()
@@ -145,13 +191,13 @@ func (m *mirrorWriter) attempt(bucket, db string, c change, timeout time.Duratio
 		var held struct {
 			Rev string `json:"_rev"`
 		}
-		cur, err := b.stream.GetLastMsgForSubject(ctx, "$KV."+bucket+"."+key)
+		subject := "$KV." + bucket + "." + key
+		cur, found, err := b.leaderMsg(ctx, map[string]any{"last_by_subj": subject}, "read key "+key)
 		switch {
-		case errors.Is(err, jetstream.ErrMsgNotFound): // never written
 		case err != nil:
-			return 0, fmt.Errorf("mirror %s: read key %s: %w", bucket, key, err)
-		default:
-			last = cur.Sequence
+			return 0, fmt.Errorf("mirror %s: %w", bucket, err)
+		case found:
+			last = cur.Seq
 			if op := cur.Header.Get("KV-Operation"); op == "DEL" || op == "PURGE" {
 				gone = true
 			} else {
@@ -187,7 +233,7 @@ func (m *mirrorWriter) attempt(bucket, db string, c change, timeout time.Duratio
 		if err != nil {
 			return 0, fmt.Errorf("mirror %s: write key %s (doc %s rev %s): %w", bucket, key, c.ID, c.rev(), err)
 		}
-		mirrorPointOf(ctx, bucket).wrote("$KV."+bucket+"."+key, rev)
+		mirrorPointOf(ctx, bucket).wrote(subject, rev)
 		if large {
 			return 0, fmt.Errorf("%w: mirror %s: doc %s rev %s is %d bytes, more than the bucket's max value size %d: mirrored as a too_large reference",
 				webhook.ErrBadRequest, bucket, c.ID, c.rev(), len(c.Doc), b.maxValue)
@@ -285,9 +331,9 @@ func mirrorPointOf(ctx context.Context, bucket string) *mirrorPoint {
 // deleted (an earlier db of the same name, deleted and created again: seen in a chaos run), and
 // the feed of the db as it is now never names them. Each doc is written again. A key written
 // again since (its last message newer) is no loss. One request per job (the
-// message at the sequence, at the stream's leader), two when it is not there. A write lost in the
-// middle of the bucket, with later ones of the db kept, is not seen: sync_interval always is what
-// keeps that from happening.
+// message at the sequence, at the stream's leader: leaderMsg), two when it is not there. A write
+// lost in the middle of the bucket, with later ones of the db kept, is not seen: sync_interval
+// always is what keeps that from happening.
 func (h *handler) healMirror(ctx context.Context, db string, rule *rules.OnChange, cp checkpoint.OnChangePoint, since string, log logrus.FieldLogger) (string, error) {
 	prefix := "$KV." + rule.Mirror + "."
 	if rule.Mirror == "" || cp.Stream.Seq == 0 || !strings.HasPrefix(cp.Stream.Subject, prefix) || since == "" {
@@ -300,19 +346,19 @@ func (h *handler) healMirror(ctx context.Context, db string, rule *rules.OnChang
 	if err != nil {
 		return since, err
 	}
-	m, err := b.stream.GetMsg(ctx, cp.Stream.Seq)
+	m, found, err := b.leaderMsg(ctx, map[string]any{"seq": cp.Stream.Seq}, fmt.Sprintf("read message %d", cp.Stream.Seq))
 	switch {
-	case err == nil && m.Subject == cp.Stream.Subject:
+	case err != nil:
+		return since, fmt.Errorf("mirror %s: %w", rule.Mirror, err)
+	case found && m.Subject == cp.Stream.Subject:
 		return since, nil
-	case err != nil && !errors.Is(err, jetstream.ErrMsgNotFound):
-		return since, fmt.Errorf("mirror %s: read message %d: %w", rule.Mirror, cp.Stream.Seq, err)
 	}
-	last, err := b.stream.GetLastMsgForSubject(ctx, cp.Stream.Subject)
+	last, found, err := b.leaderMsg(ctx, map[string]any{"last_by_subj": cp.Stream.Subject}, "read key "+strings.TrimPrefix(cp.Stream.Subject, prefix))
 	switch {
-	case err == nil && last.Sequence > cp.Stream.Seq:
+	case err != nil:
+		return since, fmt.Errorf("mirror %s: %w", rule.Mirror, err)
+	case found && last.Seq > cp.Stream.Seq:
 		return since, nil // the key was written again since
-	case err != nil && !errors.Is(err, jetstream.ErrMsgNotFound):
-		return since, fmt.Errorf("mirror %s: read key %s: %w", rule.Mirror, strings.TrimPrefix(cp.Stream.Subject, prefix), err)
 	}
 	log = log.WithFields(logrus.Fields{"bucket": rule.Mirror, "bucket_seq": cp.Stream.Seq})
 	h.tellLoss("KV_" + rule.Mirror)

@@ -13,6 +13,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/spiegel-nats/spiegel/pkg/checkpoint"
 	"github.com/spiegel-nats/spiegel/pkg/couch"
 	"github.com/spiegel-nats/spiegel/pkg/mirrorkey"
 	"github.com/spiegel-nats/spiegel/pkg/natstest"
@@ -217,4 +218,32 @@ func TestMirrorWritesAreConditional(t *testing.T) {
 	}
 	// Each key: create, the racing write, the retried update.
 	assert.Equal(t, before+10, lastSeq())
+}
+
+// TestMirrorReadsAtTheLeader: the reads that decide a mirror write (the key's last message) and a
+// heal (the message at the checkpoint's sequence, the key's last) use the JetStream API's message
+// get, which only the bucket stream's leader answers — never direct gets, which KV buckets allow
+// by default and which any replica answers, one that lags behind the leader included. Read so, in
+// a chaos run on a three-node JetStream, a doc whose key a heal had just deleted still showed its
+// revision, its write was skipped as done, and the doc stayed missing from the mirror.
+func TestMirrorReadsAtTheLeader(t *testing.T) {
+	h, oc, js, log := mirrorTestHandler(t, func(b jetstream.KeyValue) jetstream.KeyValue { return b })
+	st, err := js.Stream(t.Context(), "KV_M")
+	require.NoError(t, err)
+	require.True(t, st.CachedInfo().Config.AllowDirect, "the bucket allows direct gets, as KV buckets do by default")
+	calls := natstest.NewAPICounter(t, js.Conn().ConnectedUrl())
+	page := []couch.Change{
+		{Seq: "1", ID: "d0", Revs: []string{"1-x"}, Doc: []byte(`{"_id":"d0","_rev":"1-x"}`)},
+		{Seq: "2", ID: "d1", Revs: []string{"2-x"}, Deleted: true},
+	}
+	res := h.processBatch(t.Context(), "db", oc, "", "", page, log)
+	require.NoError(t, res.err)
+	require.Equal(t, 2, res.done)
+	cp := checkpoint.OnChangePoint{Stream: checkpoint.StreamPoint{Subject: "$KV.M." + mirrorkey.Encode("db", "d0"), Seq: 1}}
+	from, err := h.healMirror(t.Context(), "db", oc, cp, "2", log)
+	require.NoError(t, err)
+	require.Equal(t, "2", from, "the bucket holds the checkpoint's write")
+	got := calls.Stop(t)
+	assert.Zero(t, got["DIRECT.GET"], "no read is a direct get: %v", got)
+	assert.Equal(t, 3, got["STREAM.MSG.GET"], "each key's read and the heal's are message gets at the leader: %v", got)
 }
