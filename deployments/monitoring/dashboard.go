@@ -124,11 +124,12 @@ func Dashboard() (dashboard.Dashboard, error) {
 		"short",
 		query{fmt.Sprintf("sum by (job, instance) (%s)", sel("spiegel_hot_feeds")), "open {{instance}}"},
 		query{fmt.Sprintf("sum(%s)", rate("spiegel_hot_feed_publishes_total")), "publishes/s"},
-		query{fmt.Sprintf("sum(%s)", rate("spiegel_feed_events_covered_total")), "events passed over/s"}))
+		query{fmt.Sprintf("sum(%s)", rate("spiegel_feed_events_covered_total")), "events passed over/s"},
+		query{fmt.Sprintf("max by (instance) (%s)", sel("spiegel_hot_feed_streak")), "events in a row that earn a feed {{instance}}"}))
 	p.add(graph("Hot feeds opened and closed", "Feeds opened for dbs whose writes earned one (three db-update events "+
-		"in a row within SPIEGEL_HOT_FEED_IDLE), busy dbs refused a feed at the cap, feeds closed by reason, and "+
-		"deleted dbs whose cached on_change checkpoints were dropped. Opens per written doc should stay small: "+
-		"a feed that opens and closes often does not pay for its connection.",
+		"in a row within SPIEGEL_HOT_FEED_IDLE, up to eight while feeds do not pay: spiegel_hot_feed_streak), busy dbs "+
+		"refused a feed at the cap, feeds closed by reason, and deleted dbs whose cached on_change checkpoints were "+
+		"dropped. Opens per written doc should stay small: a feed that opens and closes often does not pay for its connection.",
 		"ops",
 		query{fmt.Sprintf("sum(%s)", rate("spiegel_hot_feeds_opened_total")), "opened"},
 		query{fmt.Sprintf("sum(%s)", rate("spiegel_hot_feeds_refused_total")), "refused at the cap"},

@@ -96,7 +96,7 @@ type Producer struct {
 	PositionSaveInterval time.Duration `envconfig:"SPIEGEL_POSITION_SAVE_INTERVAL" default:"2s" desc:"how often the feed position is saved"`
 	MaxInflight          int           `envconfig:"SPIEGEL_PUBLISH_MAX_INFLIGHT" default:"4096" desc:"job publishes awaiting JetStream's ack at once"`
 	HotFeeds             int           `envconfig:"SPIEGEL_HOT_FEEDS" default:"32" desc:"most continuous _changes feeds kept open on busy dbs, whose jobs are published the moment they change (0: off)"`
-	HotFeedIdle          time.Duration `envconfig:"SPIEGEL_HOT_FEED_IDLE" default:"20s" desc:"a db whose db-updates events come three in a row, each within this long of the one before, earns a hot feed; a hot feed without a change for this long is closed"`
+	HotFeedIdle          time.Duration `envconfig:"SPIEGEL_HOT_FEED_IDLE" default:"20s" desc:"a db whose db-updates events come three in a row (up to eight while feeds do not pay), each within this long of the one before, earns a hot feed; a hot feed without a change for this long is closed"`
 	ShutdownGrace        time.Duration `envconfig:"SPIEGEL_SHUTDOWN_GRACE" default:"10s" desc:"time allowed on SIGTERM to flush publishes and save the position"`
 	AdminTimeout         time.Duration `envconfig:"SPIEGEL_ADMIN_TIMEOUT" default:"15s" desc:"how long admin commands wait for CouchDB and NATS before giving up (also --timeout)"`
 }

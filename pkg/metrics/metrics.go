@@ -40,6 +40,7 @@ type Producer struct {
 	HotFeedsOpened     prometheus.Counter
 	HotFeedsClosed     *prometheus.CounterVec
 	HotFeedsRefused    prometheus.Counter
+	HotFeedStreak      prometheus.Gauge
 	CheckpointsDropped prometheus.Counter
 }
 
@@ -96,13 +97,17 @@ func NewProducer(reg prometheus.Registerer) *Producer {
 		HotFeedsRefused: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "spiegel_hot_feeds_refused_total", Help: "Busy dbs that got no hot feed because SPIEGEL_HOT_FEEDS were open.",
 		}),
+		HotFeedStreak: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "spiegel_hot_feed_streak", Help: "Db-update events in a row, each within SPIEGEL_HOT_FEED_IDLE of the one before, that earn a db a hot feed: " +
+				"3, more while the feeds closed lately did not pay (delivered fewer than 2 changes), at most 8.",
+		}),
 		CheckpointsDropped: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "spiegel_deleted_db_checkpoints_dropped_total", Help: "Deleted dbs whose cached on_change checkpoints were dropped from the key-value bucket.",
 		}),
 	}
 	reg.MustRegister(m.FeedEvents, m.JobsPublished, m.JobsDeduped, m.PublishErrors, m.FeedPositionAge,
 		m.FeedReconnects, m.RulesLoaded, m.RulesRejected, m.SweepEnqueued, m.SweepChecks, m.HotFeeds, m.HotFeedJobs, m.EventsCovered,
-		m.HotFeedsOpened, m.HotFeedsClosed, m.HotFeedsRefused, m.CheckpointsDropped)
+		m.HotFeedsOpened, m.HotFeedsClosed, m.HotFeedsRefused, m.HotFeedStreak, m.CheckpointsDropped)
 	return m
 }
 

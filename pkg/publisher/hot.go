@@ -61,7 +61,7 @@ type HotFeeds struct {
 	ctx   context.Context // Run's; feeds end with it
 	feeds map[string]*hotFeed
 	// events is how many db-updates events in a row, each within idle of the one before, earn a
-	// db its feed (hotEvents)
+	// db its feed: hotEvents, more while the feeds that closed lately did not pay (judge)
 	events int
 	recent map[string]streak    // db → its latest events, while it has no feed
 	failed map[string]time.Time // db → when it may be opened again
@@ -69,11 +69,24 @@ type HotFeeds struct {
 }
 
 // hotEvents is how many db-updates events of a db in a row, each within SPIEGEL_HOT_FEED_IDLE of
-// the one before, earn it a feed. On bench-e2e's workload (10 % of N dbs written, 10 docs/s;
-// BenchmarkHotFeedsEarned, 20 s) two open a feed for one write in 8 at N = 10,000, all 32 open,
-// each serving a ninth of a write; three open one for one write in 75, 9 at most open, and still
-// give each busy db of N = 200 its feed (94 % of writes on the fast path).
-const hotEvents = 3
+// the one before, earn it a feed at least. On bench-e2e's workload (10 % of N dbs written, 10
+// docs/s; BenchmarkHotFeedsEarned, 20 s) two open a feed for one write in 8 at N = 10,000, all 32
+// open, each serving a ninth of a write; three open one for one write in 75, 9 at most open, and
+// still give each busy db of N = 200 its feed (94 % of writes on the fast path); with the bar
+// rising while feeds do not pay, one for one write in 600 at N = 10,000, 2 at most open.
+//
+// A feed pays when it delivers at least payingChanges changes before it closes idle: more
+// changes on the fast path than requests spent on it (its open, and at most one check when it
+// closes). Each feed that closes idle without paying raises the streak a db needs by one, up to
+// maxHotEvents; each that paid lowers it by one, down to hotEvents (judge). Where writes are
+// spread thin over many dbs (N = 10,000: a db written every 100 s on average), a streak of three
+// comes by chance, the feeds it opens deliver nothing, and the bar rises until chance no longer
+// reaches it; where a few dbs are busy, their feeds stay open and pay, and the bar stays low.
+const (
+	hotEvents     = 3
+	maxHotEvents  = 8
+	payingChanges = 2
+)
 
 // streak is a db's latest db-updates events, each within idle of the one before.
 type streak struct {
@@ -129,8 +142,12 @@ const (
 // (nil: none) counts them. Run runs them.
 func NewHotFeeds(c DBChanges, pub *Pipeline, groups func(string) []events.Group, max int, idle, heartbeat time.Duration,
 	m *metrics.Producer, log logrus.FieldLogger) *HotFeeds {
-	return &HotFeeds{couch: c, pub: pub, groups: groups, max: max, idle: idle, heartbeat: heartbeat, retryAfter: time.Minute,
+	h := &HotFeeds{couch: c, pub: pub, groups: groups, max: max, idle: idle, heartbeat: heartbeat, retryAfter: time.Minute,
 		metrics: producerMetrics{m: m}, log: log, now: time.Now, feeds: map[string]*hotFeed{}, events: hotEvents, recent: map[string]streak{}, failed: map[string]time.Time{}}
+	if max > 0 {
+		h.metrics.hotFeedStreak(h.events)
+	}
+	return h
 }
 
 // Run closes idle feeds until ctx ends, then closes every feed and waits for them.
@@ -254,6 +271,7 @@ func (h *HotFeeds) Seen(db string) {
 	h.feeds[db] = f
 	h.metrics.feedsOpen(len(h.feeds))
 	h.metrics.hotFeedOpened()
+	h.log.WithFields(logrus.Fields{"db": db, "events": st.n, "feeds": len(h.feeds)}).Debug("hot feed opened")
 	h.wg.Add(1)
 	go func() {
 		defer h.wg.Done()
@@ -283,8 +301,23 @@ func (h *HotFeeds) closeLocked(f *hotFeed, why string) {
 	f.closing = why
 	f.covers = false
 	delete(h.feeds, f.db)
+	if why == CloseIdle {
+		h.judge(f)
+	}
 	h.metrics.feedsOpen(len(h.feeds))
 	f.cancel()
+}
+
+// judge moves the streak a db needs to earn a feed by whether f, closing idle, paid (see
+// payingChanges). Feeds closed for other reasons (the db deleted, a failure, the producer
+// stopping) say nothing about the workload.
+func (h *HotFeeds) judge(f *hotFeed) {
+	if f.delivered >= payingChanges {
+		h.events = max(h.events-1, hotEvents)
+	} else {
+		h.events = min(h.events+1, maxHotEvents)
+	}
+	h.metrics.hotFeedStreak(h.events)
 }
 
 // follow runs f's connection until it ends, then settles the holds of the events it passed
@@ -317,7 +350,10 @@ func (h *HotFeeds) follow(ctx context.Context, f *hotFeed) {
 	}
 	then := h.settleHolds(f, why, holds)
 	h.metrics.hotFeedClosed(why, then)
-	log.WithFields(logrus.Fields{"reason": why, "then": then}).Debug("hot feed closed")
+	h.mu.Lock()
+	delivered := f.delivered
+	h.mu.Unlock()
+	log.WithFields(logrus.Fields{"reason": why, "then": then, "changes": delivered}).Debug("hot feed closed")
 }
 
 // settleHolds releases, or leaves, the holds of a closed feed and says what it cost.

@@ -3,6 +3,7 @@ package publisher
 import (
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"sync"
 	"testing"
@@ -136,10 +137,11 @@ func (r *hotRig) stopAll(t *testing.T) {
 	r.pub.Wait()
 }
 
-// openFeed makes db busy (hotEvents db-updates events) and waits for its feed to connect.
+// openFeed makes db busy (as many db-updates events as earn a feed) and waits for its feed to
+// connect.
 func (r *hotRig) openFeed(t *testing.T, db string) {
 	t.Helper()
-	for range hotEvents {
+	for range r.streak() {
 		r.hot.Seen(db)
 	}
 	select {
@@ -180,6 +182,13 @@ func (r *hotRig) cover(t *testing.T, db, seq string) {
 	require.NotNil(t, h, "the event of %s is not covered", db)
 	require.NoError(t, r.pub.Covered(t.Context(), seq, h))
 	require.Eventually(t, func() bool { return r.pub.Safe() == seq }, 10*time.Second, time.Millisecond)
+}
+
+// streak is how many db-updates events in a row earn a db its feed now.
+func (r *hotRig) streak() int {
+	r.hot.mu.Lock()
+	defer r.hot.mu.Unlock()
+	return r.hot.events
 }
 
 func (r *hotRig) candidate() (string, bool) {
@@ -245,6 +254,40 @@ func TestHotFeedNotForEventsApart(t *testing.T) {
 	r.hot.Seen("slow") // the last of hotEvents within the idle time
 	require.Eventually(t, func() bool { return r.hot.Count() == 1 }, 10*time.Second, time.Millisecond)
 	assert.Equal(t, 1.0, testutil.ToFloat64(r.m.HotFeedsOpened))
+}
+
+// Each feed that closes idle without paying (fewer than payingChanges changes) makes a db need
+// one more event in a row to earn the next, up to maxHotEvents; one that paid lowers the bar by
+// one. Without it, dbs written now and then by chance three times in a row (N = 10,000) keep
+// opening feeds that deliver nothing.
+func TestHotFeedStreakFollowsWhetherFeedsPay(t *testing.T) {
+	t.Parallel()
+	r := newHotRig(t, 4, 500*time.Millisecond)
+	assert.Equal(t, float64(hotEvents), testutil.ToFloat64(r.m.HotFeedStreak))
+	for i := range maxHotEvents - hotEvents + 1 { // one more than there is room for: the bar stops at the top
+		r.openFeed(t, fmt.Sprintf("quiet%d", i))
+		r.deliver(t, fmt.Sprintf("quiet%d", i), "1") // one change does not pay for the feed
+		require.Eventually(t, func() bool { return r.closed(CloseIdle, CloseThenNone) == float64(i+1) }, 10*time.Second, time.Millisecond)
+		assert.Equal(t, min(hotEvents+i+1, maxHotEvents), r.streak(), "after %d feeds that did not pay", i+1)
+	}
+	assert.Equal(t, float64(maxHotEvents), testutil.ToFloat64(r.m.HotFeedStreak))
+
+	for range maxHotEvents - 1 {
+		r.hot.Seen("busy")
+	}
+	assert.Zero(t, r.hot.Count(), "one event short of the bar opens no feed")
+	r.hot.Seen("busy")
+	select {
+	case got := <-r.couch.opened:
+		require.Equal(t, "busy", got)
+	case <-time.After(10 * time.Second):
+		t.Fatal("no feed of busy opened at the bar")
+	}
+	r.deliver(t, "busy", "1")
+	r.deliver(t, "busy", "2")
+	require.Eventually(t, func() bool { return r.closed(CloseIdle, CloseThenNone) == float64(maxHotEvents-hotEvents+2) }, 10*time.Second, time.Millisecond)
+	assert.Equal(t, maxHotEvents-1, r.streak(), "a feed that paid lowers the bar")
+	assert.Equal(t, float64(maxHotEvents-1), testutil.ToFloat64(r.m.HotFeedStreak))
 }
 
 // The saved position stays before an event a hot feed passed over until a job published after

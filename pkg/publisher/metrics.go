@@ -61,6 +61,12 @@ func (p producerMetrics) hotFeedClosed(why, then string) {
 	}
 }
 
+func (p producerMetrics) hotFeedStreak(n int) {
+	if p.m != nil {
+		p.m.HotFeedStreak.Set(float64(n))
+	}
+}
+
 func (p producerMetrics) hotFeedRefused() {
 	if p.m != nil {
 		p.m.HotFeedsRefused.Inc()
