@@ -65,6 +65,12 @@ type fence struct {
 	mu   sync.Mutex
 	read bool   // last was read from the stream
 	last uint64 // 0: the subject holds no message
+	// stored is the highest sequence the stream answered for a change this job published, an
+	// answer "duplicate" included: the message holding the change is there even when the job
+	// cannot tell who stored it (its own earlier attempt, whose answer was lost, or another
+	// instance). The checkpoint's stream point is the higher of last and stored, so that a
+	// later loss of that message is seen (healStream) and the change published again.
+	stored uint64
 	// pos is the position of the subject's last message (events.PositionHeader): the next
 	// message is stored at pos+1. A subject whose messages carry none yet (published by an
 	// earlier release) starts counting from the number of messages it holds.
@@ -378,6 +384,7 @@ func (p *changePublisher) attemptFenced(m changeMsg, f *fence, timeout time.Dura
 			f.last = ack.Sequence
 			f.pos++
 		}
+		f.stored = max(f.stored, ack.Sequence)
 		p.published(1)
 		return 0, nil
 	}
@@ -485,6 +492,7 @@ func (p *changePublisher) publishAtomic(ctx context.Context, msgs []changeMsg, f
 			}
 			if f != nil {
 				f.last = a.Seq
+				f.stored = max(f.stored, a.Seq)
 				f.pos += uint64(len(msgs))
 			}
 			p.published(len(msgs))
@@ -510,7 +518,7 @@ func (h *handler) streamPoint(ctx context.Context, db string, rule *rules.OnChan
 	if !f.read {
 		return nil
 	}
-	pt := f.point(subject, f.last, f.heals)
+	pt := f.point(subject, max(f.last, f.stored), f.heals)
 	return &pt
 }
 
@@ -738,7 +746,7 @@ func (h *handler) healHole(ctx context.Context, db string, rule *rules.OnChange,
 			return since, err
 		}
 	}
-	f.last, f.pos, f.heals = gap.before.seq, gap.before.pos, heals
+	f.last, f.stored, f.pos, f.heals = gap.before.seq, 0, gap.before.pos, heals
 	h.metrics.StreamHealed()
 	where := "in the middle of the subject"
 	if gap.before.seq == 0 {

@@ -11,6 +11,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/spiegel-nats/spiegel/pkg/checkpoint"
 	"github.com/spiegel-nats/spiegel/pkg/couch"
 	"github.com/spiegel-nats/spiegel/pkg/natstest"
 	"github.com/spiegel-nats/spiegel/pkg/rules"
@@ -132,4 +133,65 @@ func TestSharedSubjectIsNotFenced(t *testing.T) {
 	require.NoError(t, publishPage(t, job2, h, rule, "", []couch.Change{docRow("1", "c", "1-a"), docRow("2", "d", "1-a")}).err)
 	require.NoError(t, publishPage(t, job1, h, rule, "2", []couch.Change{docRow("3", "e", "1-a"), docRow("4", "f", "1-a")}).err)
 	assert.Len(t, stored(t, js), 6)
+}
+
+// lostAnswerPublisher stores every publish but loses the answer of the lose-th one (1-based): the
+// publisher sees an error although the stream stored the message, as when the connection or the
+// stream's leader goes down between the two.
+type lostAnswerPublisher struct {
+	jetstream.JetStream
+	lose  int
+	calls int
+}
+
+func (p *lostAnswerPublisher) PublishMsg(ctx context.Context, m *nats.Msg, opts ...jetstream.PublishOpt) (*jetstream.PubAck, error) {
+	p.calls++
+	ack, err := p.JetStream.PublishMsg(ctx, m, opts...)
+	if err == nil && p.calls == p.lose {
+		return nil, nats.ErrTimeout
+	}
+	return ack, err
+}
+
+// TestDuplicateAnswerMovesTheStreamPoint: on a replicated stream (a three-node JetStream, where
+// the leader checks a message id before the expected last sequence; a single server refuses the
+// retry as fenced instead) the answer of b's publish is lost after the stream stored it, and the
+// retry is answered "duplicate" at b's sequence. The checkpoint's stream point
+// is b's message all the same, so when the stream later loses that message (a node that had not
+// written it to disk leads after a crash), the next job sees the loss and publishes b again.
+// Before, a duplicate answer left the point at a's message: the loss of b's was not seen, the
+// checkpoint was past b, and b never reached the stream (a chaos run on a three-node JetStream
+// ended with one change missing so, the stream's only hole).
+func TestDuplicateAnswerMovesTheStreamPoint(t *testing.T) {
+	t.Parallel()
+	servers := natstest.StartCluster(t, 3)
+	_, js := servers[0].Connect(t)
+	require.Eventually(t, func() bool {
+		_, err := js.CreateStream(t.Context(), jetstream.StreamConfig{Name: "CHG", Subjects: []string{"chg.>"},
+			Duplicates: time.Hour, Storage: jetstream.FileStorage, Replicas: 3})
+		return err == nil
+	}, 30*time.Second, 100*time.Millisecond, "the replicated stream is created")
+	pub := &lostAnswerPublisher{JetStream: js, lose: 2}
+	h, r := orderHandler(t, pub)
+
+	job := withFences(t.Context())
+	res := publishPage(t, job, h, r, "", []couch.Change{docRow("1", "a", "1-a")})
+	require.NoError(t, res.err)
+	res = publishPage(t, job, h, r, "1", []couch.Change{docRow("2", "b", "1-a")})
+	require.NoError(t, res.err)
+	require.Equal(t, 1, res.done)
+	require.Equal(t, []string{"db/a/1-a", "db/b/1-a"}, stored(t, js), "b stored once: the retry was a duplicate")
+	pt := h.streamPoint(job, "db", r)
+	require.NotNil(t, pt)
+	assert.Equal(t, uint64(2), pt.Seq, "the stream point is b's message, which holds the job's last change")
+
+	// The stream loses b's message; the next job starts from the checkpoint (past b).
+	st, err := js.Stream(t.Context(), "CHG")
+	require.NoError(t, err)
+	require.NoError(t, st.DeleteMsg(t.Context(), 2))
+	cps := &checkpointWriter{cp: checkpoint.OnChangePoint{LastSeq: "2", Stream: *pt}}
+	next := withFences(t.Context())
+	from, err := h.healStream(next, "db", r, cps, "2", h.log)
+	require.NoError(t, err)
+	assert.Equal(t, "1", from, "the loss is seen: the job goes back to a's feed seq and publishes b again")
 }
