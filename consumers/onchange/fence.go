@@ -380,11 +380,19 @@ func (p *changePublisher) attemptFenced(m changeMsg, f *fence, timeout time.Dura
 				return 0, err
 			}
 		}
-		if !ack.Duplicate {
+		switch {
+		case !ack.Duplicate:
 			f.last = ack.Sequence
 			f.pos++
+			f.stored = max(f.stored, ack.Sequence)
+		case ack.Sequence > max(f.last, f.stored):
+			// Stored after the job read the subject: its own attempt whose answer was lost, most
+			// likely. The stream deduplicates by message id across its subjects, so the message
+			// is this change's only if it is on this subject (one read, at the leader).
+			if got, ok, err := p.nextMessage(ctx, m.subject, ack.Sequence, timeout); err == nil && ok && got.seq == ack.Sequence {
+				f.stored = ack.Sequence
+			}
 		}
-		f.stored = max(f.stored, ack.Sequence)
 		p.published(1)
 		return 0, nil
 	}

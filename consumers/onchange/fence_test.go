@@ -195,3 +195,28 @@ func TestDuplicateAnswerMovesTheStreamPoint(t *testing.T) {
 	require.NoError(t, err)
 	assert.Equal(t, "1", from, "the loss is seen: the job goes back to a's feed seq and publishes b again")
 }
+
+// TestDuplicateOfAnotherSubjectKeepsTheStreamPoint: the stream deduplicates by message id across
+// its subjects, so a change that a rule publishes to another subject of the same stream first is
+// answered "duplicate" at that subject's message. That message is not this subject's: the
+// checkpoint's stream point stays where the subject is, and the next job finds no loss.
+func TestDuplicateOfAnotherSubjectKeepsTheStreamPoint(t *testing.T) {
+	t.Parallel()
+	s := natstest.Start(t)
+	js := orderStream(t, s, 0, false)
+	h, r := orderHandler(t, js)
+	other, err := rules.Parse("other", []byte(`{"type":"on_change","subject":"chg.other.${db_name}","timeout_ms":2000}`))
+	require.NoError(t, err)
+	require.NoError(t, publishPage(t, withFences(t.Context()), h, other.(*rules.OnChange), "", []couch.Change{docRow("1", "a", "1-a")}).err)
+
+	job := withFences(t.Context())
+	res := publishPage(t, job, h, r, "", []couch.Change{docRow("1", "a", "1-a")})
+	require.NoError(t, res.err)
+	require.Equal(t, 1, res.done)
+	pt := h.streamPoint(job, "db", r)
+	require.NotNil(t, pt)
+	assert.Zero(t, pt.Seq, "the duplicate's message is the other subject's: chg.db holds nothing")
+	from, err := h.healStream(withFences(t.Context()), "db", r, &checkpointWriter{cp: checkpoint.OnChangePoint{LastSeq: "1", Stream: *pt}}, "1", h.log)
+	require.NoError(t, err)
+	assert.Equal(t, "1", from, "no loss found")
+}
