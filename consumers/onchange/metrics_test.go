@@ -55,7 +55,10 @@ func TestMetricsCountKnownWorkload(t *testing.T) {
 	var m healthtest.Samples
 	require.Eventually(t, func() bool {
 		m = healthtest.Scrape(t, addr)
+		// A job's count and its duration are recorded one after the other: a scrape between
+		// them sees the count only.
 		return m.Get("spiegel_jobs_total", "group", onc, "result", "ok") >= float64(len(dbs)) &&
+			m.Get("spiegel_job_duration_seconds_count", "group", onc) >= float64(len(dbs)) &&
 			m.Has("spiegel_jobs_pending", "group", onc) && m.Get("spiegel_jobs_pending", "group", onc) == 0 &&
 			m.Has("spiegel_jobs_in_flight", "group", onc) && m.Get("spiegel_jobs_in_flight", "group", onc) == 0
 	}, 30*time.Second, 50*time.Millisecond, "the jobs did not finish")
