@@ -141,7 +141,7 @@ func (h *handler) processBatch(ctx context.Context, db string, rule *rules.OnCha
 		}
 	}
 	limit := h.requestConcurrency
-	if rule.Block {
+	if rule.Block || rule.Mirror != "" && h.mirrors.serial(rule.Mirror) {
 		limit = 1
 	}
 	sem := make(chan struct{}, limit)

@@ -138,6 +138,14 @@ func (h *handler) handle(ctx context.Context, job *worker.Job) error {
 		return nil
 	}
 	ctx = withMirrorPoints(withFences(ctx)) // this job's view of the subjects and buckets it writes to (see fence.go, mirror.go)
+	// Mirror rules claim the db in their buckets before anything of the db is read (see
+	// mirrorWriter.claimDB); a bucket that cannot be claimed stops its rules only.
+	claims := map[string]error{}
+	for _, r := range rs {
+		if _, done := claims[r.Mirror]; r.Mirror != "" && !done {
+			claims[r.Mirror] = h.mirrors.claimDB(ctx, r.Mirror, job.DB, r.Timeout)
+		}
+	}
 	pages := newPageShare(ctx, len(rs), func(ctx context.Context, since string) pageRead {
 		page, err := h.couch.Changes(ctx, job.DB, couch.ChangesOptions{Since: since, Limit: h.batchSize, IncludeDocs: true})
 		return pageRead{page, err}
@@ -145,6 +153,10 @@ func (h *handler) handle(ctx context.Context, job *worker.Job) error {
 	results := make([]ruleResult, len(rs))
 	var wg sync.WaitGroup
 	for i, r := range rs {
+		if err := claims[r.Mirror]; err != nil {
+			results[i] = ruleResult{err: fmt.Errorf("rule %s: %w", r.ID(), err)}
+			continue
+		}
 		wg.Go(func() { results[i] = h.runRule(ctx, job.DB, r, pages.reader()) })
 	}
 	wg.Wait()
@@ -192,6 +204,7 @@ func (h *handler) runRule(ctx context.Context, db string, rule *rules.OnChange, 
 		if err := h.dropMirror(ctx, db, rule, log); err != nil {
 			return ruleResult{err: err}
 		}
+		h.forgetFence(ctx, db, rule, log)
 		log.Warn("db does not exist: job dropped (it is enqueued again when the db is recreated)")
 		return ruleResult{outcome: status.ResultMissingSource}
 	}
@@ -300,6 +313,7 @@ func (h *handler) runRule(ctx context.Context, db string, rule *rules.OnChange, 
 			if err := h.dropMirror(ctx, db, rule, log); err != nil {
 				return finish(ruleResult{err: err})
 			}
+			h.forgetFence(ctx, db, rule, log)
 			log.Warn("db does not exist: job dropped (it is enqueued again when the db is recreated)")
 			return finish(ruleResult{outcome: status.ResultMissingSource})
 		}
@@ -478,6 +492,18 @@ func (h *handler) dropMirror(ctx context.Context, db string, rule *rules.OnChang
 		log.WithFields(logrus.Fields{"bucket": rule.Mirror, "keys": n}).Info("mirror: the keys of an earlier or deleted db removed")
 	}
 	return nil
+}
+
+// forgetFence removes a missing db's fence from a mirror rule's bucket once its keys are
+// dropped, so that a deleted db leaves nothing in the bucket but its keys' delete markers. A
+// failure is only logged: one small message stays in the bucket.
+func (h *handler) forgetFence(ctx context.Context, db string, rule *rules.OnChange, log logrus.FieldLogger) {
+	if rule.Mirror == "" {
+		return
+	}
+	if err := h.mirrors.forgetDB(ctx, rule.Mirror, db, rule.Timeout); err != nil {
+		log.WithError(err).Warn("mirror: the fence of a db that does not exist could not be removed")
+	}
 }
 
 // current returns the live version of rule id if it is still enabled and matches db.

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"strconv"
 	"strings"
 	"sync"
 	"time"
@@ -38,6 +39,7 @@ const payloadMargin = 1024
 type kvManager interface {
 	KeyValue(ctx context.Context, bucket string) (jetstream.KeyValue, error)
 	CreateKeyValue(ctx context.Context, cfg jetstream.KeyValueConfig) (jetstream.KeyValue, error)
+	PublishMsg(ctx context.Context, msg *nats.Msg, opts ...jetstream.PublishOpt) (*jetstream.PubAck, error)
 	Conn() *nats.Conn
 }
 
@@ -56,10 +58,15 @@ type mirrorWriter struct {
 
 type mirrorBucket struct {
 	kv       jetstream.KeyValue
+	js       kvManager  // fenced writes (write)
 	nc       *nats.Conn // reads of the bucket's stream at its leader (leaderMsg)
-	stream   string     // the bucket's stream, KV_<bucket>
-	maxValue int        // the largest value written as is
-	opened   time.Time
+	name     string
+	stream   string // the bucket's stream, KV_<bucket>
+	maxValue int    // the largest value written as is
+	// serial: the bucket is replicated, where JetStream refuses a write whose fence check is
+	// made while another on the same fence is in flight: a job's writes go one at a time.
+	serial bool
+	opened time.Time
 }
 
 // bucketMsg is a message of a bucket's stream.
@@ -147,7 +154,8 @@ func (m *mirrorWriter) bucket(ctx context.Context, name string) (*mirrorBucket, 
 			limit = min(limit, p-payloadMargin)
 		}
 	}
-	b = &mirrorBucket{kv: kv, nc: m.js.Conn(), stream: "KV_" + name, maxValue: int(limit), opened: time.Now()}
+	b = &mirrorBucket{kv: kv, js: m.js, nc: m.js.Conn(), name: name, stream: "KV_" + name, maxValue: int(limit),
+		serial: st.Config().Replicas > 1, opened: time.Now()}
 	m.mu.Lock()
 	m.buckets[name] = b
 	m.mu.Unlock()
@@ -162,13 +170,87 @@ type tooLarge struct {
 	Size     int    `json:"size"`
 }
 
+// errDBClaimed: a mirror write refused by the job's fence of its db (see claimDB). It is an
+// errFenced: the job stops and is not retried in place.
+var errDBClaimed error = dbClaimedError{}
+
+type dbClaimedError struct{}
+
+func (dbClaimedError) Error() string {
+	return "fenced: a later job claimed the db in the bucket since this one did; this job stops and runs again from its checkpoint"
+}
+
+func (dbClaimedError) Is(target error) bool { return target == errFenced }
+
+// claimDB makes the job in ctx the holder of db's keys in bucket: it writes db's fence key
+// (mirrorkey.Fence) and keeps the write's sequence as the job's fence, which every later write and
+// delete of the job's in the bucket expects as the fence key's last message (JetStream's expected
+// last subject sequence, checked on the fence's subject). A job claims before it reads anything
+// of the db, so a job that claimed after it — a redelivery after a lease ran out, the first job
+// of a db created again — moves the fence before writing or dropping anything, and from then on
+// every write of the earlier job is refused (errFenced), whatever time it is sent at: a process
+// paused (or cut off) past its lease, between its lease check and its write, cannot bring back a
+// doc its successor deleted, write an older revision over a newer one, or leave a key of a db
+// that was deleted and created again. Leases time the turns; the fence enforces them.
+func (m *mirrorWriter) claimDB(ctx context.Context, bucket, db string, timeout time.Duration) error {
+	p := mirrorPointOf(ctx, bucket)
+	if p == nil {
+		return fmt.Errorf("mirror %s: claim db %s outside a job", bucket, db)
+	}
+	ctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	b, err := m.bucket(ctx, bucket)
+	if err != nil {
+		return err
+	}
+	if !worker.Held(ctx) {
+		return worker.ErrLeaseLost
+	}
+	value, _ := json.Marshal(struct {
+		DB        string    `json:"db"`
+		ClaimedAt time.Time `json:"claimed_at"`
+	}{db, time.Now().UTC()})
+	key := mirrorkey.Fence(db)
+	seq, err := b.kv.Put(ctx, key, value)
+	if err != nil {
+		return fmt.Errorf("mirror %s: claim the keys of db %s (key %s): %w", bucket, db, key, err)
+	}
+	p.claimed("$KV."+bucket+"."+key, seq)
+	return nil
+}
+
+// write stores value under key (a KV delete when del), under the job's fence of the key's db (see
+// claimDB), and returns the write's sequence. A write the fence refused wraps errFenced.
+func (b *mirrorBucket) write(ctx context.Context, key string, value []byte, del bool) (uint64, error) {
+	subject, seq, ok := mirrorPointOf(ctx, b.name).fence()
+	if !ok {
+		return 0, fmt.Errorf("mirror %s: write key %s without a claim of its db", b.name, key)
+	}
+	msg := nats.NewMsg("$KV." + b.name + "." + key)
+	msg.Data = value
+	if del {
+		msg.Header.Set("KV-Operation", "DEL")
+	}
+	msg.Header.Set(jetstream.ExpectedLastSubjSeqHeader, strconv.FormatUint(seq, 10))
+	msg.Header.Set(jetstream.ExpectedLastSubjSeqSubjHeader, subject)
+	ack, err := b.js.PublishMsg(ctx, msg)
+	switch {
+	case err != nil && wrongLast(err):
+		return 0, errDBClaimed
+	case err != nil:
+		return 0, err
+	}
+	return ack.Sequence, nil
+}
+
 // attempt returns the mirror write of change c of db into bucket as a retryable action: the
 // doc's winning revision (the change's doc) becomes the key's value, a deleted doc deletes the
-// key. Each write is conditional on the key's revision read just before (a concurrent writer
-// makes it fail and be retried); a key that already holds the change's revision is left alone,
-// so a replay or a re-dispatch rewrites nothing. A doc larger than the bucket's max value size
-// is mirrored as {"_id","_rev","too_large":true,"size"} and the attempt fails permanently, so
-// that the caller dead-letters it and goes on with the db's next change.
+// key. Every write is made under the job's fence of db (claimDB): one refused means a later job
+// holds the db, and the attempt fails with errFenced, which is not retried. A key that already
+// holds the change's revision is left alone, so a replay or a re-dispatch rewrites nothing. A doc
+// larger than the bucket's max value size is mirrored as {"_id","_rev","too_large":true,"size"}
+// and the attempt fails permanently, so that the caller dead-letters it and goes on with the db's
+// next change.
 func (m *mirrorWriter) attempt(bucket, db string, c change, timeout time.Duration) webhook.Attempt {
 	return func(ctx context.Context) (int, error) {
 		ctx, cancel := context.WithTimeout(ctx, timeout)
@@ -182,10 +264,8 @@ func (m *mirrorWriter) attempt(bucket, db string, c change, timeout time.Duratio
 			return 0, fmt.Errorf("%w: mirror %s: doc %s: db name and doc id too long for a KV key (%d bytes of subject, at most %d)",
 				webhook.ErrBadRequest, bucket, logIDOf(c.ID), n, maxSubject)
 		}
-		// The key's last message, a delete marker included: every write below is conditional on
-		// its revision. (kv.Create would write over whatever delete marker is there when it is
-		// sent: a holder paused between its lease check and its write would then bring back a
-		// doc that its successor deleted, or that a dropped db held.)
+		// The key's last message, a delete marker included: a key that holds the change's
+		// revision already, or a deleted doc's key that holds nothing, needs no write.
 		var last uint64
 		var gone bool // the last message is a delete marker
 		var held struct {
@@ -204,17 +284,14 @@ func (m *mirrorWriter) attempt(bucket, db string, c change, timeout time.Duratio
 				_ = json.Unmarshal(cur.Data, &held)
 			}
 		}
-		// The lease is checked again after the read, right before the write, as before a publish:
-		// a write sent while it is held reaches the bucket before a successor can have started
-		// (the lease ends AckWait/10 before JetStream hands the job on).
-		if !worker.Held(ctx) {
+		if !worker.Held(ctx) { // no write is sent once the lease ran out; the fence refuses a late one
 			return 0, worker.ErrLeaseLost
 		}
 		if c.Deleted {
 			if last == 0 || gone {
 				return 0, nil
 			}
-			if err := b.kv.Delete(ctx, key, jetstream.LastRevision(last)); err != nil {
+			if _, err := b.write(ctx, key, nil, true); err != nil {
 				return 0, fmt.Errorf("mirror %s: delete key %s (doc %s): %w", bucket, key, c.ID, err)
 			}
 			return 0, nil
@@ -229,7 +306,7 @@ func (m *mirrorWriter) attempt(bucket, db string, c change, timeout time.Duratio
 		if large {
 			value, _ = json.Marshal(tooLarge{ID: c.ID, Rev: c.rev(), TooLarge: true, Size: len(c.Doc)})
 		}
-		rev, err := b.kv.Update(ctx, key, value, last) // last 0: only if the key has no message at all
+		rev, err := b.write(ctx, key, value, false)
 		if err != nil {
 			return 0, fmt.Errorf("mirror %s: write key %s (doc %s rev %s): %w", bucket, key, c.ID, c.rev(), err)
 		}
@@ -242,10 +319,40 @@ func (m *mirrorWriter) attempt(bucket, db string, c change, timeout time.Duratio
 	}
 }
 
-// dropDB deletes every key of db from bucket (KV deletes, as for deleted docs): the mirror of a
-// db that no longer exists, or that is about to be rebuilt from the beginning of its feed (a rule
-// without a checkpoint in db: a new rule, or a db deleted and created again, whose old docs must
-// not outlive it). It returns how many keys it deleted.
+// forgetDB removes db's fence from bucket (a purge of the fence key's subject: no delete marker
+// left), for a db that does not exist any more, once its keys are dropped. A job that claims the
+// db later writes a new one; a holder whose claim it removed has every write refused, as after
+// another claim.
+func (m *mirrorWriter) forgetDB(ctx context.Context, bucket, db string, timeout time.Duration) error {
+	ctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	b, err := m.bucket(ctx, bucket)
+	if err != nil {
+		return err
+	}
+	subject := "$KV." + bucket + "." + mirrorkey.Fence(db)
+	apiErr, err := streamRequest(ctx, b.nc, b.stream, "STREAM.PURGE", map[string]any{"filter": subject}, nil, "purge the fence of db "+db)
+	if err != nil {
+		return err
+	}
+	if apiErr != nil {
+		return apiErr
+	}
+	return nil
+}
+
+// serial reports whether a job's writes into bucket go one at a time (see mirrorBucket.serial).
+func (m *mirrorWriter) serial(bucket string) bool {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	b, ok := m.buckets[bucket]
+	return ok && b.serial
+}
+
+// dropDB deletes every key of db from bucket (KV deletes, as for deleted docs), under the job's
+// fence of db: the mirror of a db that no longer exists, or that is about to be rebuilt from the
+// beginning of its feed (a rule without a checkpoint in db: a new rule, or a db deleted and
+// created again, whose old docs must not outlive it). It returns how many keys it deleted.
 func (m *mirrorWriter) dropDB(ctx context.Context, bucket, db string) (int, error) {
 	b, err := m.bucket(ctx, bucket)
 	if err != nil {
@@ -264,20 +371,40 @@ func (m *mirrorWriter) dropDB(ctx context.Context, bucket, db string) (int, erro
 		if !worker.Held(ctx) {
 			return 0, worker.ErrLeaseLost
 		}
-		if err := b.kv.Delete(ctx, k); err != nil {
+		if _, err := b.write(ctx, k, nil, true); err != nil {
 			return 0, fmt.Errorf("mirror %s: delete key %s of db %s: %w", bucket, k, db, err)
 		}
 	}
 	return len(keys), nil
 }
 
-// mirrorPoint is the latest write of a job into a mirror bucket: the key's subject and the
-// write's stream sequence, kept in the rule's checkpoint (checkpoint.OnChangePoint.Stream) so
-// that the next job can tell whether the bucket lost it (see healMirror).
+// mirrorPoint is a job's state in a mirror bucket: its fence of the db (claimDB), and its latest
+// write: the key's subject and the write's stream sequence, kept in the rule's checkpoint
+// (checkpoint.OnChangePoint.Stream) so that the next job can tell whether the bucket lost it (see
+// healMirror).
 type mirrorPoint struct {
-	mu      sync.Mutex
-	subject string
-	seq     uint64
+	mu           sync.Mutex
+	subject      string
+	seq          uint64
+	fenceSubject string
+	fenceSeq     uint64
+}
+
+// claimed notes the job's claim of its db, stored at seq on subject.
+func (p *mirrorPoint) claimed(subject string, seq uint64) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.fenceSubject, p.fenceSeq = subject, seq
+}
+
+// fence returns the job's claim of its db (ok false: none).
+func (p *mirrorPoint) fence() (subject string, seq uint64, ok bool) {
+	if p == nil {
+		return "", 0, false
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.fenceSubject, p.fenceSeq, p.fenceSeq != 0
 }
 
 // wrote notes a write stored at seq.

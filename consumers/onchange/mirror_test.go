@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"net/url"
 	"strings"
@@ -51,6 +52,21 @@ func (e *env) mirrorOf(t testing.TB, bucket, db string) map[string]map[string]an
 			out[id] = decodeObject(t, en.Value())
 		}
 	}
+}
+
+// keyRevisions returns the revision (stream sequence) of each key of db in kv.
+func keyRevisions(t testing.TB, kv jetstream.KeyValue, db string) map[string]uint64 {
+	t.Helper()
+	lister, err := kv.ListKeysFiltered(t.Context(), mirrorkey.DBPrefix(db))
+	require.NoError(t, err)
+	out := map[string]uint64{}
+	for k := range lister.Keys() {
+		e, err := kv.Get(t.Context(), k)
+		require.NoError(t, err)
+		out[k] = e.Revision()
+	}
+	require.NotEmpty(t, out)
+	return out
 }
 
 func decodeObject(t testing.TB, b []byte) map[string]any {
@@ -178,18 +194,14 @@ func TestMirrorWinningRevisions(t *testing.T) {
 	assert.Equal(t, "loser", e.mirrorOf(t, bucket, db)["conflict"]["side"])
 	require.Eventually(t, func() bool { return e.caughtUp(t, "mir", db) }, 30*time.Second, 20*time.Millisecond)
 
-	// A replay rewrites nothing: the bucket's stream gets no new message.
-	before, err := kv.Status(t.Context())
-	require.NoError(t, err)
-	lastBefore := before.(*jetstream.KeyValueBucketStatus).StreamInfo().State.LastSeq
+	// A replay rewrites nothing: no doc key gets a new message (its jobs claim the db: the fence
+	// key's only).
+	before := keyRevisions(t, kv, db)
 	e.replay(t, "mir", db)
 	e.enqueue(t, db)
 	require.Eventually(t, func() bool { return e.caughtUp(t, "mir", db) }, 30*time.Second, 20*time.Millisecond)
 	e.requireMirror(t, bucket, db)
-	after, err := kv.Status(t.Context())
-	require.NoError(t, err)
-	assert.Equal(t, lastBefore, after.(*jetstream.KeyValueBucketStatus).StreamInfo().State.LastSeq,
-		"a replay of the same winning revisions writes nothing")
+	assert.Equal(t, before, keyRevisions(t, kv, db), "a replay of the same winning revisions writes nothing")
 	assert.Empty(t, e.deadLettersOf(t, db))
 }
 
@@ -343,6 +355,33 @@ func TestMirrorRecreatedDB(t *testing.T) {
 	got := e.mirrorOf(t, bucketDocs, db)
 	assert.NotContains(t, got, "old1")
 	assert.Equal(t, json.Number("2"), got["both"]["v"])
+}
+
+// TestMirrorOfADeletedDBLeavesNoFence: each job of a mirrored db claims it in the bucket (the
+// db's fence key); once the db is deleted its job drops the keys and removes the fence too, so a
+// deleted db leaves only its keys' delete markers behind.
+func TestMirrorOfADeletedDBLeavesNoFence(t *testing.T) {
+	e := newEnv(t, 60*time.Second)
+	app := e.start(t)
+	db := e.Couch.NewDB(t, e.Prefix)
+	e.ruleIn(t, app, "mir", db, map[string]any{"mirror": bucketDocs})
+	e.Couch.Put(t, db, "d1", map[string]any{"v": 1})
+	e.enqueue(t, db)
+	e.requireMirror(t, bucketDocs, db)
+	kv, err := e.JS.KeyValue(t.Context(), bucketDocs)
+	require.NoError(t, err)
+	_, err = kv.Get(t.Context(), mirrorkey.Fence(db))
+	require.NoError(t, err, "the job claimed the db")
+
+	require.NoError(t, e.Couch.Do(t, "DELETE", "/"+couchtest.PathDB(db), nil, nil))
+	e.enqueue(t, db)
+	require.Eventually(t, func() bool {
+		_, err := kv.Get(t.Context(), mirrorkey.Fence(db))
+		return errors.Is(err, jetstream.ErrKeyNotFound)
+	}, 30*time.Second, 20*time.Millisecond, "the deleted db's fence is removed")
+	assert.Empty(t, e.mirrorOf(t, bucketDocs, db))
+	_, err = kv.Get(t.Context(), mirrorkey.Fence(db))
+	assert.ErrorIs(t, err, jetstream.ErrKeyNotFound, "and leaves no delete marker")
 }
 
 // TestMirrorLossHealed: the mirror bucket loses a write it had acknowledged — NATS restarted from

@@ -73,3 +73,12 @@ func unpart(s string) (string, error) {
 	}
 	return string(b), nil
 }
+
+// FencePrefix starts the keys a mirror keeps for itself, one per db: "_spiegel.fence.<b64(db)>".
+// They are not doc keys (Decode refuses them, DBPrefix does not match them): a reader skips them.
+const FencePrefix = "_spiegel.fence."
+
+// Fence returns the key of db's fence in a mirror bucket: each job that writes db's keys first
+// writes it, and every write of the job expects it unchanged, so a job that lost its turn to a
+// later one writes nothing more.
+func Fence(db string) string { return FencePrefix + part(db) }

@@ -2,6 +2,7 @@ package mirrorkey
 
 import (
 	"regexp"
+	"strings"
 	"testing"
 )
 
@@ -56,6 +57,17 @@ func FuzzRoundTrip(f *testing.F) {
 		gdb, gid, err := Decode(k)
 		if err != nil || gdb != db || gid != id {
 			t.Fatalf("Decode(%q) = %q, %q, %v", k, gdb, gid, err)
+		}
+		// The db's fence is a valid key that is no doc's key and that no db's filter matches.
+		fk := Fence(db)
+		if !validKey.MatchString(fk) {
+			t.Fatalf("Fence(%q) = %q: not a valid KV key", db, fk)
+		}
+		if _, _, err := Decode(fk); err == nil {
+			t.Fatalf("Decode(Fence(%q)) = %q accepted as a doc key", db, fk)
+		}
+		if strings.Count(fk, ".") == 1 {
+			t.Fatalf("Fence(%q) = %q has the two tokens of a doc key (DBPrefix matches those)", db, fk)
 		}
 	})
 }

@@ -276,6 +276,9 @@ func (r *run) readMirror(ctx context.Context) (map[string]map[string]string, err
 			if e == nil { // the current values are all read
 				return out, nil
 			}
+			if strings.HasPrefix(e.Key(), mirrorkey.FencePrefix) { // a db's fence, not a doc
+				continue
+			}
 			db, id, err := mirrorkey.Decode(e.Key())
 			if err != nil {
 				return nil, fmt.Errorf("bucket %s: key %q: %w", mirrorBucket, e.Key(), err)
