@@ -3,6 +3,7 @@ package chaos
 import (
 	"context"
 	"fmt"
+	"io"
 	"net/http"
 	"net/url"
 	"slices"
@@ -288,6 +289,31 @@ func (p *prober) summary() []classHeal {
 	}
 	sort.SliceStable(out, func(i, j int) bool { return out[i].Kind < out[j].Kind })
 	return out
+}
+
+// writeTimes writes every probe's times (run clock) as tab-separated lines, slowest heal first:
+// where to look in the processes' logs for what a heal waited on.
+func (p *prober) writeTimes(w io.Writer) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	probes := slices.Clone(p.probes)
+	heal := func(pr *probe) time.Duration {
+		if d, ok := pr.heal(); ok {
+			return d
+		}
+		return time.Duration(1<<63 - 1) // never: first
+	}
+	sort.SliceStable(probes, func(i, j int) bool { return heal(probes[i]) > heal(probes[j]) })
+	r := func(d time.Duration) string { return d.Round(10 * time.Millisecond).String() }
+	fmt.Fprintln(w, "class\tdb\tdoc\trev\twritten\tfault_ended\ttarget\twebhook\tstream\theal")
+	for _, pr := range probes {
+		h := "never"
+		if d, ok := pr.heal(); ok {
+			h = r(d)
+		}
+		fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n", pr.Kind, pr.DB, pr.ID, pr.Rev,
+			r(pr.Written), r(pr.Ended), r(pr.Target), r(pr.Hook), r(pr.Stream), h)
+	}
 }
 
 // String is one class's time to heal, as the verdict prints it.

@@ -327,6 +327,12 @@ func (r *run) shutdown(res *Result) {
 		res.write(f)
 		_ = f.Close()
 	}
+	if r.probes != nil {
+		if f, err := os.Create(filepath.Join(r.cfg.OutDir, "probes.tsv")); err == nil {
+			r.probes.writeTimes(f)
+			_ = f.Close()
+		}
+	}
 	if res.Pass() && !r.cfg.Keep {
 		if r.cfg.Name == "short" {
 			_ = os.RemoveAll(r.cfg.OutDir)
