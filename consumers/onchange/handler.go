@@ -201,12 +201,7 @@ func (h *handler) runRule(ctx context.Context, db string, rule *rules.OnChange, 
 	log := h.log.WithFields(logrus.Fields{"db": db, "rule": rule.ID()})
 	cp, since, fresh, err := h.start(ctx, db, rule)
 	if errors.Is(err, couch.ErrNotFound) {
-		if err := h.dropMirror(ctx, db, rule, log); err != nil {
-			return ruleResult{err: err}
-		}
-		h.forgetFence(ctx, db, rule, log)
-		log.Warn("db does not exist: job dropped (it is enqueued again when the db is recreated)")
-		return ruleResult{outcome: status.ResultMissingSource}
+		return h.dbGone(ctx, db, rule, log)
 	}
 	if err != nil {
 		return ruleResult{err: err}
@@ -275,7 +270,9 @@ func (h *handler) runRule(ctx context.Context, db string, rule *rules.OnChange, 
 			verifying, cps.cp = nil, v.cp
 			if errors.Is(v.err, checkpoint.ErrMoved) {
 				log.Info("the cached checkpoint's db was deleted or recreated meanwhile: starting over")
-				if cps.cp, since, cps.fresh, err = h.start(ctx, db, rule); err != nil {
+				if cps.cp, since, cps.fresh, err = h.start(ctx, db, rule); errors.Is(err, couch.ErrNotFound) {
+					return finish(h.dbGone(ctx, db, rule, log))
+				} else if err != nil {
 					return finish(ruleResult{err: err})
 				}
 				cps.stored, verifying, replay = since, h.verify(ctx, cps.cp), replayOf(cps.cp)
@@ -309,13 +306,7 @@ func (h *handler) runRule(ctx context.Context, db string, rule *rules.OnChange, 
 		}
 		page, err := got.page, got.err
 		if errors.Is(err, couch.ErrNotFound) {
-			h.store.Forget(ctx, rule.ID(), db)
-			if err := h.dropMirror(ctx, db, rule, log); err != nil {
-				return finish(ruleResult{err: err})
-			}
-			h.forgetFence(ctx, db, rule, log)
-			log.Warn("db does not exist: job dropped (it is enqueued again when the db is recreated)")
-			return finish(ruleResult{outcome: status.ResultMissingSource})
+			return finish(h.dbGone(ctx, db, rule, log))
 		}
 		if err != nil {
 			return finish(ruleResult{err: fmt.Errorf("rule %s: %w", rule.ID(), err)})
@@ -455,8 +446,9 @@ func (w *checkpointWriter) wait() error {
 
 // start returns rule's checkpoint in db and the seq the rule starts after: the checkpoint;
 // without one, per the rule's since: the beginning, or the db's current end, saved at once so
-// that "now" keeps meaning the moment the rule first saw the db. fresh says there was none. A
-// missing db is an error matching couch.ErrNotFound.
+// that "now" keeps meaning the moment the rule first saw the db. Either way a rule new to db
+// stores its checkpoint before it reads anything of db. fresh says there was none. A missing
+// db is an error matching couch.ErrNotFound.
 func (h *handler) start(ctx context.Context, db string, rule *rules.OnChange) (cp checkpoint.OnChangePoint, since string, fresh bool, err error) {
 	cp, err = h.store.Load(ctx, rule.ID(), db)
 	if err == nil && !cp.Found {
@@ -466,8 +458,18 @@ func (h *handler) start(ctx context.Context, db string, rule *rules.OnChange) (c
 			return cp, "", false, err
 		}
 	}
-	if err != nil || cp.Found || rule.Since != rules.SinceNow {
-		return cp, cp.LastSeq, err == nil && !cp.Found, err
+	if err != nil || cp.Found {
+		return cp, cp.LastSeq, false, err
+	}
+	if rule.Since != rules.SinceNow {
+		// The rule's first _local doc in db is written before anything of db is read (see
+		// checkpoint.OnChangeStore.Begin): otherwise a db deleted and created again while the run
+		// acts on its first page would get the old db's seq as its checkpoint, and its first
+		// changes would be skipped (seen in a chaos run).
+		if err := h.store.Begin(ctx, &cp); err != nil {
+			return cp, "", false, err
+		}
+		return cp, "", true, nil
 	}
 	page, err := h.couch.Changes(ctx, db, couch.ChangesOptions{Since: couch.SinceNow, Limit: 1})
 	if err != nil {
@@ -492,6 +494,19 @@ func (h *handler) dropMirror(ctx context.Context, db string, rule *rules.OnChang
 		log.WithFields(logrus.Fields{"bucket": rule.Mirror, "keys": n}).Info("mirror: the keys of an earlier or deleted db removed")
 	}
 	return nil
+}
+
+// dbGone is the result of a rule's run in a db that does not exist: its cached checkpoint, its
+// mirror keys and its mirror fence are removed, and the job is dropped (a db created again gets
+// a job of its own).
+func (h *handler) dbGone(ctx context.Context, db string, rule *rules.OnChange, log logrus.FieldLogger) ruleResult {
+	h.store.Forget(ctx, rule.ID(), db)
+	if err := h.dropMirror(ctx, db, rule, log); err != nil {
+		return ruleResult{err: err}
+	}
+	h.forgetFence(ctx, db, rule, log)
+	log.Warn("db does not exist: job dropped (it is enqueued again when the db is recreated)")
+	return ruleResult{outcome: status.ResultMissingSource}
 }
 
 // forgetFence removes a missing db's fence from a mirror rule's bucket once its keys are

@@ -314,6 +314,19 @@ func (s *OnChangeStore) save(ctx context.Context, p *OnChangePoint, seq string, 
 	return s.cache(ctx, p)
 }
 
+// Begin stores p, a checkpoint not Found, at the beginning of its db's feed ("") — the _local
+// doc and the cache entry — before its run reads anything of the db: a db deleted and created
+// again meanwhile has lost the doc, so the run's first save finds it gone (ErrMoved) instead of
+// creating a doc in the new db with the old db's seq. The first Save after it writes the doc
+// again whatever LocalEvery says (the doc holds no progress yet).
+func (s *OnChangeStore) Begin(ctx context.Context, p *OnChangePoint) error {
+	if err := s.save(ctx, p, "", true); err != nil {
+		return err
+	}
+	p.storedAt = time.Time{}
+	return nil
+}
+
 // SaveNow is Save that writes the _local doc whatever LocalEvery says: for a checkpoint that
 // must not be lost with the cache entry (one moved back to heal a change stream).
 func (s *OnChangeStore) SaveNow(ctx context.Context, p *OnChangePoint, seq string) error {
