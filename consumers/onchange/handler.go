@@ -259,6 +259,23 @@ func (h *handler) runRule(ctx context.Context, db string, rule *rules.OnChange, 
 		}
 		got := <-pending
 		pending = nil // used up: a page read twice is read again (starting over may come back to the same seq)
+		if got.err == nil && readFrom == cps.stored && couch.FilesReplaced(couch.Seq(readFrom), couch.Seq(got.page.LastSeq)) {
+			// The feed names new shard files where the checkpoint's seq named others on the same
+			// node: the db was deleted and created again. Its checkpoint doc may still be there
+			// (CouchDB 3 does not check the revs of _local docs: a save sent after the db was
+			// created again lands in the new db), so the lineage check cannot tell; the seqs do.
+			log.Info("the checkpoint's db was deleted and created again (its feed names new shard files): starting over")
+			if err := h.store.Delete(ctx, rule.ID(), db); err != nil {
+				return finish(ruleResult{err: err})
+			}
+			if cps.cp, since, cps.fresh, err = h.start(ctx, db, rule); errors.Is(err, couch.ErrNotFound) {
+				return finish(h.dbGone(ctx, db, rule, log))
+			} else if err != nil {
+				return finish(ruleResult{err: err})
+			}
+			cps.stored, verifying, byPage, replay = since, nil, false, replayOf(cps.cp)
+			continue
+		}
 		if byPage {
 			byPage = false
 			if got.err != nil || !couch.SameCopies(couch.Seq(readFrom), couch.Seq(got.page.LastSeq)) {

@@ -71,7 +71,6 @@ func TestFirstCheckpointLandsInTheDBItWasReadFrom(t *testing.T) {
 	e.ruleIn(t, app, "r", db, map[string]any{"url": s.URL + "/r", "params": map[string]any{"id": "$change.id"}})
 	e.enqueue(t, db)
 	s.waitHits(t, 20*time.Second, hasID("old"), "the old db's doc delivered")
-	require.Eventually(t, func() bool { return e.caughtUp(t, "r", db) }, 20*time.Second, 20*time.Millisecond)
-	e.enqueue(t, db)
+	e.enqueue(t, db) // the new db's write, as the producer would (a job still running runs once more)
 	s.waitHits(t, 20*time.Second, hasID("new1"), "the new db's first doc delivered")
 }

@@ -91,6 +91,26 @@ func OtherCopies(a, b Seq) bool {
 	return false
 }
 
+// FilesReplaced reports whether b, a CouchDB 2+ seq read after a, names another file than a for
+// a range that a had read something of, on the same node: that node's file of the range was
+// created anew since a was read — the db was deleted and created again (or that copy was
+// rebuilt) — and a _changes read since a read the range from 0 of the new file. Copies of
+// another node are not compared (a cluster answers from any copy). False for integer seqs and
+// for seqs it cannot decode.
+func FilesReplaced(a, b Seq) bool {
+	pa, pb, err := unpackBoth(a, b)
+	if err != nil {
+		return false
+	}
+	for r, sb := range pb {
+		sa, ok := pa[r]
+		if ok && sa.seq.Sign() > 0 && sa.node == sb.node && sa.uuid != "" && sb.uuid != "" && sa.uuid != sb.uuid {
+			return true
+		}
+	}
+	return false
+}
+
 // Packed reports whether s is a CouchDB 2+ seq that names its shard copies (one that
 // SameCopies can compare).
 func Packed(s Seq) bool {

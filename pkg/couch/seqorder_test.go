@@ -209,6 +209,23 @@ func TestSameCopies(t *testing.T) {
 	assert.False(t, Packed("12"))
 }
 
+func TestFilesReplaced(t *testing.T) {
+	a1 := shard{node: "node1@127.0.0.1", lo: 0, hi: 0x7fffffff, seq: 3, uuid: "c989f49d"}
+	a2 := shard{node: "node1@127.0.0.1", lo: 0x80000000, hi: 0xffffffff, seq: 5, uuid: "483d5bed"}
+	recreated := a2
+	recreated.uuid, recreated.seq = "00000000", 1
+	elsewhere := recreated
+	elsewhere.node = "node2@127.0.0.1"
+	none := shard{node: "node1@127.0.0.1", lo: 0x80000000, hi: 0xffffffff}
+	assert.True(t, FilesReplaced(packSeq(8, a1, a2), packSeq(4, a1, recreated)), "a file created again on the same node")
+	assert.False(t, FilesReplaced(packSeq(8, a1, a2), packSeq(9, a2, a1)), "the same files, later")
+	assert.False(t, FilesReplaced(packSeq(8, a1, a2), packSeq(4, a1, elsewhere)), "another node's copy: not compared")
+	assert.False(t, FilesReplaced(packSeq(3, a1, none), packSeq(4, a1, recreated)), "nothing read of the range before")
+	assert.False(t, FilesReplaced(couch333Info, couch333Changes), "one node's copies in another order")
+	assert.False(t, FilesReplaced(cluster35Info, cluster35Changes))
+	assert.False(t, FilesReplaced("7", "3"), "integers name no files")
+}
+
 func FuzzCovers(f *testing.F) {
 	for _, s := range []string{couch333Info, couch333Changes, couch333Limit2, cluster35Info, cluster35Changes, "12", "", "3-g1AAAA"} {
 		f.Add(s, couch333Info)
@@ -216,6 +233,7 @@ func FuzzCovers(f *testing.F) {
 	f.Fuzz(func(t *testing.T, a, b string) {
 		assert.True(t, Covers(Seq(a), Seq(a)), "a seq covers itself")
 		assert.False(t, OtherCopies(Seq(a), Seq(a)), "a seq names its own copies")
+		assert.False(t, FilesReplaced(Seq(a), Seq(a)), "a seq names its own files")
 		if SameCopies(Seq(a), Seq(b)) {
 			assert.False(t, OtherCopies(Seq(a), Seq(b)), "the same copies are not other copies")
 			assert.True(t, SameCopies(Seq(b), Seq(a)), "the same copies both ways")
