@@ -11,6 +11,7 @@ trap 'stop_started; rm -rf "$work"' EXIT
 go mod download
 if [ -z "${COUCHDB_URL:-}" ]; then
   start_pouchdb "$work/couchdb"
+  export BENCH_SERVER_PID=$POUCHDB_PID # the server's CPU per change (BenchmarkDispatch)
 fi
 report="$ROOT/bench-report.md"
 raw="$work/bench.txt"

@@ -4,13 +4,18 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"net/http"
 	"net/http/httptest"
+	"os"
 	"regexp"
+	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -20,6 +25,43 @@ import (
 	"github.com/spiegel-nats/spiegel/pkg/couch"
 	"github.com/spiegel-nats/spiegel/pkg/couchtest"
 )
+
+// cpuClock reads the CPU time of this process (consumer, embedded NATS, sink and loops) and,
+// when BENCH_SERVER_PID names it, of the CouchDB server's process.
+type cpuClock struct{ serverPID int }
+
+func newCPUClock(b *testing.B) cpuClock {
+	var c cpuClock
+	if v := os.Getenv("BENCH_SERVER_PID"); v != "" {
+		pid, err := strconv.Atoi(v)
+		require.NoError(b, err, "BENCH_SERVER_PID=%q: want the pid of the CouchDB server's process", v)
+		c.serverPID = pid
+	}
+	return c
+}
+
+// cpuTimes is what a cpuClock read.
+type cpuTimes struct{ self, server time.Duration }
+
+func (c cpuClock) now(b *testing.B) cpuTimes {
+	var ru syscall.Rusage
+	require.NoError(b, syscall.Getrusage(syscall.RUSAGE_SELF, &ru))
+	t := cpuTimes{self: time.Duration(ru.Utime.Nano() + ru.Stime.Nano())}
+	if c.serverPID > 0 {
+		stat, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", c.serverPID))
+		require.NoError(b, err, "read the CouchDB server's CPU time")
+		// utime and stime are fields 14 and 15, after the parenthesised command name.
+		f := strings.Fields(string(stat[bytes.LastIndexByte(stat, ')')+1:]))
+		utime, err1 := strconv.ParseInt(f[11], 10, 64)
+		stime, err2 := strconv.ParseInt(f[12], 10, 64)
+		require.NoError(b, errors.Join(err1, err2), "parse /proc/%d/stat", c.serverPID)
+		t.server = time.Duration(utime+stime) * 10 * time.Millisecond // USER_HZ is 100 on Linux
+	}
+	return t
+}
+
+func (t cpuTimes) sub(u cpuTimes) cpuTimes { return cpuTimes{t.self - u.self, t.server - u.server} }
+func (t cpuTimes) add(u cpuTimes) cpuTimes { return cpuTimes{t.self + u.self, t.server + u.server} }
 
 // countingSink answers every request with 200 after delay and counts them.
 func countingSink(b *testing.B, delay time.Duration) (*httptest.Server, *atomic.Int64) {
@@ -107,6 +149,11 @@ func concurrentLoop(b *testing.B, workers int, dbs []string, since map[string]st
 //     hand-written program does this work on this server, without checkpoints, leases,
 //     retries or a queue. ratio_loop is the pipeline's own cost.
 //
+// Where the time goes on a machine the work saturates: cpu_us/change is this process's CPU per
+// change (the consumer with the embedded NATS and the sink in the pipeline's run, the loop and
+// the sink in the loops'), for the pipeline, the one-db loop (base_) and the same-shape loop
+// (loop_); with BENCH_SERVER_PID, couchdb_cpu_us/change is the server's.
+//
 // With 100 dbs and a 50 ms sink the ratios show the scaling with SPIEGEL_CONCURRENCY: the
 // one-db baseline is one sequential loop. A first, untimed pass creates each db's checkpoint
 // (a _local read and write per db, once in a rule's life, which the loops never pay);
@@ -152,6 +199,8 @@ func BenchmarkDispatch(b *testing.B) {
 			hc := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 64}}
 			var pipeDur, baseDur, loopDur time.Duration
 			var pipeN, baseN, loopN int
+			clock := newCPUClock(b)
+			var pipeCPU, baseCPU, loopCPU, pc, bc, lc cpuTimes
 			// pass writes the changes of one round and runs the pipeline, then the two loops, over
 			// them; only the three runs are timed.
 			pass := func() (pipeD time.Duration, pipeC int, baseD time.Duration, baseC int, loopD time.Duration, loopC int) {
@@ -170,7 +219,7 @@ func BenchmarkDispatch(b *testing.B) {
 				}
 				want := count.Load() + int64(total)
 				b.StartTimer()
-				start := time.Now()
+				start, cpu0 := time.Now(), clock.now(b)
 				for _, db := range dbs {
 					e.enqueue(b, db)
 				}
@@ -179,12 +228,16 @@ func BenchmarkDispatch(b *testing.B) {
 				}
 				pipeD, pipeC = time.Since(start), total
 				b.StopTimer()
+				cpu1 := clock.now(b)
+				pc = cpu1.sub(cpu0)
 				start = time.Now()
 				var err error
 				since, baseC, err = baseline(b.Context(), app.Couch, hc, baseDB, since, sink.URL+"/base")
 				count.Add(-int64(baseC))
 				require.NoError(b, err)
 				baseD = time.Since(start)
+				cpu2 := clock.now(b)
+				bc = cpu2.sub(cpu1)
 
 				start = time.Now()
 				loopC = concurrentLoop(b, e.cfg.Concurrency, loopDBs, loopSince, func(db, since string) (string, int, error) {
@@ -192,6 +245,7 @@ func BenchmarkDispatch(b *testing.B) {
 				})
 				count.Add(-int64(loopC))
 				loopD = time.Since(start)
+				lc = clock.now(b).sub(cpu2)
 				return
 			}
 			// The first pass creates each db's checkpoint (a _local read and write per db, once in
@@ -201,6 +255,7 @@ func BenchmarkDispatch(b *testing.B) {
 			for range b.N {
 				pd, pn, bd, bn, ld, ln := pass()
 				pipeDur, pipeN, baseDur, baseN, loopDur, loopN = pipeDur+pd, pipeN+pn, baseDur+bd, baseN+bn, loopDur+ld, loopN+ln
+				pipeCPU, baseCPU, loopCPU = pipeCPU.add(pc), baseCPU.add(bc), loopCPU.add(lc)
 			}
 			b.ReportMetric(float64(firstN)/firstD.Seconds(), "first_pass_changes/s")
 			pipe, base, loop := float64(pipeN)/pipeDur.Seconds(), float64(baseN)/baseDur.Seconds(), float64(loopN)/loopDur.Seconds()
@@ -209,6 +264,17 @@ func BenchmarkDispatch(b *testing.B) {
 			b.ReportMetric(pipe/base, "ratio")
 			b.ReportMetric(loop, "loop_changes/s")
 			b.ReportMetric(pipe/loop, "ratio_loop")
+			perChange := func(d time.Duration, n int) float64 { return float64(d.Microseconds()) / float64(n) }
+			for _, r := range []struct {
+				prefix string
+				cpu    cpuTimes
+				n      int
+			}{{"", pipeCPU, pipeN}, {"base_", baseCPU, baseN}, {"loop_", loopCPU, loopN}} {
+				b.ReportMetric(perChange(r.cpu.self, r.n), r.prefix+"cpu_us/change")
+				if clock.serverPID > 0 {
+					b.ReportMetric(perChange(r.cpu.server, r.n), r.prefix+"couchdb_cpu_us/change")
+				}
+			}
 		})
 	}
 }
