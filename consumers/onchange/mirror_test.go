@@ -360,19 +360,29 @@ func TestMirrorRecreatedDB(t *testing.T) {
 	assert.Equal(t, json.Number("2"), got["both"]["v"])
 }
 
+// mirroredDB starts an onchange consumer whose rule "mir" mirrors a new db into bucketDocs, writes
+// docs ids into the db ({"v": 1}) and waits until they are mirrored.
+func mirroredDB(t *testing.T, ids ...string) (*env, string) {
+	t.Helper()
+	e := newEnv(t, 60*time.Second)
+	app := e.start(t)
+	db := e.Couch.NewDB(t, e.Prefix)
+	e.ruleIn(t, app, "mir", db, map[string]any{"mirror": bucketDocs})
+	for _, id := range ids {
+		e.Couch.Put(t, db, id, map[string]any{"v": 1})
+	}
+	e.enqueue(t, db)
+	e.requireMirror(t, bucketDocs, db)
+	return e, db
+}
+
 // TestMirrorOfARecreatedDBWithAStaleCheckpointDoc: on CouchDB 2+, a db deleted and created
 // again whose new incarnation holds the old one's checkpoint doc — CouchDB 3 does not check the
 // revs of _local docs, so a save sent after the db was created again lands in the new db, lineage
 // and all — is still recognised as new by its feed, which names new shard files: the rule starts
 // over, and the old db's docs leave the mirror.
 func TestMirrorOfARecreatedDBWithAStaleCheckpointDoc(t *testing.T) {
-	e := newEnv(t, 60*time.Second)
-	app := e.start(t)
-	db := e.Couch.NewDB(t, e.Prefix)
-	e.ruleIn(t, app, "mir", db, map[string]any{"mirror": bucketDocs})
-	e.Couch.Put(t, db, "old1", map[string]any{"v": 1})
-	e.enqueue(t, db)
-	e.requireMirror(t, bucketDocs, db)
+	e, db := mirroredDB(t, "old1")
 	require.Eventually(t, func() bool { return e.caughtUp(t, "mir", db) }, 10*time.Second, 20*time.Millisecond)
 	if seq, _ := e.checkpoint(t, "mir", db); !couch.Packed(couch.Seq(seq)) {
 		t.Skip("integer seqs (PouchDB Server) name no shard files; there the server refuses the stale doc's rev")
@@ -396,13 +406,7 @@ func TestMirrorOfARecreatedDBWithAStaleCheckpointDoc(t *testing.T) {
 // db's fence key); once the db is deleted its job drops the keys and removes the fence too, so a
 // deleted db leaves only its keys' delete markers behind.
 func TestMirrorOfADeletedDBLeavesNoFence(t *testing.T) {
-	e := newEnv(t, 60*time.Second)
-	app := e.start(t)
-	db := e.Couch.NewDB(t, e.Prefix)
-	e.ruleIn(t, app, "mir", db, map[string]any{"mirror": bucketDocs})
-	e.Couch.Put(t, db, "d1", map[string]any{"v": 1})
-	e.enqueue(t, db)
-	e.requireMirror(t, bucketDocs, db)
+	e, db := mirroredDB(t, "d1")
 	kv, err := e.JS.KeyValue(t.Context(), bucketDocs)
 	require.NoError(t, err)
 	_, err = kv.Get(t.Context(), mirrorkey.Fence(db))
