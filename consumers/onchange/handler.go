@@ -483,6 +483,9 @@ func (h *handler) start(ctx context.Context, db string, rule *rules.OnChange) (c
 		// checkpoint.OnChangeStore.Begin): otherwise a db deleted and created again while the run
 		// acts on its first page would get the old db's seq as its checkpoint, and its first
 		// changes would be skipped (seen in a chaos run).
+		if pt := h.streamPoint(ctx, db, rule); rule.Mirror != "" && pt != nil {
+			cp.Stream = *pt // the drop of the db's earlier keys, which the bucket may lose
+		}
 		if err := h.store.Begin(ctx, &cp); err != nil {
 			return cp, "", false, err
 		}

@@ -371,9 +371,13 @@ func (m *mirrorWriter) dropDB(ctx context.Context, bucket, db string) (int, erro
 		if !worker.Held(ctx) {
 			return 0, worker.ErrLeaseLost
 		}
-		if _, err := b.write(ctx, k, nil, true); err != nil {
+		seq, err := b.write(ctx, k, nil, true)
+		if err != nil {
 			return 0, fmt.Errorf("mirror %s: delete key %s of db %s: %w", bucket, k, db, err)
 		}
+		// The drop is a write of the job like any other: should the bucket lose it, the
+		// checkpoint's point says so (healMirror), and the keys are dropped again.
+		mirrorPointOf(ctx, bucket).wrote("$KV."+bucket+"."+k, seq)
 	}
 	return len(keys), nil
 }
@@ -450,7 +454,7 @@ func mirrorPointOf(ctx context.Context, bucket string) *mirrorPoint {
 
 // healMirror checks, before a mirror rule writes anything in a job, that the bucket still holds
 // the rule's latest write in db as its checkpoint records it (cp.Stream: the key's subject and
-// the write's sequence), and returns the seq the rule goes on from. A bucket that acknowledged
+// the write's sequence; a doc's write, or a delete of a drop), and returns the seq the rule goes on from. A bucket that acknowledged
 // writes and lost them — NATS restarted from a store older than what it had acknowledged — holds
 // another message at that sequence (given again to a later write), or none, while the key's
 // last message is older: the rule then mirrors the db again from the start of its feed, after
@@ -463,7 +467,7 @@ func mirrorPointOf(ctx context.Context, bucket string) *mirrorPoint {
 // always is what keeps that from happening.
 func (h *handler) healMirror(ctx context.Context, db string, rule *rules.OnChange, cp checkpoint.OnChangePoint, since string, log logrus.FieldLogger) (string, error) {
 	prefix := "$KV." + rule.Mirror + "."
-	if rule.Mirror == "" || cp.Stream.Seq == 0 || !strings.HasPrefix(cp.Stream.Subject, prefix) || since == "" {
+	if rule.Mirror == "" || cp.Stream.Seq == 0 || !strings.HasPrefix(cp.Stream.Subject, prefix) {
 		return since, nil
 	}
 	jobCtx := ctx

@@ -534,6 +534,41 @@ func TestMirrorLossOfARecreatedDBHealed(t *testing.T) {
 	assert.NotContains(t, got, "a", "the old db's keys are deleted")
 }
 
+// TestMirrorLostDropOfARecreatedDBHealed: as TestMirrorLossOfARecreatedDBHealed, but the new db
+// is empty when its first job drops the old db's keys, so that job writes no doc: the drop's
+// deletes are the rule's only writes, and its checkpoint records them. NATS comes back from a
+// store older than the drop: the old keys are back, and the next job drops them again (seen in
+// a chaos run, where a recreated db's checkpoint began at the start of its feed and the old keys
+// stayed).
+func TestMirrorLostDropOfARecreatedDBHealed(t *testing.T) {
+	e, db := mirroredDB(t, "a", "b")
+	require.Eventually(t, func() bool { return e.caughtUp(t, "mir", db) }, 30*time.Second, 20*time.Millisecond)
+	powerFailure := e.storeCopy(t) // the old db's keys, before the drop
+
+	require.NoError(t, e.Couch.Do(t, "DELETE", "/"+couchtest.PathDB(db), nil, nil))
+	e.Couch.CreateDB(t, db)
+	e.enqueue(t, db)
+	require.Eventually(t, func() bool { return len(e.mirrorOf(t, bucketDocs, db)) == 0 }, 30*time.Second, 50*time.Millisecond,
+		"the old db's keys dropped")
+	require.Eventually(t, func() bool { seq, found := e.checkpoint(t, "mir", db); return found && seq == "" }, 30*time.Second, 50*time.Millisecond,
+		"the new db's checkpoint begun")
+
+	powerFailure()
+	require.Eventually(t, func() bool {
+		_, err := e.JS.KeyValue(t.Context(), bucketDocs)
+		return err == nil
+	}, 30*time.Second, 50*time.Millisecond)
+	require.Contains(t, e.mirrorOf(t, bucketDocs, db), "a", "the store came back with the old db's keys")
+	e.onChangeStore(t).Forget(t.Context(), "mir", db) // the cache came back older too: the _local doc is read
+
+	e.Couch.Put(t, db, "y", map[string]any{"v": "y"})
+	e.enqueue(t, db)
+	require.Eventually(t, func() bool {
+		ok, _ := e.mirrorEquals(t, bucketDocs, db)
+		return ok
+	}, 90*time.Second, 50*time.Millisecond, "the mirror holds y only: %v", e.mirrorOf(t, bucketDocs, db))
+}
+
 // TestMirrorKeyWrittenAgainIsNoLoss: the message at the checkpoint's sequence is gone because
 // its key was written again since (a later doc revision): no loss, the db is not mirrored again.
 func TestMirrorKeyWrittenAgainIsNoLoss(t *testing.T) {
