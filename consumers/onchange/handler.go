@@ -234,6 +234,19 @@ func (h *handler) runRule(ctx context.Context, db string, rule *rules.OnChange, 
 	if !byPage {
 		verifying = h.verify(ctx, cps.cp)
 	}
+	// startOver takes the rule's checkpoint in db again from scratch (the one the run had was
+	// another db's); stop says the run ends with r (the db is gone, or the start failed).
+	startOver := func() (r ruleResult, stop bool) {
+		cps.cp, since, cps.fresh, err = h.start(ctx, db, rule)
+		switch {
+		case errors.Is(err, couch.ErrNotFound):
+			return h.dbGone(ctx, db, rule, log), true
+		case err != nil:
+			return ruleResult{err: err}, true
+		}
+		cps.stored, replay = since, replayOf(cps.cp)
+		return ruleResult{}, false
+	}
 	streamChecked := false // the subject's stream, or the mirror bucket, was checked for losses (healStream, healMirror)
 	readFrom, pending := since, pages.page(since)
 	for {
@@ -268,12 +281,10 @@ func (h *handler) runRule(ctx context.Context, db string, rule *rules.OnChange, 
 			if err := h.store.Delete(ctx, rule.ID(), db); err != nil {
 				return finish(ruleResult{err: err})
 			}
-			if cps.cp, since, cps.fresh, err = h.start(ctx, db, rule); errors.Is(err, couch.ErrNotFound) {
-				return finish(h.dbGone(ctx, db, rule, log))
-			} else if err != nil {
-				return finish(ruleResult{err: err})
+			if r, stop := startOver(); stop {
+				return finish(r)
 			}
-			cps.stored, verifying, byPage, replay = since, nil, false, replayOf(cps.cp)
+			verifying, byPage = nil, false
 			continue
 		}
 		if byPage {
@@ -287,12 +298,10 @@ func (h *handler) runRule(ctx context.Context, db string, rule *rules.OnChange, 
 			verifying, cps.cp = nil, v.cp
 			if errors.Is(v.err, checkpoint.ErrMoved) {
 				log.Info("the cached checkpoint's db was deleted or recreated meanwhile: starting over")
-				if cps.cp, since, cps.fresh, err = h.start(ctx, db, rule); errors.Is(err, couch.ErrNotFound) {
-					return finish(h.dbGone(ctx, db, rule, log))
-				} else if err != nil {
-					return finish(ruleResult{err: err})
+				if r, stop := startOver(); stop {
+					return finish(r)
 				}
-				cps.stored, verifying, replay = since, h.verify(ctx, cps.cp), replayOf(cps.cp)
+				verifying = h.verify(ctx, cps.cp)
 				continue
 			} else if v.err != nil {
 				return finish(ruleResult{err: v.err})
@@ -483,7 +492,7 @@ func (h *handler) start(ctx context.Context, db string, rule *rules.OnChange) (c
 		// checkpoint.OnChangeStore.Begin): otherwise a db deleted and created again while the run
 		// acts on its first page would get the old db's seq as its checkpoint, and its first
 		// changes would be skipped (seen in a chaos run).
-		if pt := h.streamPoint(ctx, db, rule); rule.Mirror != "" && pt != nil {
+		if pt := mirrorPointOf(ctx, rule.Mirror).point(); rule.Mirror != "" && pt != nil {
 			cp.Stream = *pt // the drop of the db's earlier keys, which the bucket may lose
 		}
 		if err := h.store.Begin(ctx, &cp); err != nil {

@@ -482,6 +482,27 @@ func TestMirrorLossHealed(t *testing.T) {
 	assert.Equal(t, 1.0, healthtest.Scrape(t, addr).Get("spiegel_change_stream_heals_total"))
 }
 
+// healAfterPowerFailure runs powerFailure (env.storeCopy), waits for the mirror bucket, checks
+// that db's old key "a" is back in it, drops the rule's cache entry (the cache came back older
+// too: the _local doc is read), writes doc "y" and waits until the mirror equals the db (msg).
+func (e *env) healAfterPowerFailure(t *testing.T, powerFailure func(), db, msg string) {
+	t.Helper()
+	powerFailure()
+	require.Eventually(t, func() bool {
+		_, err := e.JS.KeyValue(t.Context(), bucketDocs)
+		return err == nil
+	}, 30*time.Second, 50*time.Millisecond)
+	require.Contains(t, e.mirrorOf(t, bucketDocs, db), "a", "the store came back with the old db's keys")
+	e.onChangeStore(t).Forget(t.Context(), "mir", db)
+
+	e.Couch.Put(t, db, "y", map[string]any{"v": "y"})
+	e.enqueue(t, db)
+	require.Eventually(t, func() bool {
+		ok, _ := e.mirrorEquals(t, bucketDocs, db)
+		return ok
+	}, 90*time.Second, 50*time.Millisecond, "%s: %v", msg, e.mirrorOf(t, bucketDocs, db))
+}
+
 // TestMirrorLossOfARecreatedDBHealed: a db is deleted and created again under its name, and
 // the rule's first job in the new db deletes the old db's keys. NATS then comes back from a
 // store older than that drop: the old keys are back, the new db's write is gone. The rule mirrors
@@ -515,20 +536,7 @@ func TestMirrorLossOfARecreatedDBHealed(t *testing.T) {
 	require.NoError(t, err)
 	require.NoError(t, cps.SaveNow(t.Context(), &p, p.LastSeq)) // CouchDB is past x when NATS fails
 
-	powerFailure()
-	require.Eventually(t, func() bool {
-		_, err := e.JS.KeyValue(t.Context(), bucketDocs)
-		return err == nil
-	}, 30*time.Second, 50*time.Millisecond)
-	require.Contains(t, e.mirrorOf(t, bucketDocs, db), "a", "the store came back with the old db's keys")
-	e.onChangeStore(t).Forget(t.Context(), "mir", db)
-
-	e.Couch.Put(t, db, "y", map[string]any{"v": "y"})
-	e.enqueue(t, db)
-	require.Eventually(t, func() bool {
-		ok, _ := e.mirrorEquals(t, bucketDocs, db)
-		return ok
-	}, 90*time.Second, 50*time.Millisecond, "the mirror holds x and y only: %v", e.mirrorOf(t, bucketDocs, db))
+	e.healAfterPowerFailure(t, powerFailure, db, "the mirror holds x and y only")
 	got := e.mirrorOf(t, bucketDocs, db)
 	assert.Contains(t, got, "x", "the lost write is mirrored again")
 	assert.NotContains(t, got, "a", "the old db's keys are deleted")
@@ -553,20 +561,7 @@ func TestMirrorLostDropOfARecreatedDBHealed(t *testing.T) {
 	require.Eventually(t, func() bool { seq, found := e.checkpoint(t, "mir", db); return found && seq == "" }, 30*time.Second, 50*time.Millisecond,
 		"the new db's checkpoint begun")
 
-	powerFailure()
-	require.Eventually(t, func() bool {
-		_, err := e.JS.KeyValue(t.Context(), bucketDocs)
-		return err == nil
-	}, 30*time.Second, 50*time.Millisecond)
-	require.Contains(t, e.mirrorOf(t, bucketDocs, db), "a", "the store came back with the old db's keys")
-	e.onChangeStore(t).Forget(t.Context(), "mir", db) // the cache came back older too: the _local doc is read
-
-	e.Couch.Put(t, db, "y", map[string]any{"v": "y"})
-	e.enqueue(t, db)
-	require.Eventually(t, func() bool {
-		ok, _ := e.mirrorEquals(t, bucketDocs, db)
-		return ok
-	}, 90*time.Second, 50*time.Millisecond, "the mirror holds y only: %v", e.mirrorOf(t, bucketDocs, db))
+	e.healAfterPowerFailure(t, powerFailure, db, "the mirror holds y only")
 }
 
 // TestMirrorKeyWrittenAgainIsNoLoss: the message at the checkpoint's sequence is gone because
