@@ -15,10 +15,11 @@ const cachedHistory = 10
 // CheckpointCache keeps, per replication id, the checkpoint docs that a run of this process
 // last read or wrote on both sides, so that the next run of the same replication within MaxAge
 // does not read them again. An entry is verified, never trusted: a run that uses it reads the
-// target's checkpoint doc in parallel with its first _changes page (one request instead of the
-// two reads), and when that doc is not the cached one — the target was deleted and recreated,
-// restored from a backup, or another process ran the replication since — the entry is dropped
-// and the run reads both checkpoints (see run.run). MaxAge bounds the memory an idle entry holds.
+// target's checkpoint doc (one request instead of the two reads) before its first checkpoint
+// write and before it reports success, and when that doc is not the cached one — the target was
+// deleted and recreated, restored from a backup, or another process ran the replication since —
+// the entry is dropped and the run starts again from both checkpoints (see run.targetCheck).
+// MaxAge bounds the memory an idle entry holds.
 // Safe for concurrent use.
 type CheckpointCache struct {
 	maxAge  time.Duration

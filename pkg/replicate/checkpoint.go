@@ -112,6 +112,22 @@ type checkpointer struct {
 	// feedEnd is the end of the source's changes feed as this run read it, once every change
 	// before it is on the target ("" until then)
 	feedEnd couch.Seq
+	// check verifies the cached checkpoint the run started from (nil: none, or done; see
+	// run.targetCheck)
+	check func(context.Context) error
+}
+
+// verify runs the verification of the cached checkpoint the run started from, once it passes
+// (nil: nothing to verify). errTargetChanged: the target's doc is not the cached one.
+func (c *checkpointer) verify(ctx context.Context) error {
+	if c.check == nil {
+		return nil
+	}
+	if err := c.check(ctx); err != nil {
+		return err
+	}
+	c.check = nil
+	return nil
 }
 
 // recent reports whether the checkpoint this run started from was written by an earlier run
@@ -153,9 +169,13 @@ func (c *checkpointer) read(ctx context.Context, e *endpoint) (*checkpointDoc, e
 }
 
 // write records seq with stats as this session's checkpoint on both sides (in parallel), after
-// advancing the run's fencing token (Options.Fence): a run fenced there writes nothing.
+// verifying the cached checkpoint the run started from (errTargetChanged: nothing is written)
+// and advancing the run's fencing token (Options.Fence): a run fenced there writes nothing.
 // It must only be called once every change up to seq has been written to the target.
 func (c *checkpointer) write(ctx context.Context, seq couch.Seq, st stats) error {
+	if err := c.verify(ctx); err != nil {
+		return err
+	}
 	entry := historyEntry{
 		SessionID:        c.session,
 		StartTime:        c.started.UTC().Format(time.RFC1123),

@@ -188,7 +188,8 @@ type Result struct {
 	CheckpointDeferred bool
 	// DocsRead counts revisions fetched from the source, DocsWritten those the target stored,
 	// DocWriteFailures those it refused; MissingChecked the leaf revs sent to _revs_diff,
-	// MissingFound those the target lacked.
+	// MissingFound those the target lacked. A batch of new docs written without asking (see
+	// run.process) counts its revisions as checked, missing and written.
 	DocsRead, DocsWritten, DocWriteFailures, MissingChecked, MissingFound int64
 
 	// Requests counts the HTTP requests the run sent, retries included.
@@ -260,6 +261,9 @@ type run struct {
 	log       logrus.FieldLogger
 	counters  counters
 	bulkGetOK bulkGetProbe // whether the source has _bulk_get, found out once per run
+	// blind lets a small batch of new docs skip _revs_diff (see process): the run continues
+	// this process's own progress (a cached checkpoint)
+	blind bool
 }
 
 func (r *run) run(ctx context.Context) (Result, error) {
@@ -279,8 +283,6 @@ func (r *run) run(ctx context.Context) (Result, error) {
 			return res, err
 		}
 	}
-	r.startFrom(cp, &res, srcDoc, tgtDoc, done)
-
 	pouchDB := false
 	if r.opt.Selector != nil {
 		if pouchDB, err = r.isPouchDB(ctx); err != nil {
@@ -291,57 +293,95 @@ func (r *run) run(ctx context.Context) (Result, error) {
 	if err != nil {
 		return res, err
 	}
-	// A cached checkpoint is verified, never trusted: the target's doc is read before anything
-	// of the first page is acted on. When the target is on another server it is read while the
-	// first page is (a round trip saved where round trips are long); when both dbs are on one
-	// server, after it: there the round trip is short, and reading both at once would hold two
-	// of the server's connections per running replication instead of one.
-	var verified chan verifyResult
-	verify := func() {
-		verified = make(chan verifyResult, 1)
-		go func() {
-			doc, err := cp.read(ctx, r.tgt)
-			verified <- verifyResult{doc, err}
-		}()
-	}
-	if cached && !r.src.sameServer(r.tgt) {
-		verify()
-	}
-	first, raw, err := reader.page(ctx, cp.startSeq)
-	if cached && verified == nil {
-		verify()
-	}
-	if verified != nil {
-		v := <-verified
-		switch {
-		case v.err != nil:
-			r.opt.Checkpoints.drop(r.id)
-			return res, v.err
-		case !sameCheckpoint(v.doc, tgtDoc):
-			// The target is not as this process left it: deleted and recreated, restored from a
-			// backup, or replicated by another process since. Both checkpoints are read again,
-			// as a run without the cache does (CouchDB's replicator starts over when the
-			// target's checkpoint is gone).
-			r.log.Info("the target's checkpoint is not the cached one (target recreated or restored, or another process ran): reading both checkpoints")
-			r.opt.Checkpoints.drop(r.id)
-			cached = false
-			if srcDoc, tgtDoc, err = r.readCheckpoints(ctx, cp); err != nil {
-				return res, err
-			}
-			r.startFrom(cp, &res, srcDoc, tgtDoc, progress{})
-			first, raw, err = reader.page(ctx, cp.startSeq)
+	for {
+		r.startFrom(cp, &res, srcDoc, tgtDoc, done)
+		// Changes past this process's own progress are new to the target: a small batch of new
+		// docs is written without asking _revs_diff (see process).
+		r.blind = cached
+		cp.check = nil
+		if cached {
+			cp.check = r.targetCheck(ctx, cp, tgtDoc)
 		}
+		err = r.replicate(ctx, reader, cp, &res, cached, srcDoc, tgtDoc)
+		if !errors.Is(err, errTargetChanged) {
+			return res, err
+		}
+		// The target is not as this process left it: deleted and recreated, restored from a
+		// backup, or replicated by another process since. Both checkpoints are read again, as a
+		// run without the cache does (CouchDB's replicator starts over when the target's
+		// checkpoint is gone). What the run wrote before it found out is on the target either way.
+		r.log.Info("the target's checkpoint is not the cached one (target recreated or restored, or another process ran): reading both checkpoints")
+		cached, done = false, progress{}
+		if srcDoc, tgtDoc, err = r.readCheckpoints(ctx, cp); err != nil {
+			return res, err
+		}
+	}
+}
+
+// errTargetChanged is the verification's finding that the target's checkpoint doc is not the
+// cached one (see targetCheck); the run starts again without the cache.
+var errTargetChanged = errors.New("the target's checkpoint is not the cached one")
+
+// targetCheck returns the verification of a cached checkpoint, never trusted (see
+// CheckpointCache): a func that reads the target's checkpoint doc and returns errTargetChanged
+// when it is not tgtDoc. The checkpointer calls it before the run's first checkpoint write, and
+// the run before it reports success; a run's writes before it are of changes the target needs
+// either way. When the target is on another server its doc is read now, while the first page is;
+// on the source's server when first called: after the run's writes, so that the doc written is
+// on the target one round trip sooner, and the run holds one connection at a time.
+func (r *run) targetCheck(ctx context.Context, cp *checkpointer, tgtDoc *checkpointDoc) func(context.Context) error {
+	compare := func(doc *checkpointDoc, err error) error {
+		switch {
+		case err != nil:
+			return err
+		case !sameCheckpoint(doc, tgtDoc):
+			return errTargetChanged
+		}
+		return nil
+	}
+	if r.src.sameServer(r.tgt) {
+		return func(ctx context.Context) error { return compare(cp.read(ctx, r.tgt)) }
+	}
+	read := make(chan verifyResult, 1)
+	go func() {
+		doc, err := cp.read(ctx, r.tgt)
+		read <- verifyResult{doc, err}
+	}()
+	var got *verifyResult
+	return func(ctx context.Context) error {
+		if got == nil {
+			select {
+			case v := <-read:
+				got = &v
+			case <-ctx.Done():
+				return ctx.Err()
+			}
+		}
+		return compare(got.doc, got.err)
+	}
+}
+
+// replicate is one attempt of the run from cp's start: the first page, then the pipeline; it
+// updates the cache with the outcome. errTargetChanged means that the cached checkpoint was
+// stale: the caller starts again without it.
+func (r *run) replicate(ctx context.Context, reader *changesReader, cp *checkpointer, res *Result, cached bool, srcDoc, tgtDoc *checkpointDoc) error {
+	first, raw, err := reader.page(ctx, cp.startSeq)
+	if err == nil && raw == 0 {
+		err = cp.verify(ctx)
 	}
 	if err != nil {
 		r.opt.Checkpoints.drop(r.id)
 	}
 	if errors.Is(err, couch.ErrNotFound) {
 		if ok, xerr := r.src.exists(ctx); xerr == nil && !ok {
-			return res, fmt.Errorf("%w: %s", ErrSourceNotFound, r.src.shown)
+			return fmt.Errorf("%w: %s", ErrSourceNotFound, r.src.shown)
 		}
 	}
-	if err != nil {
-		return res, fmt.Errorf("read changes of %s: %w", r.src.shown, err)
+	switch {
+	case errors.Is(err, errTargetChanged):
+		return err
+	case err != nil:
+		return fmt.Errorf("read changes of %s: %w", r.src.shown, err)
 	}
 	if raw == 0 {
 		res.OK, res.NoChanges, res.FeedEnd = true, true, string(first.LastSeq)
@@ -352,9 +392,12 @@ func (r *run) run(ctx context.Context) (Result, error) {
 		if !cached && srcDoc != nil && tgtDoc != nil {
 			r.opt.Checkpoints.put(r.id, *srcDoc, *tgtDoc)
 		}
-		return res, nil
+		return nil
 	}
 	err = r.pipeline(ctx, reader, first, raw, cp)
+	if err == nil {
+		err = cp.verify(ctx) // a run that wrote no checkpoint has not verified yet
+	}
 	switch {
 	case err != nil:
 		r.opt.Checkpoints.drop(r.id)
@@ -369,7 +412,7 @@ func (r *run) run(ctx context.Context) (Result, error) {
 	res.EndSeq, res.CheckpointDeferred, res.FeedEnd = string(cp.written), cp.deferred, string(cp.feedEnd)
 	res.OK = err == nil
 	if err != nil {
-		return res, err // the caller logs it
+		return err // the caller logs it
 	}
 	st := r.counters.snapshot()
 	log := r.log.WithFields(logrus.Fields{
@@ -381,7 +424,7 @@ func (r *run) run(ctx context.Context) (Result, error) {
 	} else {
 		log.Debug("replicated: target was up to date")
 	}
-	return res, nil
+	return nil
 }
 
 // startFrom sets where cp's run starts from the checkpoint docs read (nil: none) and the

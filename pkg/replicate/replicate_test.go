@@ -129,13 +129,13 @@ func TestIncrementalRequests(t *testing.T) {
 }
 
 // TestCheckpointCache: with the checkpoint cache and deferred checkpoints, an incremental run of
-// a new doc costs three requests (_changes with the doc, _revs_diff, _bulk_docs: see
-// firstGeneration) plus one
-// verification of the cached checkpoint (the target's _local doc, read after the first page:
-// source and target are on one server, so the run holds one connection at a time), and a run
-// without changes _changes and the verification; a cache that another
-// process made stale costs no doc twice; a target deleted and recreated behind the hot cache's
-// back is replicated from the beginning by the next run.
+// a new doc costs two requests (_changes with the doc, _bulk_docs: the run continues this
+// process's progress, so a small batch of new docs is written without _revs_diff, see
+// run.process) plus one verification of the cached checkpoint (the target's _local doc, read
+// after the write: source and target are on one server, so the run holds one connection at a
+// time), and a run without changes _changes and the verification; a cache that another process
+// made stale costs no doc twice on the target; a target deleted and recreated behind the hot
+// cache's back is replicated from the beginning by the next run.
 func TestCheckpointCache(t *testing.T) {
 	s := couchtest.Get(t)
 	source, target := s.NewDB(t, "csrc_"), s.NewDB(t, "ctgt_")
@@ -160,7 +160,8 @@ func TestCheckpointCache(t *testing.T) {
 		reqs := log.take()
 		verifications := count(reqs, verification)
 		assert.Equal(t, 1, verifications, "run %d verifies the cached checkpoint once: %v", i, reqs)
-		assert.Equal(t, 3, len(reqs)-verifications, "run %d: %v", i, reqs)
+		assert.Equal(t, 2, len(reqs)-verifications, "run %d: %v", i, reqs)
+		assert.True(t, verification(reqs[len(reqs)-1]), "run %d verifies after its write: %v", i, reqs)
 		assert.EqualValues(t, len(reqs), res.Requests)
 		t.Logf("incremental run %d: %d requests + %d verification", i, len(reqs)-verifications, verifications)
 	}
@@ -173,17 +174,30 @@ func TestCheckpointCache(t *testing.T) {
 	requireSameLeaves(t, s, source, target)
 
 	// Another process (no shared cache) runs the replication meanwhile: this one's cache is
-	// stale; its next run finds out by the verification and writes nothing twice.
+	// stale. Its next run sends the other's doc with its own (a small batch of new docs past
+	// its progress), which the target keeps as it was; then the verification finds the
+	// target's checkpoint moved, and the run starts again from it: nothing is written twice.
 	s.Put(t, source, "elsewhere", map[string]any{})
 	other := opt
 	other.Checkpoints, other.CheckpointDefer, other.HTTPClient = nil, 0, nil
 	_, err = Run(t.Context(), other, testLog(t))
 	require.NoError(t, err)
+	elsewhere := func() (doc map[string]any) { // with its revision history
+		require.NoError(t, s.Do(t, "GET", "/"+couchtest.PathDB(target)+"/elsewhere?revs=true&conflicts=true", nil, &doc))
+		return doc
+	}
+	held := elsewhere()
 	s.Put(t, source, "here", map[string]any{})
 	res, err := Run(t.Context(), opt, testLog(t))
 	require.NoError(t, err)
-	assert.EqualValues(t, 1, res.DocsWritten, "only the new doc")
+	assert.EqualValues(t, 2, res.DocsWritten, "the other's doc and the new one, sent once each")
+	assert.Equal(t, held, elsewhere(), "the target keeps the doc it held")
 	requireSameLeaves(t, s, source, target)
+	log.take()
+	again, err := Run(t.Context(), opt, testLog(t))
+	require.NoError(t, err)
+	assert.True(t, again.NoChanges, "the run that started again left a cache entry of its own")
+	assert.Equal(t, 1, count(log.take(), verification))
 
 	// The target is deleted and recreated empty; the cache is hot, yet the next run finds the
 	// target's checkpoint gone and replicates everything, as CouchDB's replicator does.
@@ -196,6 +210,31 @@ func TestCheckpointCache(t *testing.T) {
 	res, err = Run(t.Context(), opt, testLog(t))
 	require.NoError(t, err)
 	assert.Empty(t, res.StartSeq, "started over from the beginning")
+	requireSameLeaves(t, s, source, target)
+}
+
+// TestCheckpointCacheVerifiedBeforeCheckpoint: a cached run verifies the target before its
+// first checkpoint write, not only at its end. The target is deleted and recreated behind the
+// hot cache's back, and the run reads several pages (so it checkpoints): without the
+// verification first, its checkpoint would land in the new target (Apache CouchDB does not
+// check the revs of _local docs) and the next attempt would start from it, leaving the docs
+// before it out.
+func TestCheckpointCacheVerifiedBeforeCheckpoint(t *testing.T) {
+	s := couchtest.Get(t)
+	source, target := s.NewDB(t, "vsrc_"), s.NewDB(t, "vtgt_")
+	createDocs(t, s, source, "base", 5)
+	opt := Options{Source: dbURL(s, source), Target: dbURL(s, target), BatchSize: 4, Workers: 1,
+		CheckpointDefer: time.Hour, Checkpoints: NewCheckpointCache(time.Hour, 10)}
+	_, err := Run(t.Context(), opt, testLog(t))
+	require.NoError(t, err)
+
+	require.NoError(t, s.Do(t, "DELETE", "/"+couchtest.PathDB(target), nil, nil))
+	require.NoError(t, s.Do(t, "PUT", "/"+couchtest.PathDB(target), nil, nil))
+	createDocs(t, s, source, "later", 12) // three pages of new docs, each written blind
+	res, err := Run(t.Context(), opt, testLog(t))
+	require.NoError(t, err)
+	assert.Empty(t, res.StartSeq, "started over from the beginning")
+	assert.False(t, res.CheckpointDeferred)
 	requireSameLeaves(t, s, source, target)
 }
 
