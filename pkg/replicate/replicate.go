@@ -366,24 +366,20 @@ func (r *run) targetCheck(ctx context.Context, cp *checkpointer, tgtDoc *checkpo
 // stale: the caller starts again without it.
 func (r *run) replicate(ctx context.Context, reader *changesReader, cp *checkpointer, res *Result, cached bool, srcDoc, tgtDoc *checkpointDoc) error {
 	first, raw, err := reader.page(ctx, cp.startSeq)
-	if err == nil && raw == 0 {
-		err = cp.verify(ctx)
-	}
 	if err != nil {
 		r.opt.Checkpoints.drop(r.id)
-	}
-	if errors.Is(err, couch.ErrNotFound) {
-		if ok, xerr := r.src.exists(ctx); xerr == nil && !ok {
-			return fmt.Errorf("%w: %s", ErrSourceNotFound, r.src.shown)
+		if errors.Is(err, couch.ErrNotFound) {
+			if ok, xerr := r.src.exists(ctx); xerr == nil && !ok {
+				return fmt.Errorf("%w: %s", ErrSourceNotFound, r.src.shown)
+			}
 		}
-	}
-	switch {
-	case errors.Is(err, errTargetChanged):
-		return err
-	case err != nil:
 		return fmt.Errorf("read changes of %s: %w", r.src.shown, err)
 	}
 	if raw == 0 {
+		if err := cp.verify(ctx); err != nil {
+			r.opt.Checkpoints.drop(r.id)
+			return err
+		}
 		res.OK, res.NoChanges, res.FeedEnd = true, true, string(first.LastSeq)
 		if res.FeedEnd == "" {
 			res.FeedEnd = string(cp.startSeq)
@@ -432,6 +428,7 @@ func (r *run) replicate(ctx context.Context, reader *changesReader, cp *checkpoi
 func (r *run) startFrom(cp *checkpointer, res *Result, srcDoc, tgtDoc *checkpointDoc, done progress) {
 	cp.startSeq, cp.history = findStartSeq(srcDoc, tgtDoc)
 	cp.written, cp.deferredBefore = cp.startSeq, 0
+	cp.deferred, cp.deferredSeq, cp.deferredChanges, cp.lastWritten, cp.feedEnd = false, "", 0, nil, "" // an earlier attempt's
 	if done.seq != "" {
 		// An earlier run of this process left its checkpoint to a later run: everything up to
 		// its progress is on the target already.

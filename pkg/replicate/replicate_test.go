@@ -210,6 +210,8 @@ func TestCheckpointCache(t *testing.T) {
 	res, err = Run(t.Context(), opt, testLog(t))
 	require.NoError(t, err)
 	assert.Empty(t, res.StartSeq, "started over from the beginning")
+	assert.False(t, res.CheckpointDeferred, "the run that started over wrote its checkpoint (its first attempt had deferred it)")
+	assert.NotEqual(t, res.StartSeq, res.EndSeq)
 	requireSameLeaves(t, s, source, target)
 }
 
