@@ -75,23 +75,8 @@ func BenchmarkNativeVsServer(b *testing.B) {
 		_, err := Run(context.Background(), opt, nil)
 		require.NoError(b, err)
 		serverReplicate(b, s, source, st)
-		var native, server time.Duration
-		var requests int64
-		b.ResetTimer()
-		for i := 0; i < b.N; i++ {
-			b.StopTimer()
-			for j := range 1 + i%3 {
-				s.Put(b, source, fmt.Sprintf("inc-%d-%d", i, j), map[string]any{"i": i})
-			}
-			b.StartTimer()
-			start := time.Now()
-			res, err := Run(context.Background(), opt, nil)
-			native += time.Since(start)
-			require.NoError(b, err)
-			require.EqualValues(b, 1+i%3, res.DocsWritten)
-			requests += res.Requests
-			server += serverReplicate(b, s, source, st)
-		}
+		var server time.Duration
+		native, requests := incrementalRuns(b, s, source, opt, func(time.Time) { server += serverReplicate(b, s, source, st) })
 		b.ReportMetric(float64(native.Microseconds())/1000/float64(b.N), "native_ms/run")
 		b.ReportMetric(float64(server.Microseconds())/1000/float64(b.N), "server_ms/run")
 		b.ReportMetric(float64(requests)/float64(b.N), "native_requests/run")
@@ -116,27 +101,33 @@ func BenchmarkNativeVsServer(b *testing.B) {
 			Checkpoints: NewCheckpointCache(time.Hour, 10), CheckpointDefer: 5 * time.Minute, CheckpointDeferChanges: 100}
 		_, err := Run(context.Background(), opt, nil)
 		require.NoError(b, err)
-		var wall, toTarget time.Duration
-		var requests int64
-		b.ResetTimer()
-		for i := 0; i < b.N; i++ {
-			b.StopTimer()
-			for j := range 1 + i%3 {
-				s.Put(b, source, fmt.Sprintf("inc-%d-%d", i, j), map[string]any{"i": i})
-			}
-			b.StartTimer()
-			start := time.Now()
-			res, err := Run(context.Background(), opt, nil)
-			wall += time.Since(start)
-			toTarget += time.Unix(0, lastWrite.Load()).Sub(start)
-			require.NoError(b, err)
-			require.EqualValues(b, 1+i%3, res.DocsWritten)
-			requests += res.Requests
-		}
+		var toTarget time.Duration
+		wall, requests := incrementalRuns(b, s, source, opt, func(start time.Time) { toTarget += time.Unix(0, lastWrite.Load()).Sub(start) })
 		b.ReportMetric(float64(wall.Microseconds())/1000/float64(b.N), "native_ms/run")
 		b.ReportMetric(float64(toTarget.Microseconds())/1000/float64(b.N), "to_target_ms/run")
 		b.ReportMetric(float64(requests)/float64(b.N), "native_requests/run")
 	})
+}
+
+// incrementalRuns runs opt b.N times, each after 1–3 new docs in source, and returns the runs'
+// wall time and requests; after is called with each run's start once it ended.
+func incrementalRuns(b *testing.B, s *couchtest.Server, source string, opt Options, after func(start time.Time)) (wall time.Duration, requests int64) {
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		b.StopTimer()
+		for j := range 1 + i%3 {
+			s.Put(b, source, fmt.Sprintf("inc-%d-%d", i, j), map[string]any{"i": i})
+		}
+		b.StartTimer()
+		start := time.Now()
+		res, err := Run(context.Background(), opt, nil)
+		wall += time.Since(start)
+		require.NoError(b, err)
+		require.EqualValues(b, 1+i%3, res.DocsWritten)
+		requests += res.Requests
+		after(start)
+	}
+	return wall, requests
 }
 
 // createDocsWithAttachment writes n docs to db, each with one attachment of size bytes
