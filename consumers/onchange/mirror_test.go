@@ -464,43 +464,43 @@ func TestMirrorLossHealed(t *testing.T) {
 
 	// The power failure: the store comes back as the copy has it, without c's write, and the
 	// checkpoint's cache entry is lost with it (the _local doc is what the next job reads).
-	powerFailure()
-	require.Eventually(t, func() bool {
-		_, err := e.JS.KeyValue(t.Context(), bucketDocs)
-		return err == nil
-	}, 30*time.Second, 50*time.Millisecond)
+	e.powerFailure(t, powerFailure)
 	require.NotContains(t, e.mirrorOf(t, bucketDocs, db), "c")
-	e.onChangeStore(t).Forget(t.Context(), "mir", db)
-
-	e.Couch.Put(t, db, "d", map[string]any{"v": "d"})
-	e.enqueue(t, db)
-	require.Eventually(t, func() bool {
-		ok, _ := e.mirrorEquals(t, bucketDocs, db)
-		return ok
-	}, 90*time.Second, 50*time.Millisecond, "the mirror holds a, b, c and d")
+	e.mirrorAgain(t, db, "d", "the mirror holds a, b, c and d")
 	assert.Contains(t, e.mirrorOf(t, bucketDocs, db), "c", "the lost write is mirrored again")
 	assert.Equal(t, 1.0, healthtest.Scrape(t, addr).Get("spiegel_change_stream_heals_total"))
 }
 
-// healAfterPowerFailure runs powerFailure (env.storeCopy), waits for the mirror bucket, checks
-// that db's old key "a" is back in it, drops the rule's cache entry (the cache came back older
-// too: the _local doc is read), writes doc "y" and waits until the mirror equals the db (msg).
-func (e *env) healAfterPowerFailure(t *testing.T, powerFailure func(), db, msg string) {
+// powerFailure runs powerFailure (env.storeCopy) and waits for the mirror bucket.
+func (e *env) powerFailure(t *testing.T, powerFailure func()) {
 	t.Helper()
 	powerFailure()
 	require.Eventually(t, func() bool {
 		_, err := e.JS.KeyValue(t.Context(), bucketDocs)
 		return err == nil
 	}, 30*time.Second, 50*time.Millisecond)
-	require.Contains(t, e.mirrorOf(t, bucketDocs, db), "a", "the store came back with the old db's keys")
-	e.onChangeStore(t).Forget(t.Context(), "mir", db)
+}
 
-	e.Couch.Put(t, db, "y", map[string]any{"v": "y"})
+// mirrorAgain drops the rule's cache entry for db (the cache came back older with the store:
+// the _local doc is read), writes doc to db and waits until the mirror equals the db (msg).
+func (e *env) mirrorAgain(t *testing.T, db, doc, msg string) {
+	t.Helper()
+	e.onChangeStore(t).Forget(t.Context(), "mir", db)
+	e.Couch.Put(t, db, doc, map[string]any{"v": doc})
 	e.enqueue(t, db)
 	require.Eventually(t, func() bool {
 		ok, _ := e.mirrorEquals(t, bucketDocs, db)
 		return ok
 	}, 90*time.Second, 50*time.Millisecond, "%s: %v", msg, e.mirrorOf(t, bucketDocs, db))
+}
+
+// healAfterPowerFailure runs the power failure, checks that db's old key "a" is back in the
+// mirror, writes doc "y" and waits until the mirror equals the db (msg).
+func (e *env) healAfterPowerFailure(t *testing.T, powerFailure func(), db, msg string) {
+	t.Helper()
+	e.powerFailure(t, powerFailure)
+	require.Contains(t, e.mirrorOf(t, bucketDocs, db), "a", "the store came back with the old db's keys")
+	e.mirrorAgain(t, db, "y", msg)
 }
 
 // TestMirrorLossOfARecreatedDBHealed: a db is deleted and created again under its name, and
