@@ -178,6 +178,20 @@ func render(runs []benchdata.Run, dir string, m machine) (string, error) {
 		}
 	}
 
+	var ordered []benchdata.Run
+	for _, n := range ns {
+		ordered = append(ordered, groups[n]...)
+	}
+	if t := benchdata.UpdatesTable(ordered); t != "" {
+		sb.WriteString("\n## Where the latency goes: `_db_updates`\n\n")
+		sb.WriteString("The bench follows the server's `_db_updates` feed as the producer does and times, for each written doc, the first row " +
+			"naming its db after the write was sent. Every job the producer starts from that feed waits for that row (CouchDB 3 writes the feed " +
+			"in batches, `[global_changes] max_write_delay`, 500 ms by default), so it is the floor for any pipeline driven by the feed; " +
+			"a hot feed does not wait for it. The last two columns are each doc's latency less its row's: the pipeline's own part " +
+			"(negative where a hot feed was first).\n\n")
+		sb.WriteString(t)
+	}
+
 	sb.WriteString("\n## Ratios against the baseline (ours ÷ `_replicator`, same run)\n\n")
 	sb.WriteString("| N | setup | write→target p50 | p95 | p99 | max | delivered (ours − baseline) | initial sync | max connections | idle connections | idle requests/s |\n" +
 		"|---|---|---|---|---|---|---|---|---|---|---|\n")

@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"net/http"
 	"net/http/httptest"
+	"net/url"
 	"strconv"
 	"sync"
 	"testing"
@@ -71,17 +72,76 @@ func (a *arrivals) snapshot() map[string]time.Time {
 // watchArrivals follows db's changes from now, straight from the server, until ctx ends.
 func watchArrivals(ctx context.Context, b testing.TB, cs *couchtest.Server, db string) *arrivals {
 	a := &arrivals{first: map[string]time.Time{}}
+	follow(ctx, b, cs, "/"+couchtest.PathDB(db)+"/_changes", "the changes of "+db, func(line []byte, at time.Time) json.RawMessage {
+		var row struct {
+			ID  string          `json:"id"`
+			Seq json.RawMessage `json:"seq"`
+		}
+		if json.Unmarshal(line, &row) != nil || row.ID == "" {
+			return nil
+		}
+		a.mu.Lock()
+		if _, ok := a.first[row.ID]; !ok {
+			a.first[row.ID] = at
+		}
+		a.mu.Unlock()
+		return row.Seq
+	})
+	return a
+}
+
+// dbUpdates records when the server's _db_updates feed named each db.
+type dbUpdates struct {
+	mu   sync.Mutex
+	seen map[string][]time.Time // by db, in the order read
+}
+
+// after returns the first time the feed named db at or after t.
+func (u *dbUpdates) after(db string, t time.Time) (time.Time, bool) {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	for _, at := range u.seen[db] {
+		if !at.Before(t) {
+			return at, true
+		}
+	}
+	return time.Time{}, false
+}
+
+// watchDBUpdates follows srv's _db_updates feed from now until ctx ends: the feed the producer
+// follows (on PouchDB Server, the test proxy's), read the same way.
+func watchDBUpdates(ctx context.Context, b testing.TB, srv *couchtest.Server) *dbUpdates {
+	u := &dbUpdates{seen: map[string][]time.Time{}}
+	follow(ctx, b, srv, "/_db_updates", "_db_updates", func(line []byte, at time.Time) json.RawMessage {
+		var row struct {
+			DB  string          `json:"db_name"`
+			Seq json.RawMessage `json:"seq"`
+		}
+		if json.Unmarshal(line, &row) != nil || row.DB == "" {
+			return nil
+		}
+		u.mu.Lock()
+		u.seen[row.DB] = append(u.seen[row.DB], at)
+		u.mu.Unlock()
+		return row.Seq
+	})
+	return u
+}
+
+// follow reads the continuous feed at path (what names it in a failure) from now until ctx
+// ends, coming back from the last seq after a dropped connection. row gets each line and when
+// it was read, and returns the line's seq (nil: not a row). follow returns once the feed answered.
+func follow(ctx context.Context, b testing.TB, srv *couchtest.Server, path, what string, row func(line []byte, at time.Time) json.RawMessage) {
 	ready := make(chan struct{})
 	var connected sync.Once
 	go func() {
 		since := "now"
 		for ctx.Err() == nil {
-			req, err := http.NewRequestWithContext(ctx, http.MethodGet,
-				cs.URL+"/"+couchtest.PathDB(db)+"/_changes?feed=continuous&heartbeat=2000&since="+since, nil)
+			req, err := http.NewRequestWithContext(ctx, http.MethodGet, srv.URL+path+"?feed=continuous&heartbeat=2000&since="+url.QueryEscape(since), nil)
 			if err != nil {
 				return
 			}
-			resp, err := cs.HTTP.Do(req)
+			resp, err := srv.HTTP.Do(req)
 			if err != nil {
 				time.Sleep(100 * time.Millisecond)
 				continue
@@ -90,23 +150,11 @@ func watchArrivals(ctx context.Context, b testing.TB, cs *couchtest.Server, db s
 			sc := bufio.NewScanner(resp.Body)
 			sc.Buffer(make([]byte, 64<<10), 1<<20)
 			for sc.Scan() {
-				var row struct {
-					ID  string          `json:"id"`
-					Seq json.RawMessage `json:"seq"`
-				}
-				if json.Unmarshal(sc.Bytes(), &row) != nil || row.ID == "" {
-					continue
-				}
-				now := time.Now()
-				a.mu.Lock()
-				if _, ok := a.first[row.ID]; !ok {
-					a.first[row.ID] = now
-				}
-				a.mu.Unlock()
-				if s, err := strconv.Unquote(string(row.Seq)); err == nil {
+				seq := row(sc.Bytes(), time.Now())
+				if s, err := strconv.Unquote(string(seq)); err == nil {
 					since = s
-				} else if len(row.Seq) > 0 {
-					since = string(row.Seq)
+				} else if len(seq) > 0 {
+					since = string(seq)
 				}
 			}
 			resp.Body.Close()
@@ -115,9 +163,8 @@ func watchArrivals(ctx context.Context, b testing.TB, cs *couchtest.Server, db s
 	select {
 	case <-ready:
 	case <-time.After(30 * time.Second):
-		b.Fatalf("cannot follow the changes of %s", db)
+		b.Fatalf("cannot follow %s", what)
 	}
-	return a
 }
 
 func docCount(b testing.TB, cs *couchtest.Server, db string) int {

@@ -46,6 +46,7 @@ func workloadReport(cs *couchtest.Server, w workload, results []workloadResult) 
 			r.setup.name, sync, ms(benchdata.Percentile(r.repl, 0.5)), ms(benchdata.Percentile(r.repl, 0.95)), ms(benchdata.Percentile(r.repl, 0.99)),
 			hook, r.lostRepl, r.lostHook, reqs, writes, conns, idle)
 	}
+	sb.WriteString("\n" + benchdata.UpdatesTable(runsOf(cs, w, results)))
 	for _, r := range results {
 		if r.hotFeedsOpened >= 0 && !r.setup.replicatorDB {
 			fmt.Fprintf(&sb, "\nHot feeds opened by the producer, %s: %.0f, %.3f per written doc.\n", r.setup.name, r.hotFeedsOpened, r.perDoc(int(r.hotFeedsOpened)))
@@ -62,6 +63,15 @@ func workloadReport(cs *couchtest.Server, w workload, results []workloadResult) 
 }
 
 // record is the result as the end-to-end report reads it.
+// runsOf returns the records of results.
+func runsOf(cs *couchtest.Server, w workload, results []workloadResult) []benchdata.Run {
+	runs := make([]benchdata.Run, len(results))
+	for i, r := range results {
+		runs[i] = r.record(cs, w)
+	}
+	return runs
+}
+
 func (r workloadResult) record(cs *couchtest.Server, w workload) benchdata.Run {
 	sync := r.initialSync.Seconds()
 	if r.initialSync < 0 {

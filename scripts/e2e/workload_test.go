@@ -341,12 +341,18 @@ func runWorkload(b *testing.B, root string, cs *couchtest.Server, up *couchtest.
 	res.synced = onTarget
 
 	arrived := watchArrivals(ctx, b, cs, target)
+	updates := watchDBUpdates(ctx, b, writer)
 	// Let the initial sync's last jobs and checkpoints settle before counting.
 	time.Sleep(2 * time.Second)
 	before := snapshotAll(proxies, true)
 	feedsBefore := hotFeedsOpened(b, procs)
 
 	written := map[string]time.Time{}
+	type sentTo struct {
+		db string
+		at time.Time
+	}
+	sent := map[string]sentTo{}
 	rng := rand.New(rand.NewPCG(1, 2))
 	interval := time.Duration(float64(time.Second) / w.rate)
 	res.writerStart = time.Since(started)
@@ -355,6 +361,7 @@ func runWorkload(b *testing.B, root string, cs *couchtest.Server, up *couchtest.
 		time.Sleep(time.Until(next))
 		id := fmt.Sprintf("w%06d", i)
 		db := users[rng.IntN(w.active)]
+		sent[id] = sentTo{db, time.Now()}
 		writer.Put(b, db, id, map[string]any{"i": i, "at": time.Now().UnixNano()})
 		written[id] = time.Now()
 	}
@@ -376,13 +383,29 @@ func runWorkload(b *testing.B, root string, cs *couchtest.Server, up *couchtest.
 		time.Sleep(50 * time.Millisecond)
 	}
 	after := snapshotAll(proxies, false)
+	// A doc a hot feed delivered may be there before its _db_updates row (CouchDB writes the feed
+	// every max_write_delay): the rows still due are waited for, after the counts.
+	rowsSeen := func() bool {
+		for _, s := range sent {
+			if _, ok := updates.after(s.db, s.at); !ok {
+				return false
+			}
+		}
+		return true
+	}
+	for deadline := time.Now().Add(10 * time.Second); !rowsSeen() && time.Now().Before(deadline); {
+		time.Sleep(50 * time.Millisecond)
+	}
 	res.hotFeedsOpened = -1
 	if feedsBefore >= 0 {
 		res.hotFeedsOpened = hotFeedsOpened(b, procs) - feedsBefore
 	}
 	a, h := arrived.snapshot(), sink.snapshot()
 	for id, at := range written {
-		rec := benchdata.Write{AtS: at.Sub(started).Seconds(), ReplMS: -1, HookMS: -1}
+		rec := benchdata.Write{AtS: at.Sub(started).Seconds(), ReplMS: -1, HookMS: -1, UpdatesMS: new(float64(-1))}
+		if t, ok := updates.after(sent[id].db, sent[id].at); ok {
+			*rec.UpdatesMS = ms(max(0, t.Sub(at)))
+		}
 		if t, ok := a[id]; ok {
 			res.repl = append(res.repl, max(0, t.Sub(at)))
 			rec.ReplMS = ms(max(0, t.Sub(at)))

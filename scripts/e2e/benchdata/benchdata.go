@@ -10,6 +10,7 @@ import (
 	"math"
 	"os"
 	"slices"
+	"strings"
 	"time"
 )
 
@@ -68,6 +69,10 @@ type Write struct {
 	AtS    float64 `json:"at_s"`    // when the write was answered
 	ReplMS float64 `json:"repl_ms"` // until the doc was on the target's feed; -1: never
 	HookMS float64 `json:"hook_ms"` // until the webhook was called for it; -1: never (or baseline)
+	// UpdatesMS is the time until the server's _db_updates feed, which the producer follows,
+	// named the doc's db after the write was sent: the wait every job started by that feed
+	// has; -1: no such row; nil: not measured (records from before the bench followed it).
+	UpdatesMS *float64 `json:"updates_ms,omitempty"`
 }
 
 // Sample is one look at the running setup, taken every second or so.
@@ -96,31 +101,63 @@ type Jobs struct {
 	InFlight uint64 `json:"in_flight"` // delivered, not acknowledged
 }
 
-// Kind picks the replication or the webhook latencies of a run.
+// Kind picks the replication, the webhook or the _db_updates latencies of a run.
 type Kind int
 
-// The two latencies a run measures per written doc.
+// The latencies a run measures per written doc.
 const (
 	Replication Kind = iota
 	Webhook
+	DBUpdates // the server's _db_updates row for the doc's db
 )
 
 func (k Kind) String() string {
-	if k == Webhook {
+	switch k {
+	case Webhook:
 		return "webhook"
+	case DBUpdates:
+		return "_db_updates"
 	}
 	return "replication"
 }
 
 func (w Write) ms(k Kind) float64 {
-	if k == Webhook {
+	switch k {
+	case Webhook:
 		return w.HookMS
+	case DBUpdates:
+		if w.UpdatesMS == nil {
+			return -1
+		}
+		return *w.UpdatesMS
 	}
 	return w.ReplMS
 }
 
-// Has reports whether the run measured latencies of kind k (the baseline has no webhook).
-func (r Run) Has(k Kind) bool { return k == Replication || !r.Baseline }
+// Has reports whether the run measured latencies of kind k (the baseline has no webhook; runs
+// recorded before the bench followed _db_updates have no such latencies).
+func (r Run) Has(k Kind) bool {
+	switch k {
+	case Webhook:
+		return !r.Baseline
+	case DBUpdates:
+		return slices.ContainsFunc(r.Writes, func(w Write) bool { return w.UpdatesMS != nil })
+	}
+	return true
+}
+
+// AfterUpdates returns, for each written doc that arrived (kind k) and whose _db_updates row
+// was seen, its latency less the row's: what came after the feed named the db. It is negative
+// for a doc that arrived first (a hot feed does not wait for _db_updates).
+func (r Run) AfterUpdates(k Kind) []float64 {
+	var out []float64
+	for _, w := range r.Writes {
+		if v, u := w.ms(k), w.ms(DBUpdates); v >= 0 && u >= 0 {
+			out = append(out, v-u)
+		}
+	}
+	return out
+}
 
 // Latencies returns the latencies (ms) of the docs that arrived, in write order.
 func (r Run) Latencies(k Kind) []float64 {
@@ -131,6 +168,35 @@ func (r Run) Latencies(k Kind) []float64 {
 		}
 	}
 	return out
+}
+
+// UpdatesTable renders, for the runs that followed _db_updates, where their latency went: the
+// time until the server's _db_updates feed named the written db (every job the producer starts
+// from that feed waits for it), and the replication and webhook latencies less that wait, per
+// written doc, as p50 / p95 / p99 in ms. "" when no run followed the feed.
+func UpdatesTable(runs []Run) string {
+	var sb strings.Builder
+	cells := func(ms []float64) string {
+		if len(ms) == 0 {
+			return "—"
+		}
+		return fmt.Sprintf("%.0f / %.0f / %.0f", Percentile(ms, 0.5), Percentile(ms, 0.95), Percentile(ms, 0.99))
+	}
+	for _, r := range runs {
+		if !r.Has(DBUpdates) {
+			continue
+		}
+		if sb.Len() == 0 {
+			sb.WriteString("| N | setup | write→`_db_updates` row, ms (p50 / p95 / p99) | seen | write→target less the row | write→webhook less the row |\n|---|---|---|---|---|---|\n")
+		}
+		hook := "—"
+		if r.Has(Webhook) {
+			hook = cells(r.AfterUpdates(Webhook))
+		}
+		fmt.Fprintf(&sb, "| %d | %s | %s | %.1f %% | %s | %s |\n", r.DBs, r.SetupName, cells(r.Latencies(DBUpdates)),
+			100*r.Delivered(DBUpdates), cells(r.AfterUpdates(Replication)), hook)
+	}
+	return sb.String()
 }
 
 // Delivered returns the fraction of written docs that arrived (0 without writes).

@@ -75,10 +75,39 @@ func TestRunFigures(t *testing.T) {
 	assert.Zero(t, Run{}.IdleRate())
 }
 
+func TestAfterUpdates(t *testing.T) {
+	t.Parallel()
+	f := func(v float64) *float64 { return &v }
+	r := Run{Writes: []Write{
+		{ReplMS: 600, HookMS: 550, UpdatesMS: f(400)},
+		{ReplMS: 30, HookMS: 20, UpdatesMS: f(450)}, // came by a hot feed, before the row
+		{ReplMS: 500, HookMS: -1, UpdatesMS: f(300)},
+		{ReplMS: 700, HookMS: 650, UpdatesMS: f(-1)}, // no row seen
+		{ReplMS: -1, HookMS: 100, UpdatesMS: f(80)},
+		{ReplMS: 900, HookMS: 800}, // not measured
+	}}
+	assert.True(t, r.Has(DBUpdates))
+	assert.Equal(t, []float64{400, 450, 300, 80}, r.Latencies(DBUpdates))
+	assert.InDelta(t, 4.0/6, r.Delivered(DBUpdates), 1e-9)
+	assert.Equal(t, []float64{200, -420, 200}, r.AfterUpdates(Replication))
+	assert.Equal(t, []float64{150, -430, 20}, r.AfterUpdates(Webhook))
+	assert.False(t, Run{Writes: []Write{{ReplMS: 1, HookMS: 1}}}.Has(DBUpdates), "a record from before the bench followed _db_updates")
+	assert.Equal(t, "_db_updates", DBUpdates.String())
+
+	r.DBs, r.SetupName = 10, "hot"
+	base := Run{DBs: 10, SetupName: "replicator", Baseline: true, Writes: []Write{{ReplMS: 700, HookMS: -1, UpdatesMS: f(500)}}}
+	old := Run{DBs: 10, SetupName: "old", Writes: []Write{{ReplMS: 1, HookMS: 1}}}
+	assert.Equal(t, "| N | setup | write→`_db_updates` row, ms (p50 / p95 / p99) | seen | write→target less the row | write→webhook less the row |\n|---|---|---|---|---|---|\n"+
+		"| 10 | hot | 300 / 450 / 450 | 66.7 % | 200 / 200 / 200 | 20 / 150 / 150 |\n"+
+		"| 10 | replicator | 500 / 500 / 500 | 100.0 % | 200 / 200 / 200 | — |\n", UpdatesTable([]Run{r, old, base}))
+	assert.Empty(t, UpdatesTable([]Run{old}))
+}
+
 func TestFileRoundTrip(t *testing.T) {
 	t.Parallel()
 	path := filepath.Join(t.TempDir(), FileName("hot", 100))
-	want := Run{Setup: "hot", DBs: 100, Writes: []Write{{AtS: 1.5, ReplMS: 12, HookMS: -1}},
+	updates := 7.5
+	want := Run{Setup: "hot", DBs: 100, Writes: []Write{{AtS: 1.5, ReplMS: 12, HookMS: -1, UpdatesMS: &updates}, {AtS: 2, ReplMS: 3, HookMS: 4}},
 		Samples: []Sample{{AtS: 1, Jobs: map[string]Jobs{"replicator": {Pending: 2, InFlight: 1}}}}}
 	require.NoError(t, WriteFile(path, want))
 	got, err := ReadFile(path)
