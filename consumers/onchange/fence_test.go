@@ -196,27 +196,34 @@ func TestDuplicateAnswerMovesTheStreamPoint(t *testing.T) {
 	assert.Equal(t, "1", from, "the loss is seen: the job goes back to a's feed seq and publishes b again")
 }
 
-// TestDuplicateOfAnotherSubjectKeepsTheStreamPoint: the stream deduplicates by message id across
-// its subjects, so a change that a rule publishes to another subject of the same stream first is
-// answered "duplicate" at that subject's message. That message is not this subject's: the
-// checkpoint's stream point stays where the subject is, and the next job finds no loss.
-func TestDuplicateOfAnotherSubjectKeepsTheStreamPoint(t *testing.T) {
+// TestRulesSharingAStreamEachStoreTheChange: two rules of one db publish the same change to two
+// subjects of one stream, the db's own and another. The stream deduplicates by message id across
+// its subjects, so with one id for both (<db>/<doc id>/<rev>, as before) the second publish was
+// answered "duplicate" and its subject never got the change. The other subject's id names it
+// (events.Subjects.ChangeMsgIDOn): each subject holds the change once, each rule's stream point
+// is its own message, and a re-dispatch of either is still a duplicate.
+func TestRulesSharingAStreamEachStoreTheChange(t *testing.T) {
 	t.Parallel()
 	s := natstest.Start(t)
 	js := orderStream(t, s, 0, false)
-	h, r := orderHandler(t, js)
-	other, err := rules.Parse("other", []byte(`{"type":"on_change","subject":"chg.other.${db_name}","timeout_ms":2000}`))
+	h, own := orderHandler(t, js)
+	r, err := rules.Parse("other", []byte(`{"type":"on_change","subject":"chg.other.${db_name}","timeout_ms":2000}`))
 	require.NoError(t, err)
-	require.NoError(t, publishPage(t, withFences(t.Context()), h, other.(*rules.OnChange), "", []couch.Change{docRow("1", "a", "1-a")}).err)
+	other := r.(*rules.OnChange)
+	for _, rule := range []*rules.OnChange{other, own, other, own} { // each twice: the second is a re-dispatch
+		job := withFences(t.Context())
+		res := publishPage(t, job, h, rule, "", []couch.Change{docRow("1", "a", "1-a")})
+		require.NoError(t, res.err, rule.ID())
+		require.Equal(t, 1, res.done, rule.ID())
+	}
+	assert.Equal(t, []string{"@chg.other.db/db/a/1-a", "db/a/1-a"}, stored(t, js), "the change once on each subject")
 
 	job := withFences(t.Context())
-	res := publishPage(t, job, h, r, "", []couch.Change{docRow("1", "a", "1-a")})
-	require.NoError(t, res.err)
-	require.Equal(t, 1, res.done)
-	pt := h.streamPoint(job, "db", r)
+	require.NoError(t, publishPage(t, job, h, own, "", []couch.Change{docRow("1", "a", "1-a")}).err)
+	pt := h.streamPoint(job, "db", own)
 	require.NotNil(t, pt)
-	assert.Zero(t, pt.Seq, "the duplicate's message is the other subject's: chg.db holds nothing")
-	from, err := h.healStream(withFences(t.Context()), "db", r, &checkpointWriter{cp: checkpoint.OnChangePoint{LastSeq: "1", Stream: *pt}}, "1", h.log)
+	assert.Equal(t, uint64(2), pt.Seq, "the db's own subject holds the change: its message is the rule's stream point")
+	from, err := h.healStream(withFences(t.Context()), "db", own, &checkpointWriter{cp: checkpoint.OnChangePoint{LastSeq: "1", Stream: *pt}}, "1", h.log)
 	require.NoError(t, err)
 	assert.Equal(t, "1", from, "no loss found")
 }

@@ -82,7 +82,7 @@ func newHandler(app consumer.Deps, cfg *config.OnChange) *handler {
 			MaxParallel: max(cfg.Concurrency, 1) * max(cfg.RequestConcurrency, 1),
 			Instance:    webhook.InstanceName(),
 		}),
-		publisher:          newChangePublisher(app.JS, app.Metrics),
+		publisher:          newChangePublisher(app.JS, app.Metrics, events.NewSubjects(cfg.SubjectPrefix)),
 		mirrors:            newMirrorWriter(app.JS, cfg.StreamReplicas, app.JS.Conn().MaxPayload),
 		batchSize:          max(cfg.BatchSize, 1),
 		requestConcurrency: max(cfg.RequestConcurrency, 1),

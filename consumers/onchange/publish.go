@@ -46,12 +46,14 @@ type batchPublisher interface {
 }
 
 // changePublisher publishes changes for `subject` rules (SPEC §3): the change JSON with message
-// id <db>/<doc id>/<rev>, so that a re-dispatch is deduplicated by the stream (a replay's
-// messages have their own ids, see events.ReplayMsgID). Safe for concurrent use. Its memory is
-// bounded whatever the number of dbs.
+// id <db>/<doc id>/<rev> (on a subject other than the db's own, the subject is named in the id:
+// events.Subjects.ChangeMsgIDOn), so that a re-dispatch is deduplicated by the stream (a
+// replay's messages have their own ids, see events.ReplayMsgID). Safe for concurrent use. Its
+// memory is bounded whatever the number of dbs.
 type changePublisher struct {
-	js      streamPublisher
-	metrics *metrics.Consumer
+	js       streamPublisher
+	metrics  *metrics.Consumer
+	subjects events.Subjects // the prefix's, for the db's own subject
 
 	checked *expiringSet // subjects found captured by a stream, with the stream's name
 	atomic  *expiringSet // those of them whose stream takes a page as one atomic batch (see publishAtomic)
@@ -62,8 +64,8 @@ type changePublisher struct {
 	atomicOnFile bool // tests and benchmarks: atomic pages on a single-replica file stream too
 }
 
-func newChangePublisher(js streamPublisher, m *metrics.Consumer) *changePublisher {
-	return &changePublisher{js: js, metrics: m,
+func newChangePublisher(js streamPublisher, m *metrics.Consumer, subjects events.Subjects) *changePublisher {
+	return &changePublisher{js: js, metrics: m, subjects: subjects,
 		checked: newExpiringSet(subjectCheckTTL, publisherMemory), atomic: newExpiringSet(subjectCheckTTL, publisherMemory),
 		reported:    newExpiringSet(reportedTTL, publisherMemory),
 		streamsRead: newExpiringSet(subjectCheckTTL, publisherMemory), atomicStreams: newExpiringSet(subjectCheckTTL, publisherMemory)}
@@ -169,11 +171,12 @@ func (p *changePublisher) message(db string, rule *rules.OnChange, c change, rep
 	if err != nil {
 		return changeMsg{}, fmt.Errorf("%w: encode change %s: %v", webhook.ErrBadRequest, c.ID, err)
 	}
-	id := events.ChangeMsgID(db, c.ID, c.rev())
+	subject := subjectFor(rule, db)
+	id := p.subjects.ChangeMsgIDOn(subject, db, c.ID, c.rev())
 	if replay != "" {
-		id = events.ReplayMsgID(replay, db, c.ID, c.rev())
+		id = events.ReplayMsgID(replay, id)
 	}
-	return changeMsg{subject: subjectFor(rule, db), id: id, replay: replay, data: data}, nil
+	return changeMsg{subject: subject, id: id, replay: replay, data: data}, nil
 }
 
 // attempt returns the publish of m as a retryable action: it returns once the stream stored m

@@ -17,6 +17,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/spiegel-nats/spiegel/pkg/couch"
+	"github.com/spiegel-nats/spiegel/pkg/events"
 	"github.com/spiegel-nats/spiegel/pkg/natstest"
 	"github.com/spiegel-nats/spiegel/pkg/rules"
 )
@@ -57,11 +58,11 @@ func (c *countingPublisher) PublishMsg(ctx context.Context, m *nats.Msg, opts ..
 // (the embedded server's streams have one replica).
 func orderHandler(t testing.TB, pub streamPublisher) (*handler, *rules.OnChange) {
 	t.Helper()
-	r, err := rules.Parse("pub", []byte(`{"type":"on_change","subject":"chg.${db_name}","timeout_ms":2000,"retry":{"backoff":"linear","delay_ms":20,"limit":0}}`))
+	r, err := rules.Parse("pub", []byte(`{"type":"on_change","subject":"chg.changes.${db_name}","timeout_ms":2000,"retry":{"backoff":"linear","delay_ms":20,"limit":0}}`))
 	require.NoError(t, err)
 	log := logrus.New()
 	log.SetOutput(io.Discard)
-	p := newChangePublisher(pub, nil)
+	p := newChangePublisher(pub, nil, events.NewSubjects("chg"))
 	p.atomicOnFile = true
 	return &handler{publisher: p, dead: &noDeadLetters{}, log: log,
 		inlineRetry: time.Minute, book: newRetryBook(), requestConcurrency: 10}, r.(*rules.OnChange)
@@ -241,8 +242,8 @@ func publishPipelined(ctx context.Context, js jetstream.JetStream, msgs []*nats.
 // publishPipelinedUntilStored publishes rows as the pipelined publisher did: the page at once,
 // then a failed change retried alone until stored, then the rest of the page pipelined again.
 func publishPipelinedUntilStored(t testing.TB, js jetstream.JetStream, rows []couch.Change) {
-	p := newChangePublisher(js, nil)
-	r, err := rules.Parse("pub", []byte(`{"type":"on_change","subject":"chg.${db_name}"}`))
+	p := newChangePublisher(js, nil, events.NewSubjects("chg"))
+	r, err := rules.Parse("pub", []byte(`{"type":"on_change","subject":"chg.changes.${db_name}"}`))
 	require.NoError(t, err)
 	msgs := make([]*nats.Msg, len(rows))
 	for i, c := range rows {
@@ -294,7 +295,7 @@ func BenchmarkPublishPage(b *testing.B) {
 		require.NoError(b, err)
 		require.True(b, ok)
 	}
-	require.False(b, oneByOne.publisher.takesAtomic("chg.db"))
+	require.False(b, oneByOne.publisher.takesAtomic("chg.changes.db"))
 	require.True(b, atomic.publisher.takesAtomic("atom.db"))
 	rows := pageRows(page, -1)
 	renamed := func(prefix string, i int) []couch.Change { // new message ids: no deduplication

@@ -16,6 +16,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/spiegel-nats/spiegel/pkg/couch"
+	"github.com/spiegel-nats/spiegel/pkg/events"
 	"github.com/spiegel-nats/spiegel/pkg/rules"
 	"github.com/spiegel-nats/spiegel/pkg/worker"
 )
@@ -81,7 +82,7 @@ func subjectHandler(t *testing.T, fs *fakeStream, retry string) (*handler, *rule
 	log := logrus.New()
 	log.SetOutput(io.Discard)
 	return &handler{
-		publisher: newChangePublisher(fs, nil), dead: &noDeadLetters{}, log: log,
+		publisher: newChangePublisher(fs, nil, events.NewSubjects("")), dead: &noDeadLetters{}, log: log,
 		inlineRetry: time.Second, book: newRetryBook(), requestConcurrency: 10,
 	}, r.(*rules.OnChange)
 }

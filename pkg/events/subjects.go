@@ -134,19 +134,35 @@ func (s Subjects) StreamLoss() string { return s.Prefix + ".notice.streamloss" }
 // DefaultChangeSubject is the subject template of a `subject` rule that names none.
 func (s Subjects) DefaultChangeSubject() string { return s.Prefix + ".changes.${db_name}" }
 
-// ChangeMsgID is the JetStream message id of a published change, so that replays deduplicate.
+// ChangeMsgID is the JetStream message id of a change published to the db's own subject
+// (<prefix>.changes.<db token>), so that a re-dispatch deduplicates.
 func ChangeMsgID(db, docID, rev string) string { return db + "/" + docID + "/" + rev }
+
+// ChangeSubject is the db's own change subject: DefaultChangeSubject for db.
+func (s Subjects) ChangeSubject(db string) string { return s.Prefix + ".changes." + EncodeDBName(db) }
+
+// ChangeMsgIDOn is the message id of a change of db published to subject: ChangeMsgID on the
+// db's own subject (SPEC §3), and on any other subject the same after "@<subject>/". A stream
+// deduplicates by message id across all its subjects, so two rules that publish one change to
+// two subjects of one stream need two ids, or the second copy is dropped as a duplicate of the
+// first; one rule's re-dispatch still has the id of its first publish. No db name starts with
+// '@', so the two forms never meet.
+func (s Subjects) ChangeMsgIDOn(subject, db, docID, rev string) string {
+	id := ChangeMsgID(db, docID, rev)
+	if subject == s.ChangeSubject(db) {
+		return id
+	}
+	return "@" + subject + "/" + id
+}
 
 // ReplayHeader names, on a change published by `producer replay`, the replay that published it.
 const ReplayHeader = "Spiegel-Replay"
 
-// ReplayMsgID is the JetStream message id of a change published again by replay: ChangeMsgID
-// in the replay's own namespace, so that the stream deduplicates the replay's messages among
-// themselves (a retried or concurrent run of the same replay) but not against the first
-// publication or another replay.
-func ReplayMsgID(replay, db, docID, rev string) string {
-	return "replay/" + replay + "/" + ChangeMsgID(db, docID, rev)
-}
+// ReplayMsgID is the JetStream message id of a change published again by replay: its first
+// publication's id (ChangeMsgIDOn) in the replay's own namespace, so that the stream
+// deduplicates the replay's messages among themselves (a retried or concurrent run of the same
+// replay) but not against the first publication or another replay.
+func ReplayMsgID(replay, id string) string { return "replay/" + replay + "/" + id }
 
 // PositionHeader carries, on a change published to a db's own subject, the message's position
 // on its subject: 1 for the subject's first message, one more for each message after it. A

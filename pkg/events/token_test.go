@@ -93,3 +93,34 @@ func FuzzDBNameToken(f *testing.F) {
 		_ = strings.ToLower(name)
 	})
 }
+
+func TestChangeMsgIDOn(t *testing.T) {
+	t.Parallel()
+	s := NewSubjects("")
+	assert.Equal(t, "spiegel.changes.a~2Fb", s.ChangeSubject("a/b"))
+	assert.Equal(t, "a/b/doc/1-x", s.ChangeMsgIDOn("spiegel.changes.a~2Fb", "a/b", "doc", "1-x"), "the db's own subject: SPEC §3's id")
+	assert.Equal(t, "@audit.a~2Fb/a/b/doc/1-x", s.ChangeMsgIDOn("audit.a~2Fb", "a/b", "doc", "1-x"))
+	assert.Equal(t, "@spiegel.changes.other/a/b/doc/1-x", s.ChangeMsgIDOn("spiegel.changes.other", "a/b", "doc", "1-x"), "another db's subject")
+	assert.Equal(t, "replay/r1/@audit.x/x/doc/1-x", ReplayMsgID("r1", s.ChangeMsgIDOn("audit.x", "x", "doc", "1-x")))
+}
+
+// FuzzChangeMsgIDOn: one change published to two subjects gets two ids, the db's own subject
+// keeps ChangeMsgID, and an id on another subject is never the own-subject id of any change of a
+// db CouchDB accepts (its name starts with a lowercase letter).
+func FuzzChangeMsgIDOn(f *testing.F) {
+	f.Add("spiegel.changes.db", "other.db", "db", "doc", "1-a")
+	f.Add("a.b", "spiegel.changes.db", "db", "x/y", "2-b")
+	f.Fuzz(func(t *testing.T, subj1, subj2, db, doc, rev string) {
+		s := NewSubjects("")
+		id1, id2 := s.ChangeMsgIDOn(subj1, db, doc, rev), s.ChangeMsgIDOn(subj2, db, doc, rev)
+		if subj1 != subj2 && id1 == id2 {
+			t.Fatalf("subjects %q and %q share the id %q", subj1, subj2, id1)
+		}
+		if subj1 == s.ChangeSubject(db) && id1 != ChangeMsgID(db, doc, rev) {
+			t.Fatalf("own subject %q: id %q", subj1, id1)
+		}
+		if subj1 != s.ChangeSubject(db) && (id1 == "" || id1[0] != '@') {
+			t.Fatalf("other subject %q: id %q could be an own-subject id", subj1, id1)
+		}
+	})
+}
