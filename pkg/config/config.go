@@ -92,7 +92,7 @@ type Producer struct {
 	Start                string        `envconfig:"SPIEGEL_START" default:"beginning" desc:"beginning|now, alike: a producer with no saved position starts its feed at the server's current position, not at the history's beginning, and once the feed runs every rule's catch-up enqueues each db it matches, so nothing written before is missed"`
 	FeedHeartbeat        time.Duration `envconfig:"SPIEGEL_FEED_HEARTBEAT" default:"10s" desc:"heartbeat asked of continuous feeds; no byte for twice this reopens the feed"`
 	PollInterval         time.Duration `envconfig:"SPIEGEL_POLL_INTERVAL" default:"2s" desc:"how often the poll source lists dbs and their update_seq"`
-	SweepInterval        time.Duration `envconfig:"SPIEGEL_SWEEP_INTERVAL" default:"10m" desc:"reconciliation sweep period, the first at start: enqueues every matched db not recorded done at its update_seq (0: off)"`
+	SweepInterval        time.Duration `envconfig:"SPIEGEL_SWEEP_INTERVAL" default:"10m" desc:"reconciliation sweep period, the first at start: enqueues every matched db not recorded done at its update_seq, reading the dbs' infos 100 at a time spread over a tenth of the period (at most 1m) (0: off)"`
 	PositionSaveInterval time.Duration `envconfig:"SPIEGEL_POSITION_SAVE_INTERVAL" default:"2s" desc:"how often the feed position is saved"`
 	MaxInflight          int           `envconfig:"SPIEGEL_PUBLISH_MAX_INFLIGHT" default:"4096" desc:"job publishes awaiting JetStream's ack at once"`
 	HotFeeds             int           `envconfig:"SPIEGEL_HOT_FEEDS" default:"32" desc:"most continuous _changes feeds kept open on busy dbs, whose jobs are published the moment they change (0: off)"`

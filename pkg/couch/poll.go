@@ -43,7 +43,7 @@ func (p *pollFeed) Run(ctx context.Context, since string, emit func(DBEvent) err
 	first := true
 	attempt := 0
 	for {
-		snap, err := p.c.takeSnapshot(ctx, p.opt.Match, p.opt.PollBatch)
+		snap, err := p.c.takeSnapshot(ctx, p.opt.Match, p.opt.PollBatch, 0)
 		if err != nil {
 			if ctx.Err() != nil {
 				return ctx.Err()

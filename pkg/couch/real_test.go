@@ -6,6 +6,7 @@ import (
 	"net/http"
 	"slices"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -355,4 +356,67 @@ func TestRealAllDBsPages(t *testing.T) {
 		after = page[len(page)-1]
 	}
 	assert.Equal(t, want, got)
+}
+
+// startTimes is a RoundTripper that notes when each request for the db infos was sent: POST
+// /_dbs_info, or GET /{db} of a db whose name has prefix.
+type startTimes struct {
+	next   http.RoundTripper
+	prefix string
+	mu     sync.Mutex
+	at     []time.Time
+}
+
+func (s *startTimes) RoundTrip(r *http.Request) (*http.Response, error) {
+	if r.URL.Path == "/_dbs_info" || r.Method == http.MethodGet && strings.HasPrefix(strings.TrimPrefix(r.URL.Path, "/"), s.prefix) {
+		s.mu.Lock()
+		s.at = append(s.at, time.Now())
+		s.mu.Unlock()
+	}
+	return s.next.RoundTrip(r)
+}
+
+func (s *startTimes) span() time.Duration {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if len(s.at) == 0 {
+		return 0
+	}
+	return slices.MaxFunc(s.at, time.Time.Compare).Sub(slices.MinFunc(s.at, time.Time.Compare))
+}
+
+// TestSnapshotSpread: a spread snapshot reads the same infos as one at once, a batch at a time
+// with the batches spread over the time asked (5 dbs in batches of 2: two waits of a third of
+// it), where the snapshot at once sends its requests together.
+func TestSnapshotSpread(t *testing.T) {
+	t.Parallel()
+	srv := couchtest.Get(t)
+	prefix := couchtest.UniqueName(t, "spread") + "_"
+	for i := range 5 {
+		name := fmt.Sprintf("%s%d", prefix, i)
+		srv.CreateDB(t, name)
+		srv.Put(t, name, "doc", map[string]any{"i": i})
+	}
+	rec := &startTimes{next: http.DefaultTransport, prefix: prefix}
+	c, err := New(Config{URL: srv.URL, RequestTimeout: DefaultRequestTimeout, Transport: rec}, nil)
+	require.NoError(t, err)
+	match := func(db string) bool { return strings.HasPrefix(db, prefix) }
+
+	atOnce, err := c.takeSnapshot(t.Context(), match, 2, 0)
+	require.NoError(t, err)
+	require.Len(t, atOnce, 5)
+	rec.at = nil
+	const spread = 900 * time.Millisecond
+	spreadSnap, err := c.takeSnapshot(t.Context(), match, 2, spread)
+	require.NoError(t, err)
+	require.Len(t, spreadSnap, 5)
+	for db, seq := range atOnce {
+		assertSameState(t, c, db, seq, spreadSnap[db])
+	}
+	assert.GreaterOrEqual(t, rec.span(), 2*spread/3, "three batches, two waits of a third of the spread between them")
+
+	ctx, cancel := context.WithTimeout(t.Context(), spread/2)
+	defer cancel()
+	_, err = c.takeSnapshot(ctx, match, 2, time.Hour) // returns, instead of waiting out the hour
+	require.Error(t, err, "a spread snapshot ends with its context")
 }

@@ -3,7 +3,11 @@ package couch
 import (
 	"context"
 	"fmt"
+	"maps"
 	"sort"
+	"time"
+
+	"github.com/spiegel-nats/spiegel/pkg/backoff"
 )
 
 // Snapshot maps each db to its update_seq (opaque) at one moment.
@@ -13,10 +17,21 @@ type Snapshot map[string]string
 // returns true (nil matches all) through DBInfos: batched POST /_dbs_info where supported, GET
 // /{db} with bounded concurrency elsewhere. A db deleted while the snapshot is taken is absent.
 func (c *Client) TakeSnapshot(ctx context.Context, match func(db string) bool) (Snapshot, error) {
-	return c.takeSnapshot(ctx, match, dbsInfoBatch)
+	return c.takeSnapshot(ctx, match, dbsInfoBatch, 0)
 }
 
-func (c *Client) takeSnapshot(ctx context.Context, match func(db string) bool, batch int) (Snapshot, error) {
+// TakeSnapshotSpread is TakeSnapshot with the infos read one batch (100 dbs) at a time, the
+// batches spread evenly over spread (0: TakeSnapshot): the reconciliation sweep's way. At once,
+// 10,000 dbs are some 100 requests that make CouchDB 3 open every db's shards within seconds,
+// which slowed everything else it served meanwhile, its own _db_updates feed included (bench-e2e
+// at N = 10,000: the writes during a sweep waited up to 200 ms longer for their row). Spread,
+// the same requests come a few a second. A db's seq read early is no worse: a job's completion
+// record at a later seq covers it (reconcile.Covered).
+func (c *Client) TakeSnapshotSpread(ctx context.Context, match func(db string) bool, spread time.Duration) (Snapshot, error) {
+	return c.takeSnapshot(ctx, match, dbsInfoBatch, spread)
+}
+
+func (c *Client) takeSnapshot(ctx context.Context, match func(db string) bool, batch int, spread time.Duration) (Snapshot, error) {
 	var dbs []string
 	err := c.EachDB(ctx, func(db string) error {
 		if match == nil || match(db) {
@@ -27,7 +42,7 @@ func (c *Client) takeSnapshot(ctx context.Context, match func(db string) bool, b
 	if err != nil {
 		return nil, fmt.Errorf("take snapshot: %w", err)
 	}
-	infos, err := c.dbInfos(ctx, dbs, batch)
+	infos, err := c.dbInfosSpread(ctx, dbs, batch, spread)
 	if err != nil {
 		return nil, fmt.Errorf("take snapshot: %w", err)
 	}
@@ -60,4 +75,30 @@ func Diff(prev, next Snapshot) []DBEvent {
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i].DB < out[j].DB })
 	return out
+}
+
+// dbInfosSpread is dbInfos one batch at a time, spread evenly over spread (0: dbInfos).
+func (c *Client) dbInfosSpread(ctx context.Context, dbs []string, batch int, spread time.Duration) (map[string]DBInfo, error) {
+	if batch <= 0 || batch > dbsInfoBatch {
+		batch = dbsInfoBatch
+	}
+	if spread <= 0 || len(dbs) <= batch {
+		return c.dbInfos(ctx, dbs, batch)
+	}
+	batches := (len(dbs) + batch - 1) / batch
+	gap := spread / time.Duration(batches)
+	out := make(map[string]DBInfo, len(dbs))
+	for i := range batches {
+		if i > 0 {
+			if err := backoff.Sleep(ctx, gap); err != nil {
+				return nil, err
+			}
+		}
+		part, err := c.dbInfos(ctx, dbs[i*batch:min((i+1)*batch, len(dbs))], batch)
+		if err != nil {
+			return nil, err
+		}
+		maps.Copy(out, part)
+	}
+	return out, nil
 }

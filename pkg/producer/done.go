@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"maps"
 	"slices"
+	"time"
 
 	"github.com/sirupsen/logrus"
 
@@ -46,19 +47,28 @@ func (p *producer) readDone(ctx context.Context) (reconcile.Done, error) {
 	return reconcile.Done{}, nil
 }
 
+// maxSweepSpread is the longest a sweep spreads its reads of the dbs' infos over.
+const maxSweepSpread = time.Minute
+
+// sweepSpread is how long a sweep with interval spreads its reads of the dbs' infos over
+// (couch.Client.TakeSnapshotSpread): a tenth of the interval, at most maxSweepSpread. At the
+// default 10 m a sweep of 10,000 dbs sends its 100 POST /_dbs_info over a minute; one of up to
+// 100 dbs is a single request, at once.
+func sweepSpread(interval time.Duration) time.Duration { return min(interval/10, maxSweepSpread) }
+
 // sweepOnce is one reconciliation sweep (SPEC §3 "CouchDB is the truth", §4.3): it reads the
-// update_seq of every matched db (couch.TakeSnapshot: POST /_dbs_info in batches, or GET /{db})
-// and the completion records (reconcile), and enqueues, with reason events.ReasonSweep, each
-// (group, db) whose record is missing or differs from the db's update_seq. That catches both
-// the events _db_updates dropped and whatever NATS lost (jobs, wakeup markers, consumer state,
-// the records themselves), the first sweep after a start included; a db whose last change was
-// processed gets no job. When the records cannot be read, a db is enqueued when its update_seq
+// update_seq of every matched db (couch.Client.TakeSnapshotSpread: POST /_dbs_info in batches,
+// or GET /{db}, spread over sweepSpread) and the completion records (reconcile), and enqueues,
+// with reason events.ReasonSweep, each (group, db) whose record is missing or differs from the
+// db's update_seq. That catches both the events _db_updates dropped and whatever NATS lost
+// (jobs, wakeup markers, consumer state, the records themselves), the first sweep after a start
+// included; a db whose last change was processed gets no job. When the records cannot be read, a db is enqueued when its update_seq
 // differs from prev, the previous sweep's snapshot (nil: none), as before there were records.
 // It returns the snapshot for the next sweep (prev when the snapshot failed).
 func (p *producer) sweepOnce(ctx context.Context, prev couch.Snapshot) (couch.Snapshot, error) {
-	snap, err := p.couch.TakeSnapshot(ctx, func(db string) bool {
+	snap, err := p.couch.TakeSnapshotSpread(ctx, func(db string) bool {
 		return !p.skip(db) && p.rules.Groups(db) != 0
-	})
+	}, sweepSpread(p.cfg.SweepInterval))
 	if err != nil {
 		return prev, err
 	}

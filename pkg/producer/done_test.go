@@ -205,3 +205,10 @@ func TestSweepForgetsVanishedDBs(t *testing.T) {
 	require.NoError(t, p.pub.Flush(ctx))
 	assert.Equal(t, map[string]uint64{work(events.GroupOnChange, gone): 1}, e.Pending(t))
 }
+
+func TestSweepSpread(t *testing.T) {
+	t.Parallel()
+	assert.Equal(t, time.Minute, sweepSpread(10*time.Minute), "the default interval")
+	assert.Equal(t, time.Minute, sweepSpread(time.Hour), "at most a minute")
+	assert.Equal(t, 3*time.Second, sweepSpread(30*time.Second), "a tenth of a short interval")
+}
