@@ -387,7 +387,7 @@ func (s *startTimes) span() time.Duration {
 
 // TestSnapshotSpread: a spread snapshot reads the same infos as one at once, a batch at a time
 // with the batches spread over the time asked (5 dbs in batches of 2: two waits of a third of
-// it), where the snapshot at once sends its requests together.
+// it), but never more than maxSpreadGap apart, and it ends with its context.
 func TestSnapshotSpread(t *testing.T) {
 	t.Parallel()
 	srv := couchtest.Get(t)
@@ -414,9 +414,15 @@ func TestSnapshotSpread(t *testing.T) {
 		assertSameState(t, c, db, seq, spreadSnap[db])
 	}
 	assert.GreaterOrEqual(t, rec.span(), 2*spread/3, "three batches, two waits of a third of the spread between them")
+	rec.at = nil
+	start := time.Now()
+	_, err = c.takeSnapshot(t.Context(), match, 2, time.Hour)
+	require.NoError(t, err)
+	assert.GreaterOrEqual(t, rec.span(), 2*maxSpreadGap, "two waits")
+	assert.Less(t, time.Since(start), 30*time.Second, "the batches are at most maxSpreadGap apart, not a third of the hour")
 
 	ctx, cancel := context.WithTimeout(t.Context(), spread/2)
 	defer cancel()
-	_, err = c.takeSnapshot(ctx, match, 2, time.Hour) // returns, instead of waiting out the hour
+	_, err = c.takeSnapshot(ctx, match, 1, time.Hour) // returns at the first wait
 	require.Error(t, err, "a spread snapshot ends with its context")
 }

@@ -21,7 +21,9 @@ func (c *Client) TakeSnapshot(ctx context.Context, match func(db string) bool) (
 }
 
 // TakeSnapshotSpread is TakeSnapshot with the infos read one batch (100 dbs) at a time, the
-// batches spread evenly over spread (0: TakeSnapshot): the reconciliation sweep's way. At once,
+// batches spread evenly over spread but never more than maxSpreadGap apart, so that a few
+// hundred dbs take a second or two, not the whole spread (0: TakeSnapshot): the reconciliation
+// sweep's way. At once,
 // 10,000 dbs are some 100 requests that make CouchDB 3 open every db's shards within seconds,
 // which slowed everything else it served meanwhile, its own _db_updates feed included (bench-e2e
 // at N = 10,000: the writes during a sweep waited up to 200 ms longer for their row). Spread,
@@ -77,7 +79,12 @@ func Diff(prev, next Snapshot) []DBEvent {
 	return out
 }
 
-// dbInfosSpread is dbInfos one batch at a time, spread evenly over spread (0: dbInfos).
+// maxSpreadGap is the longest wait between two batches of a spread snapshot: at least 200 dbs'
+// infos a second.
+const maxSpreadGap = 500 * time.Millisecond
+
+// dbInfosSpread is dbInfos one batch at a time, spread evenly over spread, at most maxSpreadGap
+// apart (0: dbInfos).
 func (c *Client) dbInfosSpread(ctx context.Context, dbs []string, batch int, spread time.Duration) (map[string]DBInfo, error) {
 	if batch <= 0 || batch > dbsInfoBatch {
 		batch = dbsInfoBatch
@@ -86,7 +93,7 @@ func (c *Client) dbInfosSpread(ctx context.Context, dbs []string, batch int, spr
 		return c.dbInfos(ctx, dbs, batch)
 	}
 	batches := (len(dbs) + batch - 1) / batch
-	gap := spread / time.Duration(batches)
+	gap := min(spread/time.Duration(batches), maxSpreadGap)
 	out := make(map[string]DBInfo, len(dbs))
 	for i := range batches {
 		if i > 0 {
