@@ -13,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/spiegel-nats/spiegel/pkg/backoff"
 	"github.com/spiegel-nats/spiegel/pkg/couchtest"
 )
 
@@ -84,18 +85,18 @@ func BenchmarkSweepImpact(b *testing.B) {
 		}
 		var atOnceTook, spreadTook time.Duration
 		const after = 10 * time.Second // a snapshot's phase goes on for this long after it
-		quiet := phase("quiet", func() error { return sleepCtx(ctx, 20*time.Second) })
+		quiet := phase("quiet", func() error { return backoff.Sleep(ctx, 20*time.Second) })
 		atOnce := phase("atonce", func() error {
 			start := time.Now()
 			snap, err := c.TakeSnapshot(ctx, match)
 			atOnceTook = time.Since(start)
-			return errors.Join(checkSnapshot(snap, err, n), sleepCtx(ctx, after))
+			return errors.Join(checkSnapshot(snap, err, n), backoff.Sleep(ctx, after))
 		})
 		spreadW := phase("spread", func() error {
 			start := time.Now()
 			snap, err := c.TakeSnapshotSpread(ctx, match, spread)
 			spreadTook = time.Since(start)
-			return errors.Join(checkSnapshot(snap, err, n), sleepCtx(ctx, after))
+			return errors.Join(checkSnapshot(snap, err, n), backoff.Sleep(ctx, after))
 		})
 		for _, p := range []struct {
 			name string
@@ -132,15 +133,6 @@ func envInt(b *testing.B, name string, def int) int {
 		b.Fatalf("%s=%q: want a positive number", name, v)
 	}
 	return n
-}
-
-func sleepCtx(ctx context.Context, d time.Duration) error {
-	select {
-	case <-ctx.Done():
-		return ctx.Err()
-	case <-time.After(d):
-		return nil
-	}
 }
 
 // createDBs creates dbs, eight at a time, each with one doc; they are deleted when b ends.
