@@ -103,6 +103,12 @@ func (r *changesReader) page(ctx context.Context, since couch.Seq) (p changesPag
 	q.Set("feed", "normal")
 	q.Set("style", "all_docs")
 	q.Set("limit", strconv.Itoa(r.limit))
+	// A run checkpoints at a page's last_seq only and never reads a row's seq, so CouchDB 2.1+
+	// need not pack one for each row (a quarter of its CPU per row on a long page with docs):
+	// with seq_interval equal to the limit it packs one for a page's first row, null for the
+	// others, and last_seq as always. CouchDB's own replicator asks the same; servers without
+	// the parameter (PouchDB Server, CouchDB before 2.1) ignore it.
+	q.Set("seq_interval", strconv.Itoa(r.limit))
 	if since != "" {
 		q.Set("since", string(since))
 	}
