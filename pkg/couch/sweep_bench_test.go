@@ -15,6 +15,7 @@ import (
 
 	"github.com/spiegel-nats/spiegel/pkg/backoff"
 	"github.com/spiegel-nats/spiegel/pkg/couchtest"
+	"github.com/spiegel-nats/spiegel/scripts/e2e/benchdata"
 )
 
 // BenchmarkSweepImpact measures what a reconciliation sweep's snapshot of N dbs does to the
@@ -102,13 +103,13 @@ func BenchmarkSweepImpact(b *testing.B) {
 			name string
 			ms   []float64
 		}{{"quiet", quiet}, {"atonce", atOnce}, {"spread", spreadW}} {
-			b.ReportMetric(percentile(p.ms, 0.5), p.name+"_p50_ms")
-			b.ReportMetric(percentile(p.ms, 0.99), p.name+"_p99_ms")
-			b.ReportMetric(percentile(p.ms, 1), p.name+"_max_ms")
+			b.ReportMetric(benchdata.Percentile(p.ms, 0.5), p.name+"_p50_ms")
+			b.ReportMetric(benchdata.Percentile(p.ms, 0.99), p.name+"_p99_ms")
+			b.ReportMetric(benchdata.Percentile(p.ms, 1), p.name+"_max_ms")
 			b.ReportMetric(float64(len(p.ms)), p.name+"_writes")
 			if p.name != "quiet" {
-				b.ReportMetric(percentile(p.ms, 0.99)/percentile(quiet, 0.99), p.name+"_p99_ratio")
-				b.ReportMetric(percentile(p.ms, 1)/percentile(quiet, 1), p.name+"_max_ratio")
+				b.ReportMetric(benchdata.Percentile(p.ms, 0.99)/benchdata.Percentile(quiet, 0.99), p.name+"_p99_ratio")
+				b.ReportMetric(benchdata.Percentile(p.ms, 1)/benchdata.Percentile(quiet, 1), p.name+"_max_ratio")
 			}
 		}
 		b.ReportMetric(atOnceTook.Seconds(), "atonce_snapshot_s")
@@ -210,15 +211,4 @@ func (u *updateRows) waits(b *testing.B, writes []benchWrite) []float64 {
 		}
 	}
 	return out
-}
-
-// percentile is the q-quantile of xs by the nearest rank (0 for none).
-func percentile(xs []float64, q float64) float64 {
-	if len(xs) == 0 {
-		return 0
-	}
-	s := slices.Clone(xs)
-	slices.Sort(s)
-	i := int(float64(len(s))*q+0.999999) - 1
-	return s[max(0, min(i, len(s)-1))]
 }
