@@ -23,11 +23,10 @@ func (c *Client) TakeSnapshot(ctx context.Context, match func(db string) bool) (
 // TakeSnapshotSpread is TakeSnapshot with the infos read one batch (100 dbs) at a time, the
 // batches spread evenly over spread but never more than maxSpreadGap apart, so that a few
 // hundred dbs take a second or two, not the whole spread (0: TakeSnapshot): the reconciliation
-// sweep's way. At once,
-// 10,000 dbs are some 100 requests that make CouchDB 3 open every db's shards within seconds,
-// which slowed everything else it served meanwhile, its own _db_updates feed included (bench-e2e
-// at N = 10,000: the writes during a sweep waited up to 200 ms longer for their row). Spread,
-// the same requests come a few a second. A db's seq read early is no worse: a job's completion
+// sweep's way. At once, 10,000 dbs are some 100 requests that make CouchDB 3 open every db's
+// shards within seconds, which slowed everything else it served meanwhile, its own _db_updates
+// feed included (bench-e2e at N = 10,000: the writes during a sweep waited up to 200 ms longer
+// for their row). Spread, the same requests come a few a second. A db's seq read early is no worse: a job's completion
 // record at a later seq covers it (reconcile.Covered).
 func (c *Client) TakeSnapshotSpread(ctx context.Context, match func(db string) bool, spread time.Duration) (Snapshot, error) {
 	return c.takeSnapshot(ctx, match, dbsInfoBatch, spread)
