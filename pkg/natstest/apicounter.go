@@ -4,6 +4,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/nats-io/nats.go"
 )
@@ -63,12 +64,24 @@ func NewAPICounter(t testing.TB, url string) *APICounter {
 	return c
 }
 
-// Stop ends the count once every request sent so far reached the counter, closes its connection
-// and returns the count.
+// Stop ends the count once every request sent so far reached the counter and was counted,
+// closes its connection and returns the count.
 func (c *APICounter) Stop(t testing.TB) map[string]int {
 	t.Helper()
+	// The flush's answer comes after every request the server passed on before it, so they are
+	// all queued for the subscription; the barrier runs once the callback has counted them
+	// (without it the unsubscribe dropped what was still queued: an empty count now and then).
 	if err := c.nc.Flush(); err != nil {
 		t.Fatalf("natstest: api counter: flush: %v", err)
+	}
+	counted := make(chan struct{})
+	if err := c.nc.Barrier(func() { close(counted) }); err != nil {
+		t.Fatalf("natstest: api counter: barrier: %v", err)
+	}
+	select {
+	case <-counted:
+	case <-time.After(30 * time.Second):
+		t.Fatalf("natstest: api counter: the requests were not counted within 30 s")
 	}
 	if err := c.sub.Unsubscribe(); err != nil {
 		t.Fatalf("natstest: api counter: unsubscribe: %v", err)
