@@ -172,6 +172,8 @@ func TestRetryAfterDelaysTheJob(t *testing.T) {
 	require.Len(t, calls, 2)
 	assert.GreaterOrEqual(t, calls[1].At.Sub(calls[0].At), 300*time.Millisecond)
 	assert.Equal(t, 2, calls[1].Attempt)
+	// The result is observed after the ack, which drained the queue: wait for it.
+	require.Eventually(t, func() bool { return len(obs.sequence()) >= 2 }, waitFor, tick)
 	assert.Equal(t, []string{ResultDelayed, ResultOK}, obs.sequence())
 }
 
