@@ -34,6 +34,9 @@ type streamReader struct {
 	js     jetstream.JetStream
 	stream string
 
+	// apiTimeout bounds each JetStream request of a catch-up (0: defaultAPITimeout).
+	apiTimeout time.Duration
+
 	mu      sync.Mutex
 	last    uint64 // stream sequence of the last message read
 	deleted int    // the stream's gaps (messages removed between its first and last) then
@@ -53,22 +56,40 @@ func (s *streamReader) changed(ctx context.Context, st jetstream.Stream, state j
 	return err != nil || !m.Time.Equal(s.msgs[len(s.msgs)-1].Stored)
 }
 
+// defaultAPITimeout bounds each JetStream request of a catch-up. A request sent while the cluster
+// elects a leader can go unanswered: the reader's lock is held while it waits, and the
+// convergence check waits for that lock. With one timeout of 60 s for the whole catch-up, such a
+// consumer create, sent by the probe watcher during the NATS faults, held the check for 38 of
+// the short run's 60 s, and a check that began before the deadline ended after it with what it
+// had read of the dbs at its start.
+const defaultAPITimeout = 10 * time.Second
+
 // catchUp reads every message stored up to the stream's last sequence at the time of the call.
-// It returns the number of messages read so far; an error leaves what was read in place.
+// It returns the number of messages read so far; an error leaves what was read in place (a
+// request that timed out is tried again at the next call).
 func (s *streamReader) catchUp(ctx context.Context) (int, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	ctx, cancel := context.WithTimeout(ctx, 60*time.Second)
+	timeout := s.apiTimeout
+	if timeout <= 0 {
+		timeout = defaultAPITimeout
+	}
+	call := func() (context.Context, context.CancelFunc) { return context.WithTimeout(ctx, timeout) }
+	cctx, cancel := call()
 	defer cancel()
-	st, err := s.js.Stream(ctx, s.stream)
+	st, err := s.js.Stream(cctx, s.stream)
 	if err != nil {
 		return len(s.msgs), err
 	}
-	info, err := st.Info(ctx)
+	cctx, cancel = call()
+	defer cancel()
+	info, err := st.Info(cctx)
 	if err != nil {
 		return len(s.msgs), err
 	}
-	if s.changed(ctx, st, info.State) {
+	cctx, cancel = call()
+	defer cancel()
+	if s.changed(cctx, st, info.State) {
 		s.last, s.msgs = 0, nil
 		s.rereads++
 	}
@@ -77,13 +98,18 @@ func (s *streamReader) catchUp(ctx context.Context) (int, error) {
 	if target <= s.last {
 		return len(s.msgs), nil
 	}
-	cons, err := s.js.OrderedConsumer(ctx, s.stream, jetstream.OrderedConsumerConfig{
+	cctx, cancel = call()
+	defer cancel()
+	cons, err := s.js.OrderedConsumer(cctx, s.stream, jetstream.OrderedConsumerConfig{
 		DeliverPolicy: jetstream.DeliverByStartSequencePolicy, OptStartSeq: s.last + 1})
 	if err != nil {
 		return len(s.msgs), err
 	}
 	for s.last < target {
-		batch, err := cons.Fetch(1000, jetstream.FetchMaxWait(5*time.Second))
+		// No more than the stream holds up to target: a full batch ends the pull at once, where
+		// a larger one waits out FetchMaxWait for messages that are not there. (Removed
+		// messages leave gaps; then the wait ends it.)
+		batch, err := cons.Fetch(int(min(target-s.last, 1000)), jetstream.FetchMaxWait(min(timeout, 5*time.Second)))
 		if err != nil {
 			return len(s.msgs), err
 		}
