@@ -309,6 +309,7 @@ func TestSweepHealsChangeStreamLoss(t *testing.T) {
 	got, _ := e.startConsumer(t, onc)
 	require.Eventually(t, func() bool { return slices.Contains(got.of(db), events.ReasonSweep) }, 30*time.Second, 20*time.Millisecond,
 		"the db's on_change job after the changes stream lost messages")
+	assertBystanderQuiet(t, e, got, db)
 }
 
 // copyStore stops NATS, copies its store and starts it again: the copy a power failure with lazy
@@ -374,6 +375,7 @@ func TestSweepHealsAHoleInTheChangesStream(t *testing.T) {
 	require.Eventually(t, func() bool { return slices.Contains(got.of(db), events.ReasonSweep) }, 30*time.Second, 20*time.Millisecond,
 		"the db's on_change job after a hole in the changes stream")
 	e.waitDone(t, onc, db)
+	assertBystanderQuiet(t, e, got, db)
 	stop()
 
 	// A producer started after the hole: its first look finds the gap.
@@ -414,14 +416,31 @@ func TestSweepHealsMirrorLoss(t *testing.T) {
 	got, _ := e.startConsumer(t, onc)
 	require.Eventually(t, func() bool { return slices.Contains(got.of(db), events.ReasonSweep) }, 30*time.Second, 20*time.Millisecond,
 		"the db's on_change job after the mirror bucket lost writes")
+	assertBystanderQuiet(t, e, got, db)
 }
 
 // settledOnChangeDB starts a producer and a consumer for one new db matched by an on_change rule
 // with action (subject or mirror), waits until its job is done and nothing is pending, and stops
 // the consumer: a db whose completion records are current, which no sweep enqueues by itself.
+// Beside it, settled the same way, is bystander(db), matched by a webhook rule only: a loss in
+// NATS is none of its business.
 func settledOnChangeDB(t *testing.T, name string, action map[string]any) (*env, string) {
 	e, db, _ := settledOnChangeDBWithStop(t, name, action)
 	return e, db
+}
+
+// bystander is the webhook-only db settledOnChangeDB makes beside db.
+func bystander(db string) string { return db + "_hook" }
+
+// assertBystanderQuiet checks, after a loss healed db, that the sweeps gave bystander(db) no job:
+// the sweep that enqueued db's heal would have enqueued it too, right after db. Two sweeps later
+// that job would be run or pending.
+func assertBystanderQuiet(t *testing.T, e *env, got *runs, db string) {
+	t.Helper()
+	e.waitSweeps(t, 2)
+	assert.NotContains(t, got.of(bystander(db)), events.ReasonSweep,
+		"the db of a webhook rule only got a job for a loss in NATS, where its rule writes nothing")
+	assert.NotContains(t, e.Pending(t), work(onc, bystander(db)), "the webhook-only db has a job pending")
 }
 
 // settledOnChangeDBWithStop is settledOnChangeDB that returns the producer's stop too.
@@ -434,10 +453,15 @@ func settledOnChangeDBWithStop(t *testing.T, name string, action map[string]any)
 	rule := map[string]any{"type": "on_change", "db_name": "^" + db + "$"}
 	maps.Copy(rule, action)
 	e.putRule(t, "rule", rule)
+	hooked := bystander(db)
+	e.Couch.CreateDB(t, hooked)
+	e.Couch.Put(t, hooked, "d1", map[string]any{"x": 1})
+	e.putRule(t, "hook", map[string]any{"type": "on_change", "db_name": "^" + hooked + "$", "url": "https://hooks.example.com/spiegel"})
 	e.cfg.SweepInterval = 300 * time.Millisecond
 	stopProducer := e.startProducer(t)
 	_, stopConsumer := e.startConsumer(t, onc)
 	e.waitDone(t, onc, db)
+	e.waitDone(t, onc, hooked)
 	require.Eventually(t, func() bool { return len(e.Pending(t)) == 0 }, 20*time.Second, 20*time.Millisecond)
 	e.waitRulesCaughtUp(t)
 	stopConsumer()

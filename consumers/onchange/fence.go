@@ -605,7 +605,7 @@ func (h *handler) healStream(ctx context.Context, db string, rule *rules.OnChang
 
 // lossNoticed tells the producers that the stream capturing subject lost messages it had
 // acknowledged (events.Subjects.StreamLoss): they rebuild its replicas from its leader, so that
-// the heals of the jobs hold whichever replica leads next, and enqueue every on_change db. Fire
+// the heals of the jobs hold whichever replica leads next, and enqueue the dbs of its rules. Fire
 // and forget: the next job that finds the loss tells them again.
 func (h *handler) lossNoticed(ctx context.Context, subject string) {
 	if h.notice == nil {

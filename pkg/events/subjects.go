@@ -127,7 +127,7 @@ func (s Subjects) ChangesAll() string { return s.Prefix + ".changes.>" }
 // StreamLoss is the core NATS subject on which onchange tells the producers that a job found a
 // stream (the changes stream, a mirror bucket's) without messages it had acknowledged; the
 // payload is the stream's name. The producers rebuild its replicas from its leader and enqueue
-// every on_change db (see producer streamWatch). A notice lost on the way costs nothing but time:
+// every db of a rule that writes there (see producer streamWatch). A notice lost on the way costs nothing but time:
 // the next job to find the loss sends another.
 func (s Subjects) StreamLoss() string { return s.Prefix + ".notice.streamloss" }
 

@@ -77,26 +77,24 @@ func (p *producer) sweepOnce(ctx context.Context, prev couch.Snapshot) (couch.Sn
 	if derr != nil && ctx.Err() == nil {
 		p.log.WithError(derr).Warn("read the completion records failed: this sweep enqueues the dbs changed since the previous one only")
 	}
-	lostChanges := false // the changes stream lost messages: every on_change db runs (streamWatch)
+	var lost lostOutputs // what the watches found lost: the dbs of the rules that wrote it run (streamWatch)
 	if p.changes != nil {
 		if p.takeNotice(p.changes.name) {
 			p.changes.noticed.Store(true)
 		}
-		lost, why, err := p.changes.lost(ctx)
+		l, why, err := p.changes.lost(ctx)
 		switch {
 		case err != nil && ctx.Err() == nil:
 			p.log.WithError(err).Debug("look at the changes stream failed: the next sweep looks again")
-		case lost && p.changes.certain:
-			lostChanges = true
-			p.log.Warn(why + ": it lost messages it had acknowledged; its replicas are rebuilt from its leader and every db of an on_change rule is enqueued, so that subject rules publish them again")
-		case lost:
-			lostChanges = true
-			p.log.Warn(why + ": every db of an on_change rule is enqueued, so that subject rules check what they published")
+		case l && p.changes.certain:
+			lost.stream = true
+			p.log.Warn(why + ": it lost messages it had acknowledged; its replicas are rebuilt from its leader and every db of a subject rule is enqueued, so that the rules publish them again")
+		case l:
+			lost.stream = true
+			p.log.Warn(why + ": every db of a subject rule is enqueued, so that the rules check what they published")
 		}
 	}
-	if p.watchMirrors(ctx) {
-		lostChanges = true
-	}
+	lost.buckets = p.watchMirrors(ctx)
 	defer p.repairStreams(ctx) // after the jobs are enqueued, however the sweep ends
 	if derr == nil {
 		p.forgetVanished(ctx, snap, done)
@@ -106,7 +104,7 @@ func (p *producer) sweepOnce(ctx context.Context, prev couch.Snapshot) (couch.Sn
 		dbs = append(dbs, db)
 	}
 	slices.Sort(dbs)
-	n := 0
+	nDue, nHeal := 0, 0
 	var examples []string // the first few dbs enqueued and why, for the log
 	for _, db := range dbs {
 		seq := snap[db]
@@ -121,21 +119,26 @@ func (p *producer) sweepOnce(ctx context.Context, prev couch.Snapshot) (couch.Sn
 		if len(due) > 0 && derr == nil {
 			due = p.stillDue(ctx, db, seq, due)
 		}
-		// The changes stream lost messages: every on_change db runs, and a job that is running
-		// now may have looked at the stream before the loss, so a refusal leaves a marker.
-		heal := lostChanges && slices.Contains(groups, events.GroupOnChange)
+		// A stream lost messages: the db runs when a rule of it wrote there, and a job that is
+		// running now may have looked at the stream before the loss, so a refusal leaves a marker.
+		heal := lost.any() && slices.Contains(groups, events.GroupOnChange) && lost.heals(p.rules.OnChanges(db))
 		if heal {
 			due = slices.DeleteFunc(due, func(g events.Group) bool { return g == events.GroupOnChange })
 		}
 		if len(due) == 0 && !heal {
 			continue
 		}
-		n++
+		if len(due) > 0 {
+			nDue++
+		}
+		if heal {
+			nHeal++
+		}
 		if len(examples) < 3 && len(due) > 0 {
 			examples = append(examples, fmt.Sprintf("%s %v: record %q, update_seq %q", db, due, done[reconcile.Key(due[0], db)], seq))
 		}
-		p.metrics.sweepEnqueued()
 		if len(due) > 0 {
+			p.metrics.sweepEnqueued() // the dbs behind their records only, as its help says
 			if err := p.pub.EnqueueSweep(ctx, db, due); err != nil {
 				return snap, err
 			}
@@ -146,10 +149,16 @@ func (p *producer) sweepOnce(ctx context.Context, prev couch.Snapshot) (couch.Sn
 			}
 		}
 	}
-	log := p.log.WithFields(logrus.Fields{"dbs": len(snap), "due": n, "first": examples})
-	if n > 0 {
+	// due: dbs not recorded done at their update_seq; heal: dbs enqueued only because a stream
+	// lost messages (the watch's warning said so). They are counted apart: after a loss
+	// nearly every db is a heal, which is not a db the pipeline left behind.
+	log := p.log.WithFields(logrus.Fields{"dbs": len(snap), "due": nDue, "heal": nHeal, "first": examples})
+	switch {
+	case nDue > 0:
 		log.Info("reconciliation sweep offered the jobs of the dbs not recorded done at their update_seq (a job pending or running refuses the offer)")
-	} else {
+	case nHeal > 0:
+		log.Info("reconciliation sweep found every matched db done; it offered a job to each db whose rules wrote to a stream that lost messages")
+	default:
 		log.Debug("reconciliation sweep found every matched db done")
 	}
 	return snap, nil
@@ -172,13 +181,13 @@ func (p *producer) repairStreams(ctx context.Context) {
 	}
 }
 
-// watchMirrors looks at the bucket of every mirror rule (see streamWatch) and reports whether
-// one lost writes it had acknowledged: then every db of an on_change rule is enqueued, and each
-// mirror rule's job finds what its bucket lost and mirrors its db again (consumers/onchange
-// healMirror). A bucket no rule names any more is no longer watched.
-func (p *producer) watchMirrors(ctx context.Context) bool {
+// watchMirrors looks at the bucket of every mirror rule (see streamWatch) and returns those that
+// lost writes they had acknowledged, or may have (nil: none): every db of a mirror rule of one is
+// enqueued, and the rule's job finds what its bucket lost and mirrors its db again
+// (consumers/onchange healMirror). A bucket no rule names any more is no longer watched.
+func (p *producer) watchMirrors(ctx context.Context) map[string]bool {
 	if p.mirrors == nil || p.changes == nil {
-		return false
+		return nil
 	}
 	named := p.mirrorBuckets()
 	for b := range p.mirrors {
@@ -186,7 +195,7 @@ func (p *producer) watchMirrors(ctx context.Context) bool {
 			delete(p.mirrors, b)
 		}
 	}
-	lost := false
+	var lost map[string]bool
 	for _, b := range named {
 		w := p.mirrors[b]
 		if w == nil {
@@ -201,14 +210,45 @@ func (p *producer) watchMirrors(ctx context.Context) bool {
 		case err != nil && ctx.Err() == nil:
 			p.log.WithError(err).Debug("look at a mirror bucket failed: the next sweep looks again")
 		case l && w.certain:
-			lost = true
-			p.log.Warn(why + ": mirror bucket " + b + " lost writes it had acknowledged; its replicas are rebuilt from its leader and every db of an on_change rule is enqueued, so that mirror rules write them again")
+			lost = setTrue(lost, b)
+			p.log.Warn(why + ": mirror bucket " + b + " lost writes it had acknowledged; its replicas are rebuilt from its leader and every db of its mirror rules is enqueued, so that the rules write them again")
 		case l:
-			lost = true
-			p.log.Warn(why + ": every db of an on_change rule is enqueued, so that mirror rules check what they wrote in bucket " + b)
+			lost = setTrue(lost, b)
+			p.log.Warn(why + ": every db of a mirror rule of bucket " + b + " is enqueued, so that the rules check what they wrote")
 		}
 	}
 	return lost
+}
+
+// lostOutputs is what one sweep's stream watches found lost, for certain or possibly: the changes
+// stream, where subject rules publish, and mirror buckets.
+type lostOutputs struct {
+	stream  bool
+	buckets map[string]bool
+}
+
+func (l lostOutputs) any() bool { return l.stream || len(l.buckets) > 0 }
+
+// heals reports whether a db with the on_change rules ocs gets a job for l: a subject rule when
+// the changes stream lost messages, a mirror rule of a bucket that lost writes. A webhook rule's
+// output is not in NATS, and its checkpoint is current: a db of webhook rules only gets no job, so
+// that a leader election does not cost a job for every db of a webhook rule.
+func (l lostOutputs) heals(ocs []*rules.OnChange) bool {
+	for _, r := range ocs {
+		if l.stream && r.Subject != "" || r.Mirror != "" && l.buckets[r.Mirror] {
+			return true
+		}
+	}
+	return false
+}
+
+// setTrue sets m[k], making m when it is nil.
+func setTrue(m map[string]bool, k string) map[string]bool {
+	if m == nil {
+		m = map[string]bool{}
+	}
+	m[k] = true
+	return m
 }
 
 // stillDue returns those of due whose record of db, read again now, still does not cover seq. A

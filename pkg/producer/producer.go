@@ -456,8 +456,8 @@ const noticeSweepGap = 15 * time.Second
 
 // noticeLoss takes a job's notice that stream (the changes stream, or a mirror bucket's
 // stream) lost a message it had published (events.Subjects.StreamLoss): the next sweep, started
-// now, rebuilds the stream's replicas and enqueues every on_change db (streamWatch). Notices of
-// other streams are ignored.
+// now, rebuilds the stream's replicas and enqueues every db of a rule that writes there (a subject
+// rule, a mirror rule of the bucket; streamWatch). Notices of other streams are ignored.
 func (p *producer) noticeLoss(stream string) {
 	if p.changes == nil || stream != p.changes.name && !strings.HasPrefix(stream, "KV_") || len(stream) > 256 {
 		return

@@ -20,7 +20,8 @@ type streamStater interface {
 // they acknowledged (lazy sync and a power failure), or the stream deleted. The change stream
 // lives only in NATS, and a subject rule publishes a lost change again only when a job of its db
 // runs (see consumers/onchange healStream); a db without new writes would get none, because its
-// completion record is current. So on a loss the sweep enqueues every db of an on_change rule.
+// completion record is current. So on a loss the sweep enqueues every db of a subject rule (of a
+// mirror rule of the bucket, for a bucket's loss); a db of webhook rules only gets no job.
 //
 // What it sees from one look to the next:
 //   - a loss, for certain: the stream is gone; its last sequence went back; the message now at
@@ -34,13 +35,13 @@ type streamStater interface {
 //     acknowledged messages needs the nodes holding them to restart, which elects a leader, and
 //     the messages lost can be the latest, after the watch's last look, where nothing else shows
 //     them. More gaps between the first and last message than before (a hole in the middle, or a
-//     heal's removals), and, at a producer's first look, any gap at all. The on_change dbs are
+//     heal's removals), and, at a producer's first look, any gap at all. The subject rules' dbs are
 //     enqueued; their jobs check what their rules published and tell when they find a loss.
 //
 // A message dropped by the stream's own limits (max age) is no loss: the remembered sequence is
 // then below the stream's first, and gaps only go. For an hour after a loss, a new leader term
 // counts as a loss for certain: a new leader shows its own replica. Cost per sweep: one stream
-// info, one message read; a leader change costs one job per on_change db.
+// info, one message read; a leader change costs one job per db of a subject rule.
 //
 // A mirror bucket's stream is watched the same way (see producer.watchMirrors), without the gaps:
 // a bucket keeps one message per key, so each write of a key leaves a gap where its previous one
