@@ -3,6 +3,7 @@ package chaos
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"strconv"
 	"strings"
@@ -45,15 +46,24 @@ type streamReader struct {
 }
 
 // changed reports whether the stream no longer holds what was read from it (see streamReader).
-func (s *streamReader) changed(ctx context.Context, st jetstream.Stream, state jetstream.StreamState) bool {
+// A read of the last message read that fails (no answer during a leader election) is an error,
+// not a change: the next catch-up looks again, rather than reading the stream from its start and
+// counting a reread that the report puts down to a loss.
+func (s *streamReader) changed(ctx context.Context, st jetstream.Stream, state jetstream.StreamState) (bool, error) {
 	if s.last == 0 || len(s.msgs) == 0 {
-		return false
+		return false, nil
 	}
 	if state.LastSeq < s.last || state.NumDeleted != s.deleted {
-		return true
+		return true, nil
 	}
 	m, err := st.GetMsg(ctx, s.last)
-	return err != nil || !m.Time.Equal(s.msgs[len(s.msgs)-1].Stored)
+	switch {
+	case errors.Is(err, jetstream.ErrMsgNotFound):
+		return true, nil
+	case err != nil:
+		return false, fmt.Errorf("read message %d of %s: %w", s.last, s.stream, err)
+	}
+	return !m.Time.Equal(s.msgs[len(s.msgs)-1].Stored), nil
 }
 
 // defaultAPITimeout bounds each JetStream request of a catch-up. A request sent while the cluster
@@ -89,7 +99,11 @@ func (s *streamReader) catchUp(ctx context.Context) (int, error) {
 	}
 	cctx, cancel = call()
 	defer cancel()
-	if s.changed(cctx, st, info.State) {
+	changed, err := s.changed(cctx, st, info.State)
+	if err != nil {
+		return len(s.msgs), err
+	}
+	if changed {
 		s.last, s.msgs = 0, nil
 		s.rereads++
 	}
