@@ -9,7 +9,7 @@
 # With `scaling` among BENCH_SETUPS it also runs, per N, the horizontal scaling benchmark
 # (BenchmarkScaling: 1, 2, 4 replicator and then onchange processes draining a backlog of N jobs).
 #
-# Variables: BENCH_NS (100,1000), BENCH_SETUPS (hot,replicator; add scaling), BENCH_OUT
+# Variables: BENCH_NS (100,1000), BENCH_SETUPS (hot,replicator, run in that order; add scaling), BENCH_OUT
 # (bench-e2e), and those of the benchmarks: BENCH_RATE, BENCH_DURATION, BENCH_IDLE,
 # BENCH_SYNC_LIMIT, BENCH_SCALING_PROCS, BENCH_SCALING_GROUPS, BENCH_SCALING_CONCURRENCY,
 # BENCH_SERVER_PID (set here when PouchDB Server is started here), BENCH_TIMEOUT (go test's,

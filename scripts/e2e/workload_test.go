@@ -15,6 +15,8 @@ import (
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 
 	"github.com/spiegel-nats/spiegel/pkg/couchtest"
 	"github.com/spiegel-nats/spiegel/pkg/healthtest"
@@ -32,7 +34,8 @@ import (
 // what the pipeline asks of CouchDB while idle afterwards. Latencies run from the write's answer
 // to the doc's arrival on the target's feed (replication) or at the webhook.
 //
-// Setups, all measured in the same run (BENCH_SETUPS picks some, comma-separated):
+// Setups, all measured in the same run (BENCH_SETUPS picks some, comma-separated, run in that
+// order):
 //   - hot: the defaults (native engine, hot feeds);
 //   - nohot: native engine, SPIEGEL_HOT_FEEDS=0 (the _db_updates path alone);
 //   - capped: the defaults with each process's CouchDB connections for requests capped at 8;
@@ -57,10 +60,14 @@ func BenchmarkWorkload(b *testing.B) {
 	w := workloadFromEnv(b)
 	up := cs.NewUpdatesProxy(b, couchtest.CoalesceWindow(500*time.Millisecond))
 	dir := os.Getenv("BENCH_REPORT_DIR")
+	setups, err := workloadSetups()
+	if err != nil {
+		b.Fatal(err)
+	}
 	var results []workloadResult
 	for range b.N {
 		results = results[:0]
-		for _, s := range workloadSetups() {
+		for _, s := range setups {
 			r := runWorkload(b, root, cs, up, w, s)
 			b.Logf("%s: %s", s.key, r.summary())
 			results = append(results, r)
@@ -154,7 +161,11 @@ type workloadSetup struct {
 	replicatorDB bool
 }
 
-func workloadSetups() []workloadSetup {
+// workloadSetups returns the setups BENCH_SETUPS names, in the order it names them (every setup,
+// in the order below, when it is empty): the setup that runs first meets a server that has just
+// loaded the dbs, so swapping two setups tells that apart from what the setups do. A name that is
+// no setup is an error.
+func workloadSetups() ([]workloadSetup, error) {
 	all := []workloadSetup{
 		{key: "hot", name: "native engine, hot feeds (defaults)"},
 		{key: "nohot", name: "native engine, no hot feeds", vars: []string{"SPIEGEL_HOT_FEEDS=0"}},
@@ -166,10 +177,23 @@ func workloadSetups() []workloadSetup {
 	}
 	pick := os.Getenv("BENCH_SETUPS")
 	if pick == "" {
-		return all
+		return all, nil
 	}
-	keys := strings.Split(pick, ",")
-	return slices.DeleteFunc(all, func(s workloadSetup) bool { return !slices.Contains(keys, s.key) })
+	var out []workloadSetup
+	for _, k := range strings.Split(pick, ",") {
+		i := slices.IndexFunc(all, func(s workloadSetup) bool { return s.key == k })
+		switch {
+		case i < 0:
+			keys := make([]string, len(all))
+			for j, s := range all {
+				keys[j] = s.key
+			}
+			return nil, fmt.Errorf("BENCH_SETUPS=%q: %q is not a setup (%s)", pick, k, strings.Join(keys, ", "))
+		case !slices.ContainsFunc(out, func(s workloadSetup) bool { return s.key == k }):
+			out = append(out, all[i])
+		}
+	}
+	return out, nil
 }
 
 // workloadResult is what one setup measured.
@@ -539,3 +563,24 @@ func diffCounts(before, after map[string]proxySnapshot) (map[string]map[string]i
 }
 
 func ms(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
+
+// BENCH_SETUPS picks the setups and their order; a name that is no setup is refused, naming it.
+func TestWorkloadSetups(t *testing.T) {
+	keys := func(pick string) []string {
+		t.Setenv("BENCH_SETUPS", pick)
+		setups, err := workloadSetups()
+		require.NoError(t, err)
+		var out []string
+		for _, s := range setups {
+			out = append(out, s.key)
+		}
+		return out
+	}
+	assert.Equal(t, []string{"nohot", "hot"}, keys("nohot,hot"), "the order given is the order run")
+	assert.Equal(t, []string{"hot", "replicator"}, keys("hot,replicator,hot"), "a setup named twice runs once")
+	assert.Equal(t, []string{"hot", "nohot", "capped", "uncapped", "couchdb", "replicator"}, keys(""))
+
+	t.Setenv("BENCH_SETUPS", "hot,nohots")
+	_, err := workloadSetups()
+	require.ErrorContains(t, err, `"nohots" is not a setup`)
+}
