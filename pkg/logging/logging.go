@@ -37,6 +37,9 @@ func New(level, format string, out io.Writer) (*logrus.Logger, error) {
 // does not parse as a URL is scanned for "scheme://user:pass@" sequences instead, so no input
 // leaks a password.
 func RedactURL(raw string) string {
+	if !strings.Contains(raw, "@") {
+		return raw // no user info, so no password: nothing to parse
+	}
 	u, err := url.Parse(raw)
 	if err == nil && u.User != nil {
 		if _, has := u.User.Password(); has {

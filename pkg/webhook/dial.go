@@ -7,6 +7,7 @@ import (
 	"net"
 	"net/netip"
 	"net/url"
+	"strconv"
 	"strings"
 	"syscall"
 	"time"
@@ -86,10 +87,13 @@ func (a allowList) named(host, port string) bool {
 	return false
 }
 
+// parsePort is p as a port number, 0 when it is not one.
 func parsePort(p string) uint16 {
-	var n uint16
-	_, _ = fmt.Sscan(p, &n)
-	return n
+	n, err := strconv.ParseUint(p, 10, 16)
+	if err != nil {
+		return 0
+	}
+	return uint16(n)
 }
 
 // urlPort is u's port, or its scheme's default.

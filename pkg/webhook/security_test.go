@@ -89,6 +89,27 @@ func TestNonPublic(t *testing.T) {
 	}
 }
 
+// TestAllowListPorts: an allow-list entry with a port names that port only, for a name and for
+// an address (written as Go writes it); a port that is no number matches no such entry.
+func TestAllowListPorts(t *testing.T) {
+	t.Parallel()
+	a := parseAllowList([]string{"hooks.example:8443", "10.0.0.5:9000", "[fd00::1]:80"})
+	for _, c := range []struct {
+		host, port string
+		want       bool
+	}{
+		{"hooks.example", "8443", true}, {"HOOKS.example", "8443", true}, {"hooks.example", "443", false},
+		{"10.0.0.5", "9000", true}, {"10.0.0.5", "09000", true}, {"10.0.0.5", "900", false},
+		{"fd00::1", "80", true}, {"fd00:0::1", "80", true}, {"fd00::1", "8080", false},
+		{"10.0.0.5", "x9000", false}, {"10.0.0.5", "65536", false}, {"10.0.0.5", "", false},
+	} {
+		assert.Equal(t, c.want, a.named(c.host, c.port), "%s port %q", c.host, c.port)
+	}
+	assert.Equal(t, uint16(65535), parsePort("65535"))
+	assert.Zero(t, parsePort("65536"))
+	assert.Zero(t, parsePort("-1"))
+}
+
 // hookServer is a receiver that counts its requests.
 type hookServer struct {
 	*httptest.Server
