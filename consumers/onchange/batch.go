@@ -344,8 +344,13 @@ func (h *handler) act(ctx context.Context, db string, rule *rules.OnChange, a *a
 	if !worker.Held(ctx) { // paused past AckWait: another instance may be acting on this db
 		return stateFailed, 0, worker.ErrLeaseLost
 	}
-	key := bookKey(rule.ID(), db, a.c.Seq, a.key)
-	done, wait, booked := h.book.get(key)
+	key := func() string { return bookKey(rule.ID(), db, a.c.Seq, a.key) } // built only when the book is used
+	var done int
+	var wait time.Duration
+	var booked bool
+	if !h.book.empty() { // the common case: no request deferred, no key to build
+		done, wait, booked = h.book.get(key())
+	}
 	if wait > 0 {
 		return stateDeferred, wait, nil
 	}
@@ -369,14 +374,14 @@ func (h *handler) act(ctx context.Context, db string, rule *rules.OnChange, a *a
 	out := webhook.Retrying(rctx, webhook.Retry{Policy: rule.Retry, Done: done, InlineMax: h.inlineRetry}, try)
 	if out.Err == nil {
 		if booked {
-			h.book.forget(key)
+			h.book.forget(key())
 		}
 		return stateDone, 0, nil
 	}
 	log = log.WithFields(logrus.Fields{"seq": a.c.Seq, "doc_id": a.c.ID, "attempt": out.Attempts})
 	switch {
 	case out.RetryIn > 0:
-		h.book.defer_(key, out.Attempts, out.RetryIn)
+		h.book.defer_(key(), out.Attempts, out.RetryIn)
 		log.WithError(out.Err).WithField("delay", out.RetryIn.String()).Warn("request failed: retrying later")
 		return stateDeferred, out.RetryIn, out.Err
 	case !out.GaveUp:
@@ -387,10 +392,10 @@ func (h *handler) act(ctx context.Context, db string, rule *rules.OnChange, a *a
 		Status: out.Status, Error: logging.RedactText(out.Err.Error()), Attempts: out.Attempts, Details: a.details,
 	}
 	if err := h.dead.Publish(ctx, rec); err != nil {
-		h.book.defer_(key, out.Attempts-1, 0) // one more attempt, then the record again
+		h.book.defer_(key(), out.Attempts-1, 0) // one more attempt, then the record again
 		return stateFailed, 0, err
 	}
-	h.book.forget(key)
+	h.book.forget(key())
 	h.metrics.DeadLetter(events.GroupOnChange)
 	h.status.GaveUp(rule.ID(), errors.New(rec.Error))
 	log.WithError(out.Err).WithField("status", out.Status).Error("request given up at its retry limit: dead letter recorded")

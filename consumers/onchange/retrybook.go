@@ -49,6 +49,13 @@ func (b *retryBook) get(key string) (attempts int, wait time.Duration, found boo
 	return e.attempts, e.notBefore.Sub(b.now()), true
 }
 
+// empty reports whether no request is booked.
+func (b *retryBook) empty() bool {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return len(b.entries) == 0
+}
+
 // defer records that key was attempted attempts times and is due again after wait.
 func (b *retryBook) defer_(key string, attempts int, wait time.Duration) {
 	b.mu.Lock()
