@@ -1,0 +1,69 @@
+package main
+
+import (
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/sirupsen/logrus"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/spiegel-nats/spiegel/pkg/rules"
+	"github.com/spiegel-nats/spiegel/pkg/webhook"
+)
+
+// TestWebhookBatchDeferredStopsStarts: without block, a request whose retry is due later
+// defers the rule, and no request of the page is started after that, although slots are free;
+// done stops before the deferred change, so the checkpoint cannot pass it.
+func TestWebhookBatchDeferredStopsStarts(t *testing.T) {
+	t.Parallel()
+	h := &handler{book: newRetryBook(), requestConcurrency: 2, inlineRetry: time.Second, dead: &noDeadLetters{}}
+	h.log = logrus.New()
+	h.log.(*logrus.Logger).SetOutput(io.Discard)
+	h.hooks = webhook.New(webhook.Config{AllowedHosts: []string{"127.0.0.1"}, Timeout: 10 * time.Second})
+	release := make(chan struct{})
+	var mu sync.Mutex
+	var seen []string
+	sink := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		id := strings.TrimPrefix(r.URL.Path, "/")
+		mu.Lock()
+		seen = append(seen, id)
+		mu.Unlock()
+		switch id {
+		case "d00":
+			w.WriteHeader(http.StatusInternalServerError) // retried in a minute: deferred
+		case "d01":
+			<-release // holds the other slot, if it took d01, until the deferral is recorded
+		}
+	}))
+	t.Cleanup(sink.Close)
+	r, err := rules.Parse("hook", []byte(`{"type":"on_change","url":"`+sink.URL+`/${change.id}","method":"POST",
+		"retry":{"backoff":"linear","delay_ms":60000,"limit":3}}`))
+	require.NoError(t, err)
+
+	out := make(chan batchResult, 1)
+	go func() { out <- h.processBatch(t.Context(), "db", r.(*rules.OnChange), "", "", rows(10), h.log) }()
+	require.Eventually(t, func() bool { return !h.book.empty() }, 10*time.Second, 5*time.Millisecond, "d00 deferred")
+	close(release)
+	var res batchResult
+	select {
+	case res = <-out:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the batch did not end")
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	// d01 starts when the second slot's goroutine takes it before d00 is deferred; nothing after it
+	// may start.
+	assert.Contains(t, seen, "d00")
+	assert.Subset(t, []string{"d00", "d01"}, seen, "nothing started after the deferral")
+	assert.Equal(t, 0, res.done, "done stops before the deferred change")
+	assert.Positive(t, res.retryIn)
+	assert.Error(t, res.deferErr)
+	assert.NoError(t, res.err)
+}
