@@ -67,3 +67,49 @@ func TestWebhookBatchDeferredStopsStarts(t *testing.T) {
 	assert.Error(t, res.deferErr)
 	assert.NoError(t, res.err)
 }
+
+// TestDeferredRequestKeepsItsBackoff: a deferred request is not sent again before its retry is
+// due, however often its job runs, and its attempts count towards the rule's limit across runs:
+// limit 2 gives three attempts in all, then one dead letter, and the retry book is empty again.
+func TestDeferredRequestKeepsItsBackoff(t *testing.T) {
+	t.Parallel()
+	dead := &noDeadLetters{}
+	h := &handler{book: newRetryBook(), requestConcurrency: 2, inlineRetry: time.Second, dead: dead}
+	h.log = logrus.New()
+	h.log.(*logrus.Logger).SetOutput(io.Discard)
+	h.hooks = webhook.New(webhook.Config{AllowedHosts: []string{"127.0.0.1"}, Timeout: 10 * time.Second})
+	now := time.Now()
+	h.book.now = func() time.Time { return now } // a run happens before any other run's retry is due
+	var mu sync.Mutex
+	attempts := 0
+	sink := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
+		mu.Lock()
+		attempts++
+		mu.Unlock()
+		w.WriteHeader(http.StatusServiceUnavailable)
+	}))
+	t.Cleanup(sink.Close)
+	r, err := rules.Parse("hook", []byte(`{"type":"on_change","url":"`+sink.URL+`/x","method":"POST",
+		"retry":{"backoff":"linear","delay_ms":60000,"limit":2}}`))
+	require.NoError(t, err)
+	rule := r.(*rules.OnChange)
+	sent := func() int { mu.Lock(); defer mu.Unlock(); return attempts }
+	run := func() batchResult { return h.processBatch(t.Context(), "db", rule, "", "", rows(1), h.log) }
+
+	for attempt := 1; attempt <= 2; attempt++ {
+		res := run()
+		assert.Equal(t, attempt, sent(), "attempt %d sent", attempt)
+		assert.Zero(t, res.done, "attempt %d: not done", attempt)
+		assert.Positive(t, res.retryIn, "attempt %d: deferred", attempt)
+		res = run() // the job runs again before the retry is due
+		assert.Equal(t, attempt, sent(), "not sent again before its retry is due")
+		assert.Positive(t, res.retryIn)
+		now = now.Add(10 * time.Minute) // every retry of this policy is due by then
+	}
+	res := run()
+	assert.Equal(t, 3, sent(), "the third attempt is the last (limit 2)")
+	assert.Equal(t, 1, res.done, "given up and dead-lettered: done")
+	require.Len(t, dead.recs, 1)
+	assert.Equal(t, 3, dead.recs[0].Attempts)
+	assert.True(t, h.book.empty(), "nothing left in the retry book")
+}
