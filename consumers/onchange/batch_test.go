@@ -17,15 +17,26 @@ import (
 	"github.com/spiegel-nats/spiegel/pkg/webhook"
 )
 
+// webhookHandler returns a handler with two request slots whose POST rule calls url (a
+// template) with the given retry policy; retries due after a second are deferred, dead letters
+// go to dead.
+func webhookHandler(t *testing.T, dead *noDeadLetters, url, retry string) (*handler, *rules.OnChange) {
+	t.Helper()
+	r, err := rules.Parse("hook", []byte(`{"type":"on_change","url":"`+url+`","method":"POST","retry":`+retry+`}`))
+	require.NoError(t, err)
+	log := logrus.New()
+	log.SetOutput(io.Discard)
+	return &handler{
+		book: newRetryBook(), requestConcurrency: 2, inlineRetry: time.Second, dead: dead, log: log,
+		hooks: webhook.New(webhook.Config{AllowedHosts: []string{"127.0.0.1"}, Timeout: 10 * time.Second}),
+	}, r.(*rules.OnChange)
+}
+
 // TestWebhookBatchDeferredStopsStarts: without block, a request whose retry is due later
 // defers the rule, and no request of the page is started after that, although slots are free;
 // done stops before the deferred change, so the checkpoint cannot pass it.
 func TestWebhookBatchDeferredStopsStarts(t *testing.T) {
 	t.Parallel()
-	h := &handler{book: newRetryBook(), requestConcurrency: 2, inlineRetry: time.Second, dead: &noDeadLetters{}}
-	h.log = logrus.New()
-	h.log.(*logrus.Logger).SetOutput(io.Discard)
-	h.hooks = webhook.New(webhook.Config{AllowedHosts: []string{"127.0.0.1"}, Timeout: 10 * time.Second})
 	release := make(chan struct{})
 	var mu sync.Mutex
 	var seen []string
@@ -42,12 +53,10 @@ func TestWebhookBatchDeferredStopsStarts(t *testing.T) {
 		}
 	}))
 	t.Cleanup(sink.Close)
-	r, err := rules.Parse("hook", []byte(`{"type":"on_change","url":"`+sink.URL+`/${change.id}","method":"POST",
-		"retry":{"backoff":"linear","delay_ms":60000,"limit":3}}`))
-	require.NoError(t, err)
+	h, rule := webhookHandler(t, &noDeadLetters{}, sink.URL+"/${change.id}", `{"backoff":"linear","delay_ms":60000,"limit":3}`)
 
 	out := make(chan batchResult, 1)
-	go func() { out <- h.processBatch(t.Context(), "db", r.(*rules.OnChange), "", "", rows(10), h.log) }()
+	go func() { out <- h.processBatch(t.Context(), "db", rule, "", "", rows(10), h.log) }()
 	require.Eventually(t, func() bool { return !h.book.empty() }, 10*time.Second, 5*time.Millisecond, "d00 deferred")
 	close(release)
 	var res batchResult
@@ -74,12 +83,6 @@ func TestWebhookBatchDeferredStopsStarts(t *testing.T) {
 func TestDeferredRequestKeepsItsBackoff(t *testing.T) {
 	t.Parallel()
 	dead := &noDeadLetters{}
-	h := &handler{book: newRetryBook(), requestConcurrency: 2, inlineRetry: time.Second, dead: dead}
-	h.log = logrus.New()
-	h.log.(*logrus.Logger).SetOutput(io.Discard)
-	h.hooks = webhook.New(webhook.Config{AllowedHosts: []string{"127.0.0.1"}, Timeout: 10 * time.Second})
-	now := time.Now()
-	h.book.now = func() time.Time { return now } // a run happens before any other run's retry is due
 	var mu sync.Mutex
 	attempts := 0
 	sink := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
@@ -89,10 +92,9 @@ func TestDeferredRequestKeepsItsBackoff(t *testing.T) {
 		w.WriteHeader(http.StatusServiceUnavailable)
 	}))
 	t.Cleanup(sink.Close)
-	r, err := rules.Parse("hook", []byte(`{"type":"on_change","url":"`+sink.URL+`/x","method":"POST",
-		"retry":{"backoff":"linear","delay_ms":60000,"limit":2}}`))
-	require.NoError(t, err)
-	rule := r.(*rules.OnChange)
+	h, rule := webhookHandler(t, dead, sink.URL+"/x", `{"backoff":"linear","delay_ms":60000,"limit":2}`)
+	now := time.Now()
+	h.book.now = func() time.Time { return now } // a run happens before any other run's retry is due
 	sent := func() int { mu.Lock(); defer mu.Unlock(); return attempts }
 	run := func() batchResult { return h.processBatch(t.Context(), "db", rule, "", "", rows(1), h.log) }
 
