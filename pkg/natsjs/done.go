@@ -23,10 +23,13 @@ func (t Topology) DoneBucketConfig() jetstream.KeyValueConfig {
 	}
 }
 
-// EnsureDoneBucket creates or updates the bucket of completion records. Ensure calls it; the
-// producer's sweep calls it too when the bucket is gone, so that a lost bucket heals itself.
+// EnsureDoneBucket creates the bucket of completion records unless it exists; an existing one
+// is left as it is, whatever its settings (it never updates one). Ensure creates it with the
+// rest; the producer's sweep calls it when the bucket is gone, so that a lost bucket heals
+// itself.
 func EnsureDoneBucket(ctx context.Context, js jetstream.JetStream, t Topology) error {
-	return ensureBucket(ctx, js, t.DoneBucketConfig())
+	_, err := Object{Kind: KindBucket, Bucket: t.DoneBucketConfig()}.Create(ctx, js)
+	return err
 }
 
 // DoneBucket opens the bucket of completion records; a missing bucket is an error wrapping

@@ -113,7 +113,14 @@ func (t Topology) DeadLetterStreamConfig() jetstream.StreamConfig {
 // ChangesStreamConfig captures the changes `subject` rules publish; message ids deduplicate
 // re-dispatches within the duplicate window. Atomic batch publishes are allowed: on a replicated
 // stream a rule publishes a page as one batch, which the stream stores whole or not at all.
+//
+// The duplicate window is 24 hours, or the stream's MaxAge when that is shorter (JetStream
+// refuses a window longer than the age).
 func (t Topology) ChangesStreamConfig() jetstream.StreamConfig {
+	dups := 24 * time.Hour
+	if t.ChangesMaxAge > 0 && t.ChangesMaxAge < dups {
+		dups = t.ChangesMaxAge
+	}
 	return jetstream.StreamConfig{
 		Name:        t.Subjects.ChangesStream(),
 		Description: "Spiegel changes published by on_change rules with a subject",
@@ -121,7 +128,7 @@ func (t Topology) ChangesStreamConfig() jetstream.StreamConfig {
 		Retention:   jetstream.LimitsPolicy,
 		Storage:     jetstream.FileStorage,
 		MaxAge:      t.ChangesMaxAge,
-		Duplicates:  24 * time.Hour,
+		Duplicates:  dups,
 		Replicas:    t.replicas(),
 
 		AllowAtomicPublish: true,
@@ -153,65 +160,150 @@ func (t Topology) ConsumerConfig(g events.Group) jetstream.ConsumerConfig {
 	}
 }
 
-// Ensure creates or updates every stream and consumer. It is idempotent and safe to run from
-// several processes at once.
+// Ensure creates every stream, key-value bucket and consumer of t that is missing and leaves
+// those that exist as they are, whatever their settings (SPEC §3 "Hands off what we did not
+// create": an operator's `nats stream edit` survives; `producer install` reports how they differ
+// from t and applies that only when asked). It is idempotent and safe to run from several
+// processes at once.
 func Ensure(ctx context.Context, js jetstream.JetStream, t Topology) error {
-	for _, cfg := range []jetstream.StreamConfig{t.WorkStreamConfig(), t.WakeupStreamConfig(), t.DeadLetterStreamConfig(), t.ChangesStreamConfig()} {
-		if err := ensureStream(ctx, js, cfg); err != nil {
+	for _, o := range t.Objects() {
+		if _, err := o.Create(ctx, js); err != nil {
 			return err
-		}
-	}
-	if err := ensureBucket(ctx, js, t.OnChangeBucketConfig()); err != nil {
-		return err
-	}
-	if err := EnsureDoneBucket(ctx, js, t); err != nil {
-		return err
-	}
-	for _, g := range events.Groups {
-		cfg := t.ConsumerConfig(g)
-		var err error
-		for attempt := 0; attempt < 5; attempt++ {
-			if _, err = js.CreateOrUpdateConsumer(ctx, t.Subjects.WorkStream(), cfg); err == nil {
-				break
-			}
-			if !isRace(err) {
-				break
-			}
-		}
-		if err != nil {
-			return fmt.Errorf("create consumer %s on stream %s: %w", cfg.Durable, t.Subjects.WorkStream(), err)
 		}
 	}
 	return nil
 }
 
-// ensureBucket creates or updates a key-value bucket, and makes its reads go to its stream's
-// leader: the bucket's stream allows no direct gets. A direct get may be answered by any replica,
-// one that lags behind the leader or, after NATS lost acknowledged writes, one that came back
-// with another history; the values of these buckets are written with a compare-and-set on the
-// revision read (a checkpoint's fence, a record's update), which such a read makes fail at the
-// leader again and again. A read at the leader costs the same one request.
-func ensureBucket(ctx context.Context, js jetstream.JetStream, cfg jetstream.KeyValueConfig) error {
-	var err error
+// ObjectKind tells a stream, a key-value bucket and a consumer apart.
+type ObjectKind int
+
+// The kinds of Object.
+const (
+	KindStream ObjectKind = iota
+	KindBucket
+	KindConsumer
+)
+
+// Object is one stream, key-value bucket or consumer of a topology, with the configuration it is
+// created with: Stream for a stream, Bucket for a bucket, Consumer (on the stream named
+// ConsumerStream) for a consumer.
+type Object struct {
+	Kind           ObjectKind
+	Stream         jetstream.StreamConfig
+	Bucket         jetstream.KeyValueConfig
+	Consumer       jetstream.ConsumerConfig
+	ConsumerStream string
+}
+
+// Objects lists what t is made of, in the order it is created: the streams, the buckets, then the
+// consumers of the work stream.
+func (t Topology) Objects() []Object {
+	var out []Object
+	for _, cfg := range []jetstream.StreamConfig{t.WorkStreamConfig(), t.WakeupStreamConfig(), t.DeadLetterStreamConfig(), t.ChangesStreamConfig()} {
+		out = append(out, Object{Kind: KindStream, Stream: cfg})
+	}
+	for _, cfg := range []jetstream.KeyValueConfig{t.OnChangeBucketConfig(), t.DoneBucketConfig()} {
+		out = append(out, Object{Kind: KindBucket, Bucket: cfg})
+	}
+	for _, g := range events.Groups {
+		out = append(out, Object{Kind: KindConsumer, Consumer: t.ConsumerConfig(g), ConsumerStream: t.Subjects.WorkStream()})
+	}
+	return out
+}
+
+// String names o for a person: "stream SPIEGEL_WORK", "key-value bucket spiegel_onchange",
+// "consumer replicator of stream SPIEGEL_WORK".
+func (o Object) String() string {
+	switch o.Kind {
+	case KindStream:
+		return "stream " + o.Stream.Name
+	case KindBucket:
+		return "key-value bucket " + o.Bucket.Bucket
+	default:
+		return "consumer " + o.Consumer.Durable + " of stream " + o.ConsumerStream
+	}
+}
+
+// StreamName is the stream that holds o: its own name, its bucket's KV_ stream, the stream its
+// consumer reads.
+func (o Object) StreamName() string {
+	switch o.Kind {
+	case KindStream:
+		return o.Stream.Name
+	case KindBucket:
+		return "KV_" + o.Bucket.Bucket
+	default:
+		return o.ConsumerStream
+	}
+}
+
+// Create creates o unless it exists, and reports whether it did. An existing one is left exactly
+// as it is; one that a concurrent install creates meanwhile counts as existing. A bucket it
+// creates reads at its stream's leader (see readAtLeader).
+func (o Object) Create(ctx context.Context, js jetstream.JetStream) (created bool, err error) {
 	for attempt := 0; attempt < 5; attempt++ {
-		if _, err = js.CreateOrUpdateKeyValue(ctx, cfg); err == nil {
-			break
+		exists, err := o.exists(ctx, js)
+		if err != nil || exists {
+			return false, err
 		}
-		if !isRace(err) {
-			break
+		switch o.Kind {
+		case KindStream:
+			_, err = js.CreateStream(ctx, o.Stream)
+		case KindBucket:
+			if _, err = js.CreateKeyValue(ctx, o.Bucket); err == nil {
+				err = readAtLeader(ctx, js, o.Bucket.Bucket)
+			}
+		default:
+			_, err = js.CreateConsumer(ctx, o.ConsumerStream, o.Consumer)
 		}
+		if err == nil {
+			return true, nil
+		}
+		if !isRace(err) && !errors.Is(err, jetstream.ErrBucketExists) {
+			return false, fmt.Errorf("create %s: %w", o, err)
+		}
+		// Created by a concurrent install since the look-up: look again.
 	}
-	if err != nil {
-		return fmt.Errorf("create key-value bucket %s: %w", cfg.Bucket, err)
+	return false, fmt.Errorf("create %s: it kept appearing and disappearing", o)
+}
+
+// exists looks o up.
+func (o Object) exists(ctx context.Context, js jetstream.JetStream) (bool, error) {
+	var err error
+	switch o.Kind {
+	case KindStream:
+		_, err = js.Stream(ctx, o.Stream.Name)
+	case KindBucket:
+		_, err = js.KeyValue(ctx, o.Bucket.Bucket)
+	default:
+		_, err = js.Consumer(ctx, o.ConsumerStream, o.Consumer.Durable)
 	}
-	st, err := js.Stream(ctx, "KV_"+cfg.Bucket)
+	switch {
+	case err == nil:
+		return true, nil
+	case errors.Is(err, jetstream.ErrStreamNotFound), errors.Is(err, jetstream.ErrBucketNotFound),
+		errors.Is(err, jetstream.ErrConsumerNotFound):
+		return false, nil
+	}
+	return false, fmt.Errorf("look up %s: %w", o, err)
+}
+
+// readAtLeader makes the reads of a key-value bucket go to its stream's leader: the bucket's
+// stream allows no direct gets. A direct get may be answered by any replica, one that lags behind
+// the leader or, after NATS lost acknowledged writes, one that came back with another history;
+// the values of these buckets are written with a compare-and-set on the revision read (a
+// checkpoint's fence, a record's update), which such a read makes fail at the leader again and
+// again. A read at the leader costs the same one request. Create calls it on a bucket it just
+// created; an existing bucket is left as it is.
+func readAtLeader(ctx context.Context, js jetstream.JetStream, bucket string) error {
+	st, err := js.Stream(ctx, "KV_"+bucket)
 	if err != nil {
-		return fmt.Errorf("read the stream of key-value bucket %s: %w", cfg.Bucket, err)
+		return fmt.Errorf("read the stream of key-value bucket %s: %w", bucket, err)
 	}
 	if scfg := st.CachedInfo().Config; scfg.AllowDirect {
 		scfg.AllowDirect = false
 		if _, err := js.UpdateStream(ctx, scfg); err != nil {
-			return fmt.Errorf("make key-value bucket %s read at its leader: %w", cfg.Bucket, err)
+			return fmt.Errorf("make key-value bucket %s read at its leader: %w", bucket, err)
 		}
 	}
 	return nil
@@ -228,19 +320,6 @@ func OnChangeBucket(ctx context.Context, js jetstream.JetStream, t Topology) (je
 		return nil, fmt.Errorf("open key-value bucket %s: %w", t.Subjects.OnChangeBucket(), err)
 	}
 	return kv, nil
-}
-
-func ensureStream(ctx context.Context, js jetstream.JetStream, cfg jetstream.StreamConfig) error {
-	var err error
-	for attempt := 0; attempt < 5; attempt++ {
-		if _, err = js.CreateOrUpdateStream(ctx, cfg); err == nil {
-			return nil
-		}
-		if !isRace(err) {
-			break
-		}
-	}
-	return fmt.Errorf("create stream %s: %w", cfg.Name, err)
 }
 
 // isRace reports errors that a concurrent install can cause and a retry resolves.
