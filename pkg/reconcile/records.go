@@ -12,11 +12,12 @@
 // record is missing or does not cover it. Whatever NATS lost, CouchDB still says the db has
 // moved past the record, so the db gets a job within one sweep interval.
 //
-// A record covers an update_seq when the seqs say so (couch.Covers): equal, or, on CouchDB 2+,
-// the same shard copies at the same or later seqs. CouchDB sends one state as different strings
-// (a db's update_seq lists its shards in another order than a _changes last_seq), which
-// equality alone would call different; a cluster that answers from other copies than the
-// record's makes the db due, which costs a job, never a change.
+// Seqs are opaque: a record covers an update_seq when the two are the same string. CouchDB 2+
+// sends one state as different strings (a db's update_seq lists its shards in another order
+// than a _changes last_seq; a cluster answers from other copies), so a record of another string
+// is due here, and the sweep then asks CouchDB whether the db changed after the record (one
+// _changes row, couch.Client.ChangedSince; the producer remembers the answer per record and
+// update_seq). A wrong "due" costs a job, never a change.
 //
 // Costs: no CouchDB request of its own (the record is the end of the handler's own feed read),
 // one key-value put per successful job; per sweep, one read of the whole bucket (an ordered
@@ -35,7 +36,6 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
-	"github.com/spiegel-nats/spiegel/pkg/couch"
 	"github.com/spiegel-nats/spiegel/pkg/events"
 )
 
@@ -102,7 +102,8 @@ func (r *Records) Get(ctx context.Context, g events.Group, db string) (string, e
 type Done map[string]string
 
 // Due returns those of groups whose record of db is missing or does not cover seq (Covered):
-// the groups that must run db (see the package doc).
+// the groups that may have to run db (see the package doc: the sweep asks CouchDB about a
+// record of another string before it enqueues).
 func (d Done) Due(db, seq string, groups []events.Group) []events.Group {
 	var due []events.Group
 	for _, g := range groups {
@@ -113,9 +114,11 @@ func (d Done) Due(db, seq string, groups []events.Group) []events.Group {
 	return due
 }
 
-// Covered reports whether a record says its group is done with a db now at update_seq seq.
+// Covered reports whether a record says, by itself, that its group is done with a db now at
+// update_seq seq: it is the same string. A record of another string may still be done with the
+// db (one state sent as another string): only CouchDB can tell (couch.Client.ChangedSince).
 func Covered(record, seq string) bool {
-	return record != "" && couch.Covers(couch.Seq(record), couch.Seq(seq))
+	return record != "" && record == seq
 }
 
 // Read reads every record, with one ordered consumer over the bucket, and never a cached copy:

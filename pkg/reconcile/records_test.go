@@ -3,6 +3,7 @@ package reconcile
 import (
 	"context"
 	"errors"
+	"slices"
 	"testing"
 
 	"github.com/nats-io/nats.go/jetstream"
@@ -122,10 +123,19 @@ func TestReadAndDropDB(t *testing.T) {
 }
 
 // infos answers DBInfo from a map; a missing db is couch.ErrNotFound, err fails every read.
+// ChangedSince says true for the seqs in behind, and fails with askErr.
 type infos struct {
-	seqs  map[string]string
-	err   error
-	reads int
+	seqs   map[string]string
+	err    error
+	reads  int
+	behind []string
+	askErr error
+	asked  []string
+}
+
+func (f *infos) ChangedSince(_ context.Context, _, since string) (bool, error) {
+	f.asked = append(f.asked, since)
+	return slices.Contains(f.behind, since), f.askErr
 }
 
 func (f *infos) DBInfo(_ context.Context, db string) (couch.DBInfo, error) {
@@ -140,8 +150,9 @@ func (f *infos) DBInfo(_ context.Context, db string) (couch.DBInfo, error) {
 	return couch.DBInfo{Name: db, UpdateSeq: seq}, nil
 }
 
-// The recorder records, after a success only, the earliest position the handler vouched for,
-// without a request of its own; a settled job records the db's update_seq read after it.
+// The recorder records, after a success only, a position every part the handler vouched for
+// has passed: without a request of its own when they vouched one seq; else CouchDB is asked
+// about each seq. A settled job records the db's update_seq read after it.
 func TestRecorderWrap(t *testing.T) {
 	t.Parallel()
 	r, _, _ := openRecords(t)
@@ -150,23 +161,29 @@ func TestRecorderWrap(t *testing.T) {
 		name    string
 		db      string
 		vouched []string
+		behind  []string // the vouched seqs CouchDB has changes after
+		askErr  error
 		settled bool
 		result  error
 		want    string // "" = nothing recorded
 		reads   int
+		asked   int
 	}{
-		{"success", "ok", []string{"3-ok"}, false, nil, "3-ok", 0},
-		{"two rules: the earlier end", "two", []string{"12", "7"}, false, nil, "7", 0},
-		{"ends that cannot be ordered", "unordered", []string{"3-a", "3-b"}, false, nil, "", 0},
-		{"transient failure", "failed", []string{"3-failed"}, false, errors.New("boom"), "", 0},
-		{"postponed", "postponed", []string{"3-postponed"}, false, worker.RetryAfter(1, nil), "", 0},
-		{"nothing vouched", "silent", nil, false, nil, "", 0},
-		{"settled", "settled", nil, true, nil, "3-settled", 1},
-		{"settled, but a rule vouched", "both", []string{"2-both"}, true, nil, "2-both", 0},
-		{"settled, db missing", "missing", nil, true, nil, "", 1},
+		{name: "success", db: "ok", vouched: []string{"3-ok"}, want: "3-ok"},
+		{name: "two rules at one seq", db: "same", vouched: []string{"3-a", "3-a"}, want: "3-a"},
+		{name: "two rules at two seqs, both current", db: "current", vouched: []string{"12", "7"}, want: "12", asked: 2},
+		{name: "two rules, one behind: its seq", db: "behind", vouched: []string{"12", "7"}, behind: []string{"7"}, want: "7", asked: 2},
+		{name: "two rules, both behind: cannot tell", db: "both_behind", vouched: []string{"3-a", "3-b"}, behind: []string{"3-a", "3-b"}, asked: 2},
+		{name: "a question fails: cannot tell", db: "no_answer", vouched: []string{"3-a", "3-b"}, askErr: errors.New("boom"), asked: 1},
+		{name: "transient failure", db: "failed", vouched: []string{"3-failed"}, result: errors.New("boom")},
+		{name: "postponed", db: "postponed", vouched: []string{"3-postponed"}, result: worker.RetryAfter(1, nil)},
+		{name: "nothing vouched", db: "silent"},
+		{name: "settled", db: "settled", settled: true, want: "3-settled", reads: 1},
+		{name: "settled, but a rule vouched", db: "both", vouched: []string{"2-both"}, settled: true, want: "2-both"},
+		{name: "settled, db missing", db: "missing", settled: true, reads: 1},
 	} {
 		t.Run(c.name, func(t *testing.T) {
-			dbs := &infos{seqs: map[string]string{c.db: "3-" + c.db}}
+			dbs := &infos{seqs: map[string]string{c.db: "3-" + c.db}, behind: c.behind, askErr: c.askErr}
 			if c.db == "missing" {
 				dbs.seqs = nil
 			}
@@ -182,6 +199,7 @@ func TestRecorderWrap(t *testing.T) {
 			err := h(t.Context(), &worker.Job{Group: rep, DB: c.db})
 			assert.Equal(t, c.result, err, "the handler's result is passed on")
 			assert.Equal(t, c.reads, dbs.reads, "db info reads")
+			assert.Len(t, dbs.asked, c.asked, "questions to CouchDB: %v", dbs.asked)
 			done, rerr := r.Read(t.Context())
 			require.NoError(t, rerr)
 			seq, ok := done[Key(rep, c.db)]
@@ -193,34 +211,17 @@ func TestRecorderWrap(t *testing.T) {
 	Settled(t.Context())
 }
 
-func TestEarliest(t *testing.T) {
-	t.Parallel()
-	for _, c := range []struct {
-		seqs []string
-		want string
-		ok   bool
-	}{
-		{[]string{"5"}, "5", true},
-		{[]string{"5", "3", "9"}, "3", true},
-		{[]string{"3-a", "3-a"}, "3-a", true},
-		{[]string{"3-a", "3-b"}, "", false},
-		{nil, "", false},
-	} {
-		got, ok := earliest(c.seqs)
-		assert.Equal(t, c.ok, ok, "%v", c.seqs)
-		assert.Equal(t, c.want, got, "%v", c.seqs)
-	}
-}
-
-// A record covers the db's update_seq when the seqs say so: equal, or later (couch.Covers).
-func TestDueUsesCovers(t *testing.T) {
+// A record covers the db's update_seq by itself only when it is the same string: seqs are
+// opaque (the sweep asks CouchDB about the others).
+func TestDueComparesStrings(t *testing.T) {
 	t.Parallel()
 	done := Done{Key(rep, "a"): "9", Key(rep, "b"): "4", Key(rep, "c"): "3-x"}
 	assert.Empty(t, done.Due("a", "9", []events.Group{rep}))
-	assert.Empty(t, done.Due("a", "8", []events.Group{rep}), "a record past the update_seq read")
+	assert.Equal(t, []events.Group{rep}, done.Due("a", "8", []events.Group{rep}), "another string: not known done")
 	assert.Equal(t, []events.Group{rep}, done.Due("b", "5", []events.Group{rep}))
 	assert.Equal(t, []events.Group{rep}, done.Due("c", "3-y", []events.Group{rep}))
 	assert.Equal(t, []events.Group{rep}, done.Due("d", "1", []events.Group{rep}), "no record")
+	assert.False(t, Covered("", ""), "no record covers nothing")
 }
 
 // A write that lands while the job runs, after its read of the feed, leaves the db due: the
@@ -255,9 +256,9 @@ func TestRecordIsWhereTheReadEnded(t *testing.T) {
 		require.NoError(t, err)
 		record := done[Key(onc, db)]
 		due := len(done.Due(db, info.UpdateSeq, []events.Group{onc})) > 0
-		if due && couch.OtherCopies(couch.Seq(record), couch.Seq(info.UpdateSeq)) {
-			// A cluster answered from other shard copies: the seqs cannot be ordered, and the
-			// sweep asks CouchDB (producer's stillDue).
+		if due && record != "" {
+			// Another string (the same state, or not): the sweep asks CouchDB (producer's
+			// stillDue).
 			due, err = cc.ChangedSince(t.Context(), db, record)
 			require.NoError(t, err)
 		}
