@@ -11,8 +11,9 @@ import (
 // ("12-g1AAAA…"), PouchDB Server sends integers (12): both decode into a Seq holding the string's
 // content or the number's literal text ("12"). Arrays and objects (BigCouch-era seqs) keep their
 // compact JSON text. null decodes to "". A Seq is sent back to the server as it is (the `since`
-// parameter) and otherwise compared only for equality, or with Covers, which tells whether one
-// position includes another where the seqs themselves say so.
+// parameter) and otherwise compared only for equality. Equal seqs are one position; different
+// ones may be too (CouchDB 2+ sends one state as different strings), so whether a db changed
+// after a seq is asked of CouchDB (Client.ChangedSince), never read from the seqs.
 type Seq string
 
 // String returns the seq as sent back to the server.

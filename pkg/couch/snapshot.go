@@ -55,9 +55,10 @@ func (c *Client) takeSnapshot(ctx context.Context, match func(db string) bool, b
 }
 
 // Diff returns the events that lead from prev to next, sorted by db name, with Seq "": created
-// for a db only in next, updated for a db whose update_seq differs (one state packed in another
-// order, each covering the other, is no update; a seq going back, a db recreated, is one),
-// deleted for a db only in prev. A nil prev is empty: every db of next is created.
+// for a db only in next, updated for a db whose update_seq is another string (seqs are opaque:
+// one state sent as another string is an update here too; the poll source asks CouchDB before
+// it reports one, see pollFeed.confirm), deleted for a db only in prev. A nil prev is empty:
+// every db of next is created.
 func Diff(prev, next Snapshot) []DBEvent {
 	var out []DBEvent
 	for db, seq := range next {
@@ -65,7 +66,7 @@ func Diff(prev, next Snapshot) []DBEvent {
 		switch {
 		case !ok:
 			out = append(out, DBEvent{DB: db, Type: EventCreated})
-		case !SameState(Seq(old), Seq(seq)):
+		case old != seq:
 			out = append(out, DBEvent{DB: db, Type: EventUpdated})
 		}
 	}
