@@ -99,6 +99,9 @@ type Producer struct {
 	HotFeedIdle          time.Duration `envconfig:"SPIEGEL_HOT_FEED_IDLE" default:"20s" desc:"a db whose db-updates events come three in a row (up to eight while feeds do not pay), each within this long of the one before, earns a hot feed; a hot feed without a change for this long is closed"`
 	ShutdownGrace        time.Duration `envconfig:"SPIEGEL_SHUTDOWN_GRACE" default:"10s" desc:"time allowed on SIGTERM to flush publishes and save the position"`
 	AdminTimeout         time.Duration `envconfig:"SPIEGEL_ADMIN_TIMEOUT" default:"15s" desc:"how long admin commands wait for CouchDB and NATS before giving up (also --timeout)"`
+	ChangesMaxAge        time.Duration `envconfig:"SPIEGEL_CHANGES_MAX_AGE" default:"168h" desc:"how long the change stream (SPIEGEL_CHANGES) that install creates keeps a change (0: forever); an existing stream keeps its own until install --update"`
+	DeadLetterMaxAge     time.Duration `envconfig:"SPIEGEL_DEADLETTER_MAX_AGE" default:"720h" desc:"how long the dead-letter stream that install creates keeps a record (0: forever); an existing stream keeps its own until install --update"`
+	MaxAckPending        int           `envconfig:"SPIEGEL_MAX_ACK_PENDING" default:"1000" desc:"jobs a work consumer that install creates hands out and has not had acknowledged, per group (all its processes together); an existing consumer keeps its own until install --update"`
 }
 
 // Validate checks what envconfig cannot.
@@ -127,6 +130,10 @@ func (c *Producer) Validate() error {
 	}
 	if c.SweepInterval < 0 {
 		errs = append(errs, fmt.Errorf("SPIEGEL_SWEEP_INTERVAL=%s: must not be negative", c.SweepInterval))
+	}
+	errs = append(errs, maxAge("SPIEGEL_CHANGES_MAX_AGE", c.ChangesMaxAge), maxAge("SPIEGEL_DEADLETTER_MAX_AGE", c.DeadLetterMaxAge))
+	if c.MaxAckPending < 1 {
+		errs = append(errs, fmt.Errorf("SPIEGEL_MAX_ACK_PENDING=%d: must be at least 1", c.MaxAckPending))
 	}
 	if c.MaxInflight < 1 {
 		errs = append(errs, fmt.Errorf("SPIEGEL_PUBLISH_MAX_INFLIGHT=%d: must be at least 1", c.MaxInflight))
@@ -188,6 +195,15 @@ func (c *Log) validate() error {
 		errs = append(errs, fmt.Errorf("SPIEGEL_LOG_FORMAT=%q: want json or text", c.LogFormat))
 	}
 	return errors.Join(errs...)
+}
+
+// maxAge checks the age after which a stream drops a message: 0 (never) or at least a second
+// (JetStream refuses less than 100ms).
+func maxAge(name string, d time.Duration) error {
+	if d < 0 || d > 0 && d < time.Second {
+		return fmt.Errorf("%s=%s: want 0 (forever) or at least 1s", name, d)
+	}
+	return nil
 }
 
 func positive(name string, d time.Duration) error {

@@ -5,6 +5,7 @@ import (
 	"os"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -189,5 +190,42 @@ func TestCouchDBMaxConnections(t *testing.T) {
 		err := Load(&o)
 		require.Error(t, err, value)
 		assert.Contains(t, err.Error(), want)
+	}
+}
+
+// The retention of the streams install creates and the bound on unacknowledged jobs of its
+// consumers: defaults, 0 for forever, and bad values refused with the variable named.
+func TestInstallSettings(t *testing.T) {
+	t.Setenv("SPIEGEL_COUCHDB_URL", "http://127.0.0.1:5984")
+	var p Producer
+	require.NoError(t, Load(&p))
+	assert.Equal(t, 168*time.Hour, p.ChangesMaxAge)
+	assert.Equal(t, 720*time.Hour, p.DeadLetterMaxAge)
+	assert.Equal(t, 1000, p.MaxAckPending)
+
+	t.Setenv("SPIEGEL_CHANGES_MAX_AGE", "0")
+	t.Setenv("SPIEGEL_DEADLETTER_MAX_AGE", "2160h")
+	t.Setenv("SPIEGEL_MAX_ACK_PENDING", "64")
+	p = Producer{}
+	require.NoError(t, Load(&p))
+	assert.Equal(t, time.Duration(0), p.ChangesMaxAge, "0: forever")
+	assert.Equal(t, 2160*time.Hour, p.DeadLetterMaxAge)
+	assert.Equal(t, 64, p.MaxAckPending)
+
+	for _, c := range []struct{ name, value, want string }{
+		{"SPIEGEL_CHANGES_MAX_AGE", "-1h", "SPIEGEL_CHANGES_MAX_AGE=-1h0m0s: want 0 (forever) or at least 1s"},
+		{"SPIEGEL_CHANGES_MAX_AGE", "10ms", "SPIEGEL_CHANGES_MAX_AGE=10ms: want 0 (forever) or at least 1s"},
+		{"SPIEGEL_CHANGES_MAX_AGE", "a week", `SPIEGEL_CHANGES_MAX_AGE="a week"`},
+		{"SPIEGEL_DEADLETTER_MAX_AGE", "-720h", "SPIEGEL_DEADLETTER_MAX_AGE=-720h0m0s: want 0 (forever) or at least 1s"},
+		{"SPIEGEL_MAX_ACK_PENDING", "-1", "SPIEGEL_MAX_ACK_PENDING=-1: must be at least 1"},
+		{"SPIEGEL_MAX_ACK_PENDING", "0", "SPIEGEL_MAX_ACK_PENDING=0: must be at least 1"},
+	} {
+		t.Run(c.name+"="+c.value, func(t *testing.T) {
+			t.Setenv(c.name, c.value)
+			var p Producer
+			err := Load(&p)
+			require.Error(t, err)
+			assert.Contains(t, err.Error(), c.want)
+		})
 	}
 }
