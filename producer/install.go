@@ -13,17 +13,25 @@ import (
 	"github.com/spiegel-nats/spiegel/pkg/config"
 )
 
-// runInstall creates or updates everything Spiegel needs (admin.Install).
+// runInstall creates what Spiegel needs and is missing, and reports how the existing streams,
+// buckets and consumers differ from install's settings; --update applies those differences
+// (admin.Install).
 func runInstall(ctx context.Context, cfg *config.Producer, log *logrus.Logger, cio cmdIO) error {
-	if len(cio.args) > 0 {
-		return usageError{fmt.Errorf("unexpected arguments %q", cio.args)}
+	fs := flag.NewFlagSet("install", flag.ContinueOnError)
+	fs.SetOutput(cio.stderr)
+	update := fs.Bool("update", false, "apply install's settings to the existing streams, buckets and consumers")
+	if err := fs.Parse(cio.args); err != nil {
+		return usageError{err}
+	}
+	if fs.NArg() > 0 {
+		return usageError{fmt.Errorf("unexpected arguments %q", fs.Args())}
 	}
 	d, err := admin.Connect(ctx, cfg, log, 256)
 	if err != nil {
 		return err
 	}
 	defer d.NC.Close()
-	return admin.Install(ctx, d, cio.stdout)
+	return admin.Install(ctx, d, *update, cio.stdout)
 }
 
 // runUninstall removes the streams and consumers, and the spiegel db unless --keep-db.

@@ -29,6 +29,7 @@ const usage = `producer — Spiegel for NATS: CouchDB db updates → deduplicate
 Usage:
   producer                 run the producer (tail db updates, publish jobs)
   producer install         create the spiegel db, its validation, _global_changes, streams and consumers
+                           that are missing; print how existing ones differ [--update: apply that]
   producer uninstall       remove streams and consumers (and the spiegel db unless --keep-db); asks first unless --yes
   producer resync          enqueue a job for every db a rule matches [--db REGEX]
   producer replay          dispatch an on_change rule's history again: --rule ID [--db REGEX] [--since SEQ] [--id ID] [--wait D]
@@ -181,10 +182,17 @@ var commands = map[string]command{
 type usageError struct{ error }
 
 var commandHelp = map[string]string{
-	"install": `producer install — create or update everything Spiegel needs (idempotent; safe to run twice or concurrently):
-  the spiegel db with admin-only security and a validate_doc_update that rejects invalid rule docs,
-  _global_changes on CouchDB 2/3 when missing, the JetStream streams (work, dead letters, changes)
-  and the durable consumers "replicator" and "onchange".`,
+	"install": `producer install [--update] — create what Spiegel needs and is missing (idempotent; safe to run
+  twice or concurrently): the spiegel db with admin-only security and a validate_doc_update that
+  rejects invalid rule docs, _global_changes on CouchDB 2/3 when missing, the JetStream streams
+  (work, wakeups, dead letters, changes), the key-value buckets and the durable consumers
+  "replicator" and "onchange". What exists is left as it is: install prints each setting in which
+  an existing stream, bucket or consumer differs from what it would create (e.g. a max_age set
+  with nats stream edit), and keeps it.
+  --update  apply those differences (UpdateStream, UpdateConsumer) and print each one changed;
+            what JetStream cannot change in place (storage, a work queue's retention, a
+            consumer's ack or deliver policy) is reported and kept.
+  SPIEGEL_CHANGES_MAX_AGE, SPIEGEL_DEADLETTER_MAX_AGE and SPIEGEL_MAX_ACK_PENDING set what it creates.`,
 	"uninstall": `producer uninstall [--yes] [--keep-db] — delete the streams and consumers and the spiegel db
   (rules and checkpoints). Asks for confirmation on the terminal unless --yes. --keep-db keeps the
   spiegel db and its rules.`,

@@ -1,6 +1,7 @@
 package admin
 
 import (
+	"bytes"
 	"cmp"
 	"context"
 	_ "embed"
@@ -29,10 +30,12 @@ var validateDocUpdate string
 // designDocID holds the spiegel db's validate_doc_update.
 const designDocID = "_design/spiegel"
 
-// Install creates or updates everything Spiegel needs on d's servers, printing each step to out.
-// Every step tolerates "already there", so it is idempotent and safe to run from several
-// processes at once.
-func Install(ctx context.Context, d *producer.Conns, out io.Writer) error {
+// Install creates everything Spiegel needs on d's servers that is missing, printing each step to
+// out. Streams, key-value buckets and consumers that exist are left as they are (SPEC §3 "Hands
+// off"): install prints each setting in which one differs from what it would create, and with
+// update applies those that JetStream can change in place (installObjects). Every step tolerates
+// "already there", so it is idempotent and safe to run from several processes at once.
+func Install(ctx context.Context, d *producer.Conns, update bool, out io.Writer) error {
 	if err := ensureDB(ctx, d.Couch, d.Cfg.DBName); err != nil {
 		return err
 	}
@@ -60,16 +63,32 @@ func Install(ctx context.Context, d *producer.Conns, out io.Writer) error {
 		fmt.Fprintln(out, "_global_changes: present")
 	}
 	wait := cmp.Or(d.Cfg.AdminTimeout, defaultAdminTimeout)
-	if err := ensureTopology(ctx, func(ctx context.Context) error { return natsjs.Ensure(ctx, d.JS, d.Topo) }, wait, placementRetry); err != nil {
+	var report topologyReport
+	var steps bytes.Buffer // of the last attempt
+	err = ensureTopology(ctx, func(ctx context.Context) (err error) {
+		steps.Reset()
+		report, err = installObjects(ctx, d.JS, installTopology(d), update, &steps)
+		return err
+	}, wait, placementRetry)
+	_, _ = out.Write(steps.Bytes())
+	if err != nil {
 		return err
 	}
-	fmt.Fprintf(out, "streams %s, %s, %s and consumers replicator, onchange: present\n",
-		d.Topo.Subjects.WorkStream(), d.Topo.Subjects.DeadLetterStream(), d.Topo.Subjects.ChangesStream())
+	if report.kept > 0 {
+		fmt.Fprintf(out, "%d setting(s) differ from install's and were kept", report.kept)
+		if !update {
+			fmt.Fprint(out, "; `producer install --update` applies those JetStream can change in place")
+		}
+		fmt.Fprintln(out)
+	}
+	if report.updated > 0 {
+		fmt.Fprintf(out, "%d setting(s) updated\n", report.updated)
+	}
 	fmt.Fprintln(out, "install complete")
 	return nil
 }
 
-// placementRetry is the pause between two attempts of natsjs.Ensure that JetStream refused for
+// placementRetry is the pause between two attempts of installObjects that JetStream refused for
 // now (ensureTopology).
 const placementRetry = 2 * time.Second
 
@@ -81,7 +100,7 @@ const (
 	errCodeTemporarilyBlocked = 10008
 )
 
-// ensureTopology runs ensure (natsjs.Ensure), again every pause for up to wait while JetStream
+// ensureTopology runs ensure (installObjects), again every pause for up to wait while JetStream
 // answers that it cannot do it yet (errCodeNoPeers, errCodeTemporarilyBlocked). Any other error,
 // or the last one once wait is over, is returned.
 func ensureTopology(ctx context.Context, ensure func(context.Context) error, wait, pause time.Duration) error {
@@ -100,6 +119,94 @@ func ensureTopology(ctx context.Context, ensure func(context.Context) error, wai
 		case <-time.After(pause):
 		}
 	}
+}
+
+// installTopology is the topology install creates: d's, with the retention of the changes and
+// the dead letters and the bound on unacknowledged jobs that d's configuration sets.
+func installTopology(d *producer.Conns) natsjs.Topology {
+	t := d.Topo
+	t.ChangesMaxAge, t.DeadLetterMaxAge, t.MaxAckPending = d.Cfg.ChangesMaxAge, d.Cfg.DeadLetterMaxAge, d.Cfg.MaxAckPending
+	return t
+}
+
+// topologyReport counts what installObjects found.
+type topologyReport struct {
+	kept    int // differences left as they are
+	updated int // differences applied (update)
+}
+
+// installObjects creates every stream, bucket and consumer of t that is missing, and prints one
+// line per object to out: created, or present followed by one line per setting that differs
+// from what install would create. Those differences are kept, unless update: then the ones
+// JetStream can change in place are applied (the object's other settings stay as they are) and
+// printed as changed. What JetStream cannot change in place is reported and always kept.
+func installObjects(ctx context.Context, js jetstream.JetStream, t natsjs.Topology, update bool, out io.Writer) (topologyReport, error) {
+	var r topologyReport
+	for _, o := range t.Objects() {
+		created, err := o.Create(ctx, js)
+		if err != nil {
+			return r, err
+		}
+		if created {
+			fmt.Fprintf(out, "%s: created\n", o)
+			continue
+		}
+		fmt.Fprintf(out, "%s: present\n", o)
+		diffs, apply, err := compare(ctx, js, o)
+		if err != nil {
+			return r, err
+		}
+		if update && changeable(diffs) {
+			if err := apply(ctx); err != nil {
+				return r, fmt.Errorf("update %s: %w", o, err)
+			}
+		}
+		for _, d := range diffs {
+			switch {
+			case d.fixed:
+				r.kept++
+				fmt.Fprintf(out, "%s: %s is %s, default %s (kept: JetStream cannot change it in place)\n", o, d.setting, d.have, d.want)
+			case update:
+				r.updated++
+				fmt.Fprintf(out, "%s: %s was %s, now %s (updated)\n", o, d.setting, d.have, d.want)
+			default:
+				r.kept++
+				fmt.Fprintf(out, "%s: %s is %s, default %s (kept; --update applies it)\n", o, d.setting, d.have, d.want)
+			}
+		}
+	}
+	return r, nil
+}
+
+// compare reads the existing o and returns how it differs from o's configuration, and a
+// function that applies the differences JetStream can change in place.
+func compare(ctx context.Context, js jetstream.JetStream, o natsjs.Object) ([]difference, func(context.Context) error, error) {
+	if o.Kind == natsjs.KindConsumer {
+		c, err := js.Consumer(ctx, o.ConsumerStream, o.Consumer.Durable)
+		if err != nil {
+			return nil, nil, fmt.Errorf("read %s: %w", o, err)
+		}
+		have := c.CachedInfo().Config
+		diffs := diff(consumerSettings, have, o.Consumer)
+		return diffs, func(ctx context.Context) error {
+			_, err := js.UpdateConsumer(ctx, o.ConsumerStream, applyChangeable(consumerSettings, have, o.Consumer, diffs))
+			return err
+		}, nil
+	}
+	settings, want := streamSettings, o.Stream
+	if o.Kind == natsjs.KindBucket {
+		settings, want = bucketSettings, bucketStream(o.Bucket)
+	}
+	st, err := js.Stream(ctx, o.StreamName())
+	if err != nil {
+		return nil, nil, fmt.Errorf("read %s: %w", o, err)
+	}
+	have := st.CachedInfo().Config
+	diffs := diff(settings, have, want)
+	return diffs, func(ctx context.Context) error {
+		_, err := js.UpdateStream(ctx, applyChangeable(settings, have, want, diffs))
+		return err
+	}, nil
 }
 
 // ensureDB creates db unless it exists.
