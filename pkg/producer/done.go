@@ -25,8 +25,9 @@ type doneReader interface {
 // doneRecords is what the sweep needs of the completion records: reading them, and creating
 // their bucket again when it is gone (natsjs.EnsureDoneBucket).
 type doneRecords struct {
-	records doneReader
-	ensure  func(ctx context.Context) error
+	records   doneReader
+	ensure    func(ctx context.Context) error
+	unchanged unchangedPairs // the (record, update_seq) pairs CouchDB said were one state (stillDue)
 }
 
 // readDone reads the completion records for one sweep. A bucket that is gone is created again
@@ -258,46 +259,52 @@ func setTrue(m map[string]bool, k string) map[string]bool {
 // ran twice before this check). One key-value read per due (group, db); a failed read keeps
 // the group due.
 //
-// A record that names other shard copies than seq (a CouchDB cluster: the coordinator picks
-// the copies per request, so one state of a db reads as different seqs) cannot be ordered
-// against it; CouchDB is asked instead, with one _changes read of one row since the record
-// (changedSince), once per distinct record of the db. No row: the group is done with the db as
-// it is, and gets no job. Without the question, about half of a cluster's idle dbs got a job
-// every sweep. A failed question keeps the group due.
+// Seqs are opaque, and CouchDB 2+ sends one state as different strings (a _changes last_seq and
+// the db's update_seq list the shards in other orders; a cluster's coordinator picks the copies
+// that answer per request). A record of another string than seq is asked about instead: one
+// _changes read of one row since the record (changedSince), once per distinct record of the
+// db. No row: the group is done with the db as it is, and gets no job; that answer is
+// remembered for the pair (record, seq) (doneRecords.unchanged), so an idle db costs one
+// question, not one per sweep. A failed question keeps the group due.
 func (p *producer) stillDue(ctx context.Context, db, seq string, due []events.Group) []events.Group {
 	out := due[:0:0]
 	answers := map[string]bool{} // record → changed since it
 	for _, g := range due {
+		key := reconcile.Key(g, db)
 		rec, err := p.done.records.Get(ctx, g, db)
-		if err == nil && reconcile.Covered(rec, seq) {
+		switch {
+		case err != nil || rec == "":
+			out = append(out, g)
+			continue
+		case reconcile.Covered(rec, seq) || p.done.unchanged.said(key, rec, seq):
 			continue
 		}
-		if err == nil && rec != "" && couch.OtherCopies(couch.Seq(rec), couch.Seq(seq)) {
-			changed, asked := answers[rec]
-			if !asked {
-				changed = p.changedSince(ctx, db, rec)
-				answers[rec] = changed
-			}
-			if !changed {
-				continue
-			}
+		changed, asked := answers[rec]
+		if !asked {
+			changed = p.changedSince(ctx, db, rec)
+			answers[rec] = changed
 		}
-		out = append(out, g)
+		if changed {
+			p.done.unchanged.forget(key)
+			out = append(out, g)
+			continue
+		}
+		p.done.unchanged.remember(key, rec, seq)
 	}
 	return out
 }
 
 // changedSincePrev reports whether db, at update_seq seq now, changed since the previous sweep
-// read old (a sweep without completion records): seqs of one state are no change; seqs naming
-// other shard copies are asked about (changedSince).
+// read old (a sweep without completion records): the same string is no change; another string
+// is asked about (changedSince), and a db the previous sweep did not list is a change.
 func (p *producer) changedSincePrev(ctx context.Context, db, old, seq string) bool {
 	switch {
-	case couch.SameState(couch.Seq(old), couch.Seq(seq)):
+	case old == seq:
 		return false
-	case couch.OtherCopies(couch.Seq(old), couch.Seq(seq)):
-		return p.changedSince(ctx, db, old)
+	case old == "":
+		return true
 	}
-	return true
+	return p.changedSince(ctx, db, old)
 }
 
 // changedSince asks CouchDB whether db has a change after record (see stillDue); true when it

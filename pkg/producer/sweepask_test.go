@@ -8,13 +8,12 @@ import (
 	"github.com/sirupsen/logrus"
 	"github.com/stretchr/testify/assert"
 
-	"github.com/spiegel-nats/spiegel/pkg/couch"
 	"github.com/spiegel-nats/spiegel/pkg/events"
 	"github.com/spiegel-nats/spiegel/pkg/reconcile"
 )
 
-// One state of one db on a three-node CouchDB 3.5.2 cluster (n=3, q=2), read three times with
-// GET /{db} through one node: three seqs naming different shard copies (as in pkg/couch).
+// One state of one db on a three-node CouchDB 3.5.2 cluster (n=3, q=2), read with GET /{db}
+// through one node: two answers, two different strings (as in pkg/couch).
 var (
 	clusterSeqA = "5-g1AAAACTeJzLYWBgYMpgTmHgz8tPSTV0MDQy1zMAQsMckEQeC5BkaABS_4EgK4M5kTEXKMBuapFoaWCWjKkLp0mJDEn1UCNYwEYkJhkkmSeaYirPAgAhXCRx"
 	clusterSeqB = "5-g1AAAACTeJzLYWBgYMpgTmHgz8tPSTV2MDQy1zMAQsMckEQeC5BkaABS_4EgK4M5kTEXKMBukZSYlpyWjKkLp0mJDEn1UCNYwEZYppmnmJmbYCrPAgBfXCTv"
@@ -29,11 +28,10 @@ func (f fixedRecords) Get(_ context.Context, g events.Group, db string) (string,
 	return f[reconcile.Key(g, db)], nil
 }
 
-// On a cluster a db's update_seq and its completion record name different shard copies about
-// half the time, although nothing changed: the sweep asks CouchDB (one _changes row since the
-// record, once per distinct record) and enqueues only what changed. Seqs it can order (the same
-// copies, integers) are never asked about.
-func TestSweepAsksCouchDBWhenCopiesDiffer(t *testing.T) {
+// A record of another string than the db's update_seq (CouchDB 2+ sends one state as different
+// strings) is asked about: one _changes row since the record, once per distinct record, and
+// only what changed is enqueued. The same string is never asked about, nor a missing record.
+func TestSweepAsksCouchDBWhenStringsDiffer(t *testing.T) {
 	both := []events.Group{events.GroupReplicate, events.GroupOnChange}
 	for _, tc := range []struct {
 		name      string
@@ -44,24 +42,24 @@ func TestSweepAsksCouchDBWhenCopiesDiffer(t *testing.T) {
 		wantAsked []string // the records asked about, in order
 		wantDue   []events.Group
 	}{
-		{name: "other copies, no change since the record: no job", seq: clusterSeqB,
+		{name: "another string, no change since the record: no job", seq: clusterSeqB,
 			records:   map[events.Group]string{events.GroupReplicate: clusterSeqA, events.GroupOnChange: clusterSeqA},
 			wantAsked: []string{clusterSeqA}},
-		{name: "other copies, a change since the record: both groups run", seq: clusterSeqB, answer: true,
+		{name: "another string, a change since the record: both groups run", seq: clusterSeqB, answer: true,
 			records:   map[events.Group]string{events.GroupReplicate: clusterSeqA, events.GroupOnChange: clusterSeqA},
 			wantAsked: []string{clusterSeqA}, wantDue: both},
 		{name: "no answer: both groups run", seq: clusterSeqB, answerErr: errors.New("connection refused"),
 			records:   map[events.Group]string{events.GroupReplicate: clusterSeqA, events.GroupOnChange: clusterSeqA},
 			wantAsked: []string{clusterSeqA}, wantDue: both},
 		{name: "two records, each asked once", seq: clusterSeqB,
-			records:   map[events.Group]string{events.GroupReplicate: clusterSeqA, events.GroupOnChange: "3-unreadable"},
-			wantAsked: []string{clusterSeqA}, wantDue: []events.Group{events.GroupOnChange}},
-		{name: "the same copies: covered, not asked", seq: clusterSeqA,
+			records:   map[events.Group]string{events.GroupReplicate: clusterSeqA, events.GroupOnChange: "7"},
+			wantAsked: []string{clusterSeqA, "7"}},
+		{name: "the same string: covered, not asked", seq: clusterSeqA,
 			records: map[events.Group]string{events.GroupReplicate: clusterSeqA, events.GroupOnChange: clusterSeqA}},
-		{name: "integers behind: due, not asked", seq: "12",
-			records: map[events.Group]string{events.GroupReplicate: "7", events.GroupOnChange: "12"},
-			wantDue: []events.Group{events.GroupReplicate}},
-		{name: "a group without a record: due", seq: clusterSeqB,
+		{name: "integers, one behind: asked, due", seq: "12", answer: true,
+			records:   map[events.Group]string{events.GroupReplicate: "7", events.GroupOnChange: "12"},
+			wantAsked: []string{"7"}, wantDue: []events.Group{events.GroupReplicate}},
+		{name: "a group without a record: due, not asked", seq: clusterSeqB,
 			records:   map[events.Group]string{events.GroupReplicate: clusterSeqA},
 			wantAsked: []string{clusterSeqA}, wantDue: []events.Group{events.GroupOnChange}},
 	} {
@@ -85,13 +83,45 @@ func TestSweepAsksCouchDBWhenCopiesDiffer(t *testing.T) {
 			assert.Equal(t, tc.wantAsked, asked)
 		})
 	}
-	assert.True(t, couch.OtherCopies(couch.Seq(clusterSeqA), couch.Seq(clusterSeqB)), "the fixture's seqs name other copies")
+}
+
+// CouchDB's answer that a record and an update_seq are one state is remembered: the next sweeps
+// do not ask again while neither string moves; a new update_seq, or a new record, is asked
+// about once more, and an answer that the db changed is not remembered.
+func TestSweepAsksOncePerRecordAndUpdateSeq(t *testing.T) {
+	recs := fixedRecords{reconcile.Key(events.GroupOnChange, "userdb"): clusterSeqA}
+	var asked []string
+	changed := false
+	p := &producer{
+		done: &doneRecords{records: recs},
+		log:  logrus.New(),
+		askChanged: func(_ context.Context, _, since string) (bool, error) {
+			asked = append(asked, since)
+			return changed, nil
+		},
+	}
+	onc := []events.Group{events.GroupOnChange}
+	sweep := func(seq string) []events.Group { return p.stillDue(t.Context(), "userdb", seq, onc) }
+	assert.Empty(t, sweep(clusterSeqB))
+	assert.Empty(t, sweep(clusterSeqB), "the same pair: not asked again")
+	assert.Equal(t, []string{clusterSeqA}, asked)
+
+	changed = true
+	assert.Equal(t, onc, sweep("6-later"), "a new update_seq is asked about")
+	assert.Equal(t, onc, sweep("6-later"), "a change is not remembered: asked again, due again")
+	assert.Len(t, asked, 3)
+
+	changed = false
+	recs[reconcile.Key(events.GroupOnChange, "userdb")] = "6-record"
+	assert.Empty(t, sweep("6-later"), "a new record is asked about")
+	assert.Empty(t, sweep("6-later"))
+	assert.Len(t, asked, 4)
 }
 
 // A sweep that cannot read the completion records compares with the previous sweep's
-// snapshot: a db whose update_seq names other copies of the same state is no change (CouchDB
-// is asked), so that a NATS outage does not give half of a cluster's idle dbs a job.
-func TestSweepWithoutRecordsAsksWhenCopiesDiffer(t *testing.T) {
+// snapshot: a db whose update_seq is another string is asked about, so that a NATS outage does
+// not give every idle db whose seq reads as another string (a cluster) a job.
+func TestSweepWithoutRecordsAsksWhenStringsDiffer(t *testing.T) {
 	var asked []string
 	answer := false
 	p := &producer{log: logrus.New(), askChanged: func(_ context.Context, _, since string) (bool, error) {
@@ -100,11 +130,11 @@ func TestSweepWithoutRecordsAsksWhenCopiesDiffer(t *testing.T) {
 	}}
 	ctx := t.Context()
 	assert.False(t, p.changedSincePrev(ctx, "userdb", clusterSeqA, clusterSeqA))
-	assert.False(t, p.changedSincePrev(ctx, "userdb", clusterSeqA, clusterSeqB), "other copies, nothing since")
+	assert.False(t, p.changedSincePrev(ctx, "userdb", clusterSeqA, clusterSeqB), "another string, nothing since")
 	answer = true
-	assert.True(t, p.changedSincePrev(ctx, "userdb", clusterSeqA, clusterSeqB), "other copies, a change since")
-	assert.Equal(t, []string{clusterSeqA, clusterSeqA}, asked)
+	assert.True(t, p.changedSincePrev(ctx, "userdb", clusterSeqA, clusterSeqB), "another string, a change since")
 	assert.True(t, p.changedSincePrev(ctx, "userdb", "7", "8"))
+	assert.Equal(t, []string{clusterSeqA, clusterSeqA, "7"}, asked)
 	assert.True(t, p.changedSincePrev(ctx, "userdb", "", "8"), "a db the previous sweep did not list")
-	assert.Len(t, asked, 2, "integers and a missing seq are not asked about")
+	assert.Len(t, asked, 3, "a missing seq is not asked about")
 }
