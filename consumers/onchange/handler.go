@@ -223,17 +223,10 @@ func (h *handler) runRule(ctx context.Context, db string, rule *rules.OnChange, 
 		r.seq = cps.stored
 		return r
 	}
-	// A cached checkpoint is checked before anything of the first page is acted on: against
-	// its _local doc (checkpoint.OnChangeStore.Verify), read while the first page is, or, for a
-	// CouchDB 2+ seq, by the page itself when its last_seq names the same shard files as the
-	// checkpoint (couch.SameCopies: a db deleted and created again has new files, and CouchDB
-	// reads a range of another file from 0), which saves that request; other copies (a
-	// cluster) or other files are checked against the doc as well.
-	var verifying <-chan verified
-	byPage := cps.cp.Cached() && couch.Packed(couch.Seq(since))
-	if !byPage {
-		verifying = h.verify(ctx, cps.cp)
-	}
+	// A cached checkpoint is checked against its _local doc (checkpoint.OnChangeStore.Verify),
+	// read while the first page is, before anything of that page is acted on: a doc gone or of
+	// another lineage means the db was deleted (and maybe created again) under the cache.
+	verifying := h.verify(ctx, cps.cp)
 	// startOver takes the rule's checkpoint in db again from scratch (the one the run had was
 	// another db's); stop says the run ends with r (the db is gone, or the start failed).
 	startOver := func() (r ruleResult, stop bool) {
@@ -272,27 +265,6 @@ func (h *handler) runRule(ctx context.Context, db string, rule *rules.OnChange, 
 		}
 		got := <-pending
 		pending = nil // used up: a page read twice is read again (starting over may come back to the same seq)
-		if got.err == nil && readFrom == cps.stored && couch.FilesReplaced(couch.Seq(readFrom), couch.Seq(got.page.LastSeq)) {
-			// The feed names new shard files where the checkpoint's seq named others on the same
-			// node: the db was deleted and created again. Its checkpoint doc may still be there
-			// (CouchDB 3 does not check the revs of _local docs: a save sent after the db was
-			// created again lands in the new db), so the lineage check cannot tell; the seqs do.
-			log.Info("the checkpoint's db was deleted and created again (its feed names new shard files): starting over")
-			if err := h.store.Delete(ctx, rule.ID(), db); err != nil {
-				return finish(ruleResult{err: err})
-			}
-			if r, stop := startOver(); stop {
-				return finish(r)
-			}
-			verifying, byPage = nil, false
-			continue
-		}
-		if byPage {
-			byPage = false
-			if got.err != nil || !couch.SameCopies(couch.Seq(readFrom), couch.Seq(got.page.LastSeq)) {
-				verifying = h.verify(ctx, cps.cp)
-			}
-		}
 		if verifying != nil {
 			v := <-verifying
 			verifying, cps.cp = nil, v.cp
