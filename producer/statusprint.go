@@ -28,6 +28,9 @@ func printProcesses(out io.Writer, procs []status.Report) {
 				feed = "feed not running"
 			}
 			state = append(state, fmt.Sprintf("source %s, %s, position %s, hot feeds %d", orDash(ps.Source), feed, orDash(shortSeq(ps.Position)), ps.HotFeeds))
+			if l := ps.StreamLoss; l != nil {
+				state = append(state, fmt.Sprintf("changes stream loss %s ago: %s", ago(l.At), l.Text))
+			}
 		} else {
 			state = append(state, fmt.Sprintf("jobs ok %d, retried %d, failed %d", p.Jobs["ok"], p.Jobs["retry"], p.Jobs["failed"]))
 		}
@@ -73,6 +76,9 @@ func printPerRule(out io.Writer, rs []admin.RuleStatus, incomplete string) {
 	for _, r := range rs {
 		if r.LastError != "" {
 			fmt.Fprintf(out, "  %s: last error: %s\n", r.ID, r.LastError)
+		}
+		if g := r.LastGap; g != nil {
+			fmt.Fprintf(out, "  %s: %d gap(s) in its output; the latest %s ago in db %s: %s\n", r.ID, r.Gaps, ago(g.At), g.DB, g.Text)
 		}
 	}
 	if incomplete != "" {

@@ -206,7 +206,7 @@ func (h *handler) publishBatch(ctx context.Context, db string, rule *rules.OnCha
 	var res batchResult
 	subject := subjectFor(rule, db)
 	var f *fence
-	if h.publisher.fenceable(rule) {
+	if h.publisher.fenceable(rule, db) {
 		f = fenceOf(ctx, subject)
 		f.mu.Lock()
 		defer f.mu.Unlock()

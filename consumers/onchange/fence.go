@@ -2,8 +2,6 @@ package main
 
 import (
 	"context"
-	"crypto/rand"
-	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -14,7 +12,6 @@ import (
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
-	"github.com/sirupsen/logrus"
 
 	"github.com/spiegel-nats/spiegel/pkg/checkpoint"
 	"github.com/spiegel-nats/spiegel/pkg/events"
@@ -69,22 +66,21 @@ type fence struct {
 	// answer "duplicate" included: the message holding the change is there even when the job
 	// cannot tell who stored it (its own earlier attempt, whose answer was lost, or another
 	// instance). The checkpoint's stream point is the higher of last and stored, so that a
-	// later loss of that message is seen (healStream) and the change published again.
+	// later loss of that message is seen (checkStream).
 	stored uint64
 	// pos is the position of the subject's last message (events.PositionHeader): the next
 	// message is stored at pos+1. A subject whose messages carry none yet (published by an
 	// earlier release) starts counting from the number of messages it holds.
-	pos   uint64
-	heals []checkpoint.StreamHeal // the subject's recent heals, from the checkpoint (see removed)
+	pos uint64
 	// began, base and start are the checkpoint's beginning on the subject (checkpoint.StreamPoint)
 	began bool
 	base  uint64
 	start string
 }
 
-// point returns the stream point of message seq with the fence's heals and beginning.
-func (f *fence) point(subject string, seq uint64, heals []checkpoint.StreamHeal) checkpoint.StreamPoint {
-	return checkpoint.StreamPoint{Subject: subject, Seq: seq, Heals: heals, Began: f.began, Base: f.base, Start: f.start}
+// point returns the stream point of message seq with the fence's beginning.
+func (f *fence) point(subject string, seq uint64) checkpoint.StreamPoint {
+	return checkpoint.StreamPoint{Subject: subject, Seq: seq, Began: f.began, Base: f.base, Start: f.start}
 }
 
 // setRead records what a read of the subject found: its last message and its message count.
@@ -93,17 +89,6 @@ func (f *fence) setRead(st subjectState) {
 	if st.last.pos == 0 {
 		f.pos = st.count
 	}
-}
-
-// removed reports whether seq is the sequence of a message that a heal of the subject removed
-// (see healHole), and returns the heal under whose id the change goes again: the latest.
-func (f *fence) removed(seq uint64) (checkpoint.StreamHeal, bool) {
-	for _, h := range f.heals {
-		if seq > h.After && seq <= h.Through {
-			return f.heals[len(f.heals)-1], true
-		}
-	}
-	return checkpoint.StreamHeal{}, false
 }
 
 // perJob holds one kind of a job's values, by key (a subject, a bucket), in the job's context.
@@ -142,11 +127,17 @@ func fenceOf(ctx context.Context, subject string) *fence {
 	return fs.of(subject)
 }
 
-// fenceable reports whether rule's publishes are fenced: its subject is its db's own, and the
-// publisher can read a stream at its leader.
-func (p *changePublisher) fenceable(rule *rules.OnChange) bool {
-	_, ok := p.js.(batchPublisher)
-	return ok && strings.Contains(rule.Subject, "${db_name}")
+// fenceable reports whether rule's publishes in db are fenced: its subject is its db's own, the
+// publisher can read a stream at its leader, and the subject's stream keeps what readers read
+// (retention Limits). On a stream whose readers remove messages (WorkQueue or Interest retention)
+// a subject's last message says nothing of what was published: such a subject is published in
+// feed order, unfenced (check notes those streams).
+func (p *changePublisher) fenceable(rule *rules.OnChange, db string) bool {
+	if _, ok := p.js.(batchPublisher); !ok || !strings.Contains(rule.Subject, "${db_name}") {
+		return false
+	}
+	name, ok := p.checked.get(subjectFor(rule, db))
+	return !ok || !p.consumed.has(name)
 }
 
 // jsAPIError is the error of a JetStream API answer.
@@ -160,7 +151,6 @@ type jsAPIError struct {
 const (
 	errCodeNoMessage          = 10037 // no message found
 	errCodeSeqNotFound        = 10043 // sequence not found
-	errCodeDeleteFailed       = 10057 // message delete failed (its description says why)
 	errCodeWrongLastSeq       = 10071 // wrong last sequence
 	errCodeWrongLastSeqBusy   = 10164 // wrong last sequence (a replicated stream with a check on the subject in flight)
 	errCodeBatchHasDuplicates = 10201 // atomic publish batch contains duplicate message id
@@ -270,21 +260,6 @@ func (p *changePublisher) readSubject(ctx context.Context, subject string, timeo
 	return st, errors.Join(err, countErr)
 }
 
-// deleteMessage removes the message at seq from subject's stream (one already gone is no error).
-func (p *changePublisher) deleteMessage(ctx context.Context, subject string, seq uint64, timeout time.Duration) error {
-	what := fmt.Sprintf("remove message %d of subject %s", seq, subject)
-	apiErr, err := p.streamAPI(ctx, subject, "STREAM.MSG.DELETE", map[string]any{"seq": seq, "no_erase": true}, timeout, nil, what)
-	if err != nil {
-		return err
-	}
-	gone := apiErr != nil && (apiErr.ErrCode == errCodeNoMessage || apiErr.ErrCode == errCodeSeqNotFound ||
-		apiErr.ErrCode == errCodeDeleteFailed && strings.Contains(apiErr.Description, "no message found"))
-	if apiErr != nil && !gone {
-		return apiErr
-	}
-	return nil
-}
-
 // streamAPI sends req to the JetStream API request api (STREAM.MSG.GET, STREAM.INFO, …) of the
 // stream that captures subject, answered by its leader within timeout, and decodes the answer
 // into out (nil: only its error). The answer's API error is returned apart from a failure to ask
@@ -371,14 +346,6 @@ func (p *changePublisher) attemptFenced(m changeMsg, f *fence, timeout time.Dura
 		ack, err := publish(m)
 		if err != nil {
 			return 0, err
-		}
-		if heal, ok := f.removed(ack.Sequence); ok && ack.Duplicate {
-			// The stream remembers the id of a message a heal removed: not stored, so the change
-			// goes again under the heal's id.
-			m.id = events.HealMsgID(heal.ID, m.id)
-			if ack, err = publish(m); err != nil {
-				return 0, err
-			}
 		}
 		switch {
 		case !ack.Duplicate:
@@ -516,7 +483,7 @@ func (h *handler) streamPoint(ctx context.Context, db string, rule *rules.OnChan
 	if rule.Mirror != "" {
 		return mirrorPointOf(ctx, rule.Mirror).point()
 	}
-	if rule.Subject == "" || !h.publisher.fenceable(rule) {
+	if rule.Subject == "" || !h.publisher.fenceable(rule, db) {
 		return nil
 	}
 	subject := subjectFor(rule, db)
@@ -526,250 +493,6 @@ func (h *handler) streamPoint(ctx context.Context, db string, rule *rules.OnChan
 	if !f.read {
 		return nil
 	}
-	pt := f.point(subject, max(f.last, f.stored), f.heals)
+	pt := f.point(subject, max(f.last, f.stored))
 	return &pt
-}
-
-// healStream checks, before a subject rule publishes anything in a job, that the stream still
-// holds what was stored on the rule's subject, and returns the seq the rule goes on from. It is
-// the job's fence read (see fence.go): the subject's last message and its message count, read at
-// once.
-//
-// A stream that acknowledged messages and lost them — a NATS node restarted from a store older
-// than what it had acknowledged (lazy sync and a power failure), every node so, a truncated file,
-// a store copied file by file — may have lost them in two ways:
-//   - at the end: the subject's last message is older than the one the checkpoint records
-//     (cp.Stream). The rule goes back to the feed seq of that message, and the changes after it
-//     are published again (the stream lost their ids with them, so they are stored);
-//   - in the middle (a hole): the subject holds fewer messages than the positions of its messages
-//     say (events.PositionHeader). See healHole.
-//
-// Messages the stream dropped by its own limits (max age) are not a loss: they are the oldest, so
-// the positions of the messages left still follow each other, and the stream's first message is
-// past cp.Stream. A subject left with no message at all sends the rule back to the start of the
-// feed, except for a rule with since "now", whose start is not known: that is logged.
-func (h *handler) healStream(ctx context.Context, db string, rule *rules.OnChange, cps *checkpointWriter, since string, log logrus.FieldLogger) (string, error) {
-	subject := subjectFor(rule, db)
-	if !h.publisher.fenceable(rule) {
-		return since, nil
-	}
-	f := fenceOf(ctx, subject)
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	st, err := h.publisher.readSubject(ctx, subject, rule.Timeout)
-	if err != nil {
-		return since, err
-	}
-	f.setRead(st)
-	last := st.last
-	cp := cps.cp
-	if cp.Stream.Subject == subject {
-		f.heals = cp.Stream.Heals
-	}
-	switch {
-	case cp.Stream.Subject == subject && cp.Stream.Began:
-		f.began, f.base, f.start = true, cp.Stream.Base, cp.Stream.Start
-	case cps.fresh && cp.Stream.Seq == 0:
-		// The rule's first run in this db (or in a db created again under its name): what the
-		// subject holds now is not this db's.
-		f.began, f.base, f.start = true, last.seq, since
-	}
-	log = log.WithField("subject", subject)
-	if hole, err := h.publisher.findHole(ctx, subject, st, rule.Timeout, log); err != nil {
-		return since, err
-	} else if hole != nil {
-		h.lossNoticed(ctx, subject)
-		return h.healHole(ctx, db, rule, cps, f, subject, *hole, since, log)
-	}
-	if cp.Stream.Seq == 0 || cp.Stream.Subject != subject || last.seq >= cp.Stream.Seq {
-		return since, nil
-	}
-	if st.streamFirst > cp.Stream.Seq {
-		return since, nil // dropped by the stream's limits
-	}
-	log = log.WithFields(logrus.Fields{"stream_seq": cp.Stream.Seq, "subject_last_seq": last.seq})
-	h.lossNoticed(ctx, subject)
-	if cp.Stream.Began && last.seq <= cp.Stream.Base {
-		// Every change of this db the stream held is lost, and its last message (if any) is one
-		// of an earlier db of the same name: its feed seq would skip changes of this one.
-		log.WithField("from_seq", cp.Stream.Start).Warn("the change stream lost every change of the db it had stored: publishing them again from the rule's start in the db")
-		return cp.Stream.Start, nil
-	}
-	if last.feedSeq == "" && last.seq > 0 || last.feedSeq == "" && rule.Since == rules.SinceNow {
-		log.Error("the change stream lost changes it had stored, and where they start is not known: they are not published again")
-		return since, nil
-	}
-	log.WithField("from_seq", last.feedSeq).Warn("the change stream lost changes it had stored: publishing them again")
-	return last.feedSeq, nil
-}
-
-// lossNoticed tells the producers that the stream capturing subject lost messages it had
-// acknowledged (events.Subjects.StreamLoss): they rebuild its replicas from its leader, so that
-// the heals of the jobs hold whichever replica leads next, and enqueue the dbs of its rules. Fire
-// and forget: the next job that finds the loss tells them again.
-func (h *handler) lossNoticed(ctx context.Context, subject string) {
-	if h.notice == nil {
-		return
-	}
-	if stream, err := h.publisher.streamOf(ctx, subject); err == nil {
-		h.tellLoss(stream)
-	}
-}
-
-// tellLoss tells the producers that stream lost messages it had acknowledged (see lossNoticed).
-func (h *handler) tellLoss(stream string) {
-	if h.notice != nil {
-		h.notice(stream)
-	}
-}
-
-// hole is a gap in a subject: before is the last message stored before it (seq 0: the gap is
-// at the subject's start), after the sequences of the messages stored after it, up to the
-// subject's last.
-type hole struct {
-	before subjectMsg
-	after  []uint64
-}
-
-// findHole looks for a hole in subject, whose state the caller read: nil when the positions of
-// the subject's messages follow each other from a start the stream's limits explain. It costs
-// no request unless the count falls short of the last message's position: then one read of the
-// subject's first message, which tells the oldest messages dropped by the stream's limits (its
-// previous message is before the stream's first) from lost ones, and, for a hole, one read per
-// message on the subject to find it. A subject whose messages carry no position (an earlier
-// release published them) cannot be checked.
-func (p *changePublisher) findHole(ctx context.Context, subject string, st subjectState, timeout time.Duration, log logrus.FieldLogger) (*hole, error) {
-	last, count := st.last, st.count
-	if last.pos == 0 || count >= last.pos {
-		return nil, nil
-	}
-	first, ok, err := p.nextMessage(ctx, subject, 1, timeout)
-	if err != nil || !ok {
-		return nil, err
-	}
-	if first.pos == 0 {
-		log.Debug("the subject's oldest messages carry no position: its messages are not checked for a hole")
-		return nil, nil
-	}
-	// The messages before the first were stored at or after its previous one; the stream's
-	// limits drop the oldest first, so they cannot have dropped one at or after the stream's
-	// first sequence.
-	frontLost := first.pos > 1 && first.hasPrev && max(first.prev, 1) >= st.streamFirst
-	if !frontLost && first.pos <= last.pos && last.pos-first.pos+1 == count {
-		return nil, nil // the oldest dropped by the stream's limits
-	}
-	collect := func(h *hole, m subjectMsg) (*hole, error) {
-		for ok := true; ok && m.seq <= last.seq; m, ok, err = p.nextMessage(ctx, subject, m.seq+1, timeout) {
-			if err != nil {
-				return nil, err
-			}
-			h.after = append(h.after, m.seq)
-		}
-		return h, err
-	}
-	if frontLost {
-		return collect(&hole{}, first)
-	}
-	for prev := first; prev.seq < last.seq; {
-		m, ok, err := p.nextMessage(ctx, subject, prev.seq+1, timeout)
-		switch {
-		case err != nil:
-			return nil, err
-		case !ok || m.pos == 0:
-			return nil, nil // the subject changed under the walk, or a message without a position
-		case m.pos == prev.pos+1:
-			prev = m
-			continue
-		}
-		return collect(&hole{before: prev}, m)
-	}
-	return nil, nil
-}
-
-// healMemory is how long a heal is remembered (see fence.removed): the changes stream's duplicate
-// window and a margin. At most maxHeals are kept, the latest.
-const (
-	healMemory = 25 * time.Hour
-	maxHeals   = 8
-)
-
-// healHole heals a hole in subject, so that the subject holds every change once, in feed order,
-// again (a hole at the subject's start — its oldest messages lost — is healed from the start of
-// the db's feed, every message of the subject being after it):
-//  1. the checkpoint goes back to the message before the hole, its _local doc written at once,
-//     with a new heal recorded: the messages after it up to the subject's last are about to be
-//     removed. Fenced like every checkpoint write: a stale holder cannot move it.
-//  2. those messages are removed, the latest first;
-//  3. the job goes on from the feed seq of the message before the hole, and publishes the changes
-//     of the hole and after it again. The stream remembers the ids of the removed messages for
-//     its duplicate window; a change answered as a duplicate of one of them goes again under the
-//     heal's id (events.HealMsgID, see attemptFenced). The heal is kept in the checkpoint for that
-//     window, so a later job that reads the changes again knows it too.
-//
-// A job that stops anywhere in between leaves the hole, or the subject cut back to before it,
-// for the next job to find. Services that followed the subject live saw the changes after the
-// hole before those of the hole; the README says what they see.
-func (h *handler) healHole(ctx context.Context, db string, rule *rules.OnChange, cps *checkpointWriter, f *fence, subject string, gap hole, since string, log logrus.FieldLogger) (string, error) {
-	log = log.WithFields(logrus.Fields{"before_hole_seq": gap.before.seq, "messages_after": len(gap.after)})
-	switch {
-	case len(gap.after) == 0:
-		return since, nil
-	case gap.before.seq == 0 && rule.Since == rules.SinceNow:
-		log.Error("the change stream lost the oldest changes of the subject, and where the rule started (since now) is not known: not healed")
-		return since, nil
-	case gap.before.seq != 0 && gap.before.feedSeq == "":
-		log.Error("the change stream lost changes in the middle of the subject, and the message before them carries no feed seq: not healed")
-		return since, nil
-	}
-	if !worker.Held(ctx) {
-		return since, worker.ErrLeaseLost
-	}
-	id, err := newHealID()
-	if err != nil {
-		return since, err
-	}
-	heals := []checkpoint.StreamHeal{}
-	for _, old := range f.heals {
-		if time.Since(old.At) < healMemory {
-			heals = append(heals, old)
-		}
-	}
-	heals = append(heals, checkpoint.StreamHeal{ID: id, After: gap.before.seq, Through: gap.after[len(gap.after)-1], At: time.Now().UTC()})
-	if len(heals) > maxHeals {
-		heals = heals[len(heals)-maxHeals:]
-	}
-	if err := cps.wait(); err != nil {
-		return since, err
-	}
-	cps.cp.Stream = f.point(subject, gap.before.seq, heals)
-	if err := h.store.SaveNow(ctx, &cps.cp, gap.before.feedSeq); err != nil {
-		return since, err
-	}
-	cps.stored = gap.before.feedSeq
-	for i := len(gap.after) - 1; i >= 0; i-- {
-		if !worker.Held(ctx) {
-			return since, worker.ErrLeaseLost
-		}
-		if err := h.publisher.deleteMessage(ctx, subject, gap.after[i], rule.Timeout); err != nil {
-			return since, err
-		}
-	}
-	f.last, f.stored, f.pos, f.heals = gap.before.seq, 0, gap.before.pos, heals
-	h.metrics.StreamHealed()
-	where := "in the middle of the subject"
-	if gap.before.seq == 0 {
-		where = "at the start of the subject"
-	}
-	log.WithFields(logrus.Fields{"from_seq": gap.before.feedSeq, "heal": id}).
-		Warn("the change stream lost changes " + where + ": removed the messages after the hole and publishing the changes from it again, in order")
-	return gap.before.feedSeq, nil
-}
-
-// newHealID returns a new heal's id: 16 random hex digits.
-func newHealID() (string, error) {
-	var b [8]byte
-	if _, err := rand.Read(b[:]); err != nil {
-		return "", fmt.Errorf("heal the change stream: %w", err)
-	}
-	return hex.EncodeToString(b[:]), nil
 }

@@ -127,7 +127,7 @@ func TestSharedSubjectIsNotFenced(t *testing.T) {
 	r, err := rules.Parse("shared", []byte(`{"type":"on_change","subject":"chg.all","timeout_ms":2000}`))
 	require.NoError(t, err)
 	rule := r.(*rules.OnChange)
-	require.False(t, h.publisher.fenceable(rule))
+	require.False(t, h.publisher.fenceable(rule, "db"))
 	job1, job2 := withFences(t.Context()), withFences(t.Context())
 	require.NoError(t, publishPage(t, job1, h, rule, "", []couch.Change{docRow("1", "a", "1-a"), docRow("2", "b", "1-a")}).err)
 	require.NoError(t, publishPage(t, job2, h, rule, "", []couch.Change{docRow("1", "c", "1-a"), docRow("2", "d", "1-a")}).err)
@@ -157,8 +157,9 @@ func (p *lostAnswerPublisher) PublishMsg(ctx context.Context, m *nats.Msg, opts 
 // the leader checks a message id before the expected last sequence; a single server refuses the
 // retry as fenced instead) the answer of b's publish is lost after the stream stored it, and the
 // retry is answered "duplicate" at b's sequence. The checkpoint's stream point
-// is b's message all the same, so when the stream later loses that message (a node that had not
-// written it to disk leads after a crash), the next job sees the loss and publishes b again.
+// is b's message all the same, so when our changes stream later loses that message (a node that
+// had not written it to disk leads after a crash), the next job sees the loss and publishes b
+// again after a.
 // Before, a duplicate answer left the point at a's message: the loss of b's was not seen, the
 // checkpoint was past b, and b never reached the stream (a chaos run on a three-node JetStream
 // ended with one change missing so, the stream's only hole).
@@ -167,7 +168,7 @@ func TestDuplicateAnswerMovesTheStreamPoint(t *testing.T) {
 	servers := natstest.StartCluster(t, 3)
 	_, js := servers[0].Connect(t)
 	require.Eventually(t, func() bool {
-		_, err := js.CreateStream(t.Context(), jetstream.StreamConfig{Name: "CHG", Subjects: []string{"chg.>"},
+		_, err := js.CreateStream(t.Context(), jetstream.StreamConfig{Name: "CHG_CHANGES", Subjects: []string{"chg.>"},
 			Duplicates: time.Hour, Storage: jetstream.FileStorage, Replicas: 3})
 		return err == nil
 	}, 30*time.Second, 100*time.Millisecond, "the replicated stream is created")
@@ -186,12 +187,12 @@ func TestDuplicateAnswerMovesTheStreamPoint(t *testing.T) {
 	assert.Equal(t, uint64(2), pt.Seq, "the stream point is b's message, which holds the job's last change")
 
 	// The stream loses b's message; the next job starts from the checkpoint (past b).
-	st, err := js.Stream(t.Context(), "CHG")
+	st, err := js.Stream(t.Context(), "CHG_CHANGES")
 	require.NoError(t, err)
 	require.NoError(t, st.DeleteMsg(t.Context(), 2))
 	cps := &checkpointWriter{cp: checkpoint.OnChangePoint{LastSeq: "2", Stream: *pt}}
 	next := withFences(t.Context())
-	from, err := h.healStream(next, "db", r, cps, "2", h.log)
+	from, err := h.checkStream(next, "db", r, cps, "2", h.log)
 	require.NoError(t, err)
 	assert.Equal(t, "1", from, "the loss is seen: the job goes back to a's feed seq and publishes b again")
 }
@@ -223,7 +224,7 @@ func TestRulesSharingAStreamEachStoreTheChange(t *testing.T) {
 	pt := h.streamPoint(job, "db", own)
 	require.NotNil(t, pt)
 	assert.Equal(t, uint64(2), pt.Seq, "the db's own subject holds the change: its message is the rule's stream point")
-	from, err := h.healStream(withFences(t.Context()), "db", own, &checkpointWriter{cp: checkpoint.OnChangePoint{LastSeq: "1", Stream: *pt}}, "1", h.log)
+	from, err := h.checkStream(withFences(t.Context()), "db", own, &checkpointWriter{cp: checkpoint.OnChangePoint{LastSeq: "1", Stream: *pt}}, "1", h.log)
 	require.NoError(t, err)
 	assert.Equal(t, "1", from, "no loss found")
 }

@@ -66,9 +66,7 @@ type handler struct {
 	inlineRetry        time.Duration
 	maxDefer           time.Duration
 	book               *retryBook
-	// notice tells the producers that a stream lost messages it had acknowledged (the stream's
-	// name; see lossNoticed). nil: nobody is told.
-	notice func(stream string)
+	gaps               *expiringSet // the gaps reported (see reportGap), so that each is reported once
 }
 
 // newHandler wires a handler from an opened consumer app and the binary's config.
@@ -89,9 +87,7 @@ func newHandler(app consumer.Deps, cfg *config.OnChange) *handler {
 		inlineRetry:        defaultInlineRetry,
 		maxDefer:           defaultMaxDefer,
 		book:               newRetryBook(),
-		notice: func(stream string) {
-			_ = app.JS.Conn().Publish(events.NewSubjects(cfg.SubjectPrefix).StreamLoss(), []byte(stream))
-		},
+		gaps:               newGapSet(),
 	}
 }
 
@@ -240,7 +236,7 @@ func (h *handler) runRule(ctx context.Context, db string, rule *rules.OnChange, 
 		cps.stored, replay = since, replayOf(cps.cp)
 		return ruleResult{}, false
 	}
-	streamChecked := false // the subject's stream, or the mirror bucket, was checked for losses (healStream, healMirror)
+	streamChecked := false // the subject's stream, or the mirror bucket, was checked for gaps (checkStream, checkMirror)
 	readFrom, pending := since, pages.page(since)
 	for {
 		cur, ok := h.current(rule.ID(), db)
@@ -282,22 +278,17 @@ func (h *handler) runRule(ctx context.Context, db string, rule *rules.OnChange, 
 		}
 		if !streamChecked && rule.Mirror != "" {
 			streamChecked = true
-			from, err := h.healMirror(ctx, db, rule, cps.cp, since, log)
-			if err != nil {
+			if err := h.checkMirror(ctx, db, rule, cps, log); err != nil {
 				return finish(ruleResult{err: fmt.Errorf("rule %s: %w", rule.ID(), err)})
-			}
-			if from != since { // the bucket lost writes: the db is mirrored again
-				since = from
-				continue
 			}
 		}
 		if !streamChecked && rule.Subject != "" {
 			streamChecked = true
-			from, err := h.healStream(ctx, db, rule, cps, since, log)
+			from, err := h.checkStream(ctx, db, rule, cps, since, log)
 			if err != nil {
 				return finish(ruleResult{err: fmt.Errorf("rule %s: %w", rule.ID(), err)})
 			}
-			if from != since { // the stream lost changes after from: they are published again
+			if from != since { // our changes stream lost the latest changes after from: they are published again
 				since = from
 				continue
 			}

@@ -6,16 +6,13 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
-	"strings"
 	"sync"
 	"time"
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
-	"github.com/sirupsen/logrus"
 
 	"github.com/spiegel-nats/spiegel/pkg/checkpoint"
-	"github.com/spiegel-nats/spiegel/pkg/rules"
 
 	"github.com/spiegel-nats/spiegel/pkg/mirrorkey"
 	"github.com/spiegel-nats/spiegel/pkg/webhook"
@@ -376,7 +373,7 @@ func (m *mirrorWriter) dropDB(ctx context.Context, bucket, db string) (int, erro
 			return 0, fmt.Errorf("mirror %s: delete key %s of db %s: %w", bucket, k, db, err)
 		}
 		// The drop is a write of the job like any other: should the bucket lose it, the
-		// checkpoint's point says so (healMirror), and the keys are dropped again.
+		// checkpoint's point says so (checkMirror), and the gap is reported.
 		mirrorPointOf(ctx, bucket).wrote("$KV."+bucket+"."+k, seq)
 	}
 	return len(keys), nil
@@ -385,7 +382,7 @@ func (m *mirrorWriter) dropDB(ctx context.Context, bucket, db string) (int, erro
 // mirrorPoint is a job's state in a mirror bucket: its fence of the db (claimDB), and its latest
 // write: the key's subject and the write's stream sequence, kept in the rule's checkpoint
 // (checkpoint.OnChangePoint.Stream) so that the next job can tell whether the bucket lost it (see
-// healMirror).
+// checkMirror).
 type mirrorPoint struct {
 	mu           sync.Mutex
 	subject      string
@@ -452,57 +449,21 @@ func mirrorPointOf(ctx context.Context, bucket string) *mirrorPoint {
 	return ps.of(bucket)
 }
 
-// healMirror checks, before a mirror rule writes anything in a job, that the bucket still holds
-// the rule's latest write in db as its checkpoint records it (cp.Stream: the key's subject and
-// the write's sequence; a doc's write, or a delete of a drop), and returns the seq the rule goes on from. A bucket that acknowledged
-// writes and lost them — NATS restarted from a store older than what it had acknowledged — holds
-// another message at that sequence (given again to a later write), or none, while the key's
-// last message is older: the rule then mirrors the db again from the start of its feed, after
-// deleting the db's keys — the store the bucket came back from may hold keys that a drop had
-// deleted (an earlier db of the same name, deleted and created again: seen in a chaos run), and
-// the feed of the db as it is now never names them. Each doc is written again. A key written
-// again since (its last message newer) is no loss. One request per job (the
-// message at the sequence, at the stream's leader: leaderMsg), two when it is not there. A write
-// lost in the middle of the bucket, with later ones of the db kept, is not seen: sync_interval
-// always is what keeps that from happening.
-func (h *handler) healMirror(ctx context.Context, db string, rule *rules.OnChange, cp checkpoint.OnChangePoint, since string, log logrus.FieldLogger) (string, error) {
-	prefix := "$KV." + rule.Mirror + "."
-	if rule.Mirror == "" || cp.Stream.Seq == 0 || !strings.HasPrefix(cp.Stream.Subject, prefix) {
-		return since, nil
+// firstSeq returns the first sequence of the bucket's stream, as its leader answers.
+func (b *mirrorBucket) firstSeq(ctx context.Context) (uint64, error) {
+	var answer struct {
+		State struct {
+			FirstSeq uint64 `json:"first_seq"`
+		} `json:"state"`
 	}
-	jobCtx := ctx
-	ctx, cancel := context.WithTimeout(ctx, rule.Timeout)
-	defer cancel()
-	b, err := h.mirrors.bucket(ctx, rule.Mirror)
-	if err != nil {
-		return since, err
-	}
-	m, found, err := b.leaderMsg(ctx, map[string]any{"seq": cp.Stream.Seq}, fmt.Sprintf("read message %d", cp.Stream.Seq))
+	apiErr, err := streamRequest(ctx, b.nc, b.stream, "STREAM.INFO", map[string]any{}, &answer, "read the stream info")
 	switch {
 	case err != nil:
-		return since, fmt.Errorf("mirror %s: %w", rule.Mirror, err)
-	case found && m.Subject == cp.Stream.Subject:
-		return since, nil
+		return 0, err
+	case apiErr != nil:
+		return 0, apiErr
 	}
-	last, found, err := b.leaderMsg(ctx, map[string]any{"last_by_subj": cp.Stream.Subject}, "read key "+strings.TrimPrefix(cp.Stream.Subject, prefix))
-	switch {
-	case err != nil:
-		return since, fmt.Errorf("mirror %s: %w", rule.Mirror, err)
-	case found && last.Seq > cp.Stream.Seq:
-		return since, nil // the key was written again since
-	}
-	log = log.WithFields(logrus.Fields{"bucket": rule.Mirror, "bucket_seq": cp.Stream.Seq})
-	h.tellLoss("KV_" + rule.Mirror)
-	if rule.Since == rules.SinceNow {
-		log.Error("the mirror bucket lost writes it had stored, and the rule's start (since now) is not known: the db is not mirrored again")
-		return since, nil
-	}
-	log.Warn("the mirror bucket lost writes it had stored: mirroring the db again from the start of its feed")
-	if err := h.dropMirror(jobCtx, db, rule, log); err != nil {
-		return since, err
-	}
-	h.metrics.StreamHealed()
-	return "", nil
+	return answer.State.FirstSeq, nil
 }
 
 // logIDOf shortens a doc id for an error message.

@@ -5,12 +5,15 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"github.com/spiegel-nats/spiegel/pkg/checkpoint"
+	"maps"
 	"net/http"
 	"net/url"
+	"slices"
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/spiegel-nats/spiegel/pkg/checkpoint"
 
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/stretchr/testify/assert"
@@ -423,13 +426,13 @@ func TestMirrorOfADeletedDBLeavesNoFence(t *testing.T) {
 	assert.ErrorIs(t, err, jetstream.ErrKeyNotFound, "and leaves no delete marker")
 }
 
-// TestMirrorLossHealed: the mirror bucket loses a write it had acknowledged — NATS restarted from
-// a store older than what it had acknowledged (lazy sync and a power failure) — after the rule's
-// checkpoint in CouchDB passed it. The rule's next job finds the bucket without its latest write,
-// mirrors the db again from the start of its feed, and the lost doc is back. Without the check
-// the job would go on from its checkpoint and mirror only the new change: the mirror would lack c
-// for good (it lives in NATS only, and no sweep finds it: the db's jobs are done).
-func TestMirrorLossHealed(t *testing.T) {
+// TestMirrorLossReported: the mirror bucket loses a write it had acknowledged — NATS restarted
+// from a store older than what it had acknowledged (lazy sync and a power failure) — after the
+// rule's checkpoint in CouchDB passed it. The rule's next job finds the bucket without its
+// latest write and reports the gap (metric, status naming the db); it drops and rewrites
+// nothing: readers may be reading the bucket, and `producer replay` mirrors the db again when
+// the operator asks. The new change is mirrored as usual.
+func TestMirrorLossReported(t *testing.T) {
 	e := newEnv(t, 60*time.Second)
 	addr := healthtest.FreeAddr(t)
 	e.cfg.HTTPAddr = addr
@@ -466,9 +469,16 @@ func TestMirrorLossHealed(t *testing.T) {
 	// checkpoint's cache entry is lost with it (the _local doc is what the next job reads).
 	e.powerFailure(t, powerFailure)
 	require.NotContains(t, e.mirrorOf(t, bucketDocs, db), "c")
-	e.mirrorAgain(t, db, "d", "the mirror holds a, b, c and d")
-	assert.Contains(t, e.mirrorOf(t, bucketDocs, db), "c", "the lost write is mirrored again")
-	assert.Equal(t, 1.0, healthtest.Scrape(t, addr).Get("spiegel_change_stream_heals_total"))
+	e.onChangeStore(t).Forget(t.Context(), "mir", db)
+	e.Couch.Put(t, db, "d", map[string]any{"v": "d"})
+	e.enqueue(t, db)
+	require.Eventually(t, func() bool {
+		_, ok := e.mirrorOf(t, bucketDocs, db)["d"]
+		return ok && e.caughtUp(t, "mir", db)
+	}, 90*time.Second, 50*time.Millisecond, "d mirrored")
+	assert.Equal(t, []string{"a", "b", "d"}, slices.Sorted(maps.Keys(e.mirrorOf(t, bucketDocs, db))), "nothing dropped or written again for the gap")
+	assert.Equal(t, 1.0, healthtest.Scrape(t, addr).Get("spiegel_output_gaps_total", "kind", "mirror"), "the gap is counted")
+	assertGapNoted(t, app, "mir", db, "lost the write of key")
 }
 
 // powerFailure runs powerFailure (env.storeCopy) and waits for the mirror bucket.
@@ -481,87 +491,35 @@ func (e *env) powerFailure(t *testing.T, powerFailure func()) {
 	}, 30*time.Second, 50*time.Millisecond)
 }
 
-// mirrorAgain drops the rule's cache entry for db (the cache came back older with the store:
-// the _local doc is read), writes doc to db and waits until the mirror equals the db (msg).
-func (e *env) mirrorAgain(t *testing.T, db, doc, msg string) {
-	t.Helper()
-	e.onChangeStore(t).Forget(t.Context(), "mir", db)
-	e.Couch.Put(t, db, doc, map[string]any{"v": doc})
-	e.enqueue(t, db)
-	require.Eventually(t, func() bool {
-		ok, _ := e.mirrorEquals(t, bucketDocs, db)
-		return ok
-	}, 90*time.Second, 50*time.Millisecond, "%s: %v", msg, e.mirrorOf(t, bucketDocs, db))
-}
-
-// healAfterPowerFailure runs the power failure, checks that db's old key "a" is back in the
-// mirror, writes doc "y" and waits until the mirror equals the db (msg).
-func (e *env) healAfterPowerFailure(t *testing.T, powerFailure func(), db, msg string) {
-	t.Helper()
-	e.powerFailure(t, powerFailure)
-	require.Contains(t, e.mirrorOf(t, bucketDocs, db), "a", "the store came back with the old db's keys")
-	e.mirrorAgain(t, db, "y", msg)
-}
-
-// TestMirrorLossOfARecreatedDBHealed: a db is deleted and created again under its name, and
-// the rule's first job in the new db deletes the old db's keys. NATS then comes back from a
-// store older than that drop: the old keys are back, the new db's write is gone. The rule mirrors
-// the db again from the start of its feed, and first deletes the db's keys, which the new db's
-// feed would never name (seen in a chaos run: the old db's docs stayed in the mirror).
-func TestMirrorLossOfARecreatedDBHealed(t *testing.T) {
+// TestMirrorExpiredByTheBucketIsNoGap: a bucket whose own max age expired the rule's latest write
+// has no gap: the write is below the bucket stream's first sequence. Nothing is reported.
+func TestMirrorExpiredByTheBucketIsNoGap(t *testing.T) {
 	e := newEnv(t, 60*time.Second)
+	addr := healthtest.FreeAddr(t)
+	e.cfg.HTTPAddr = addr
 	app := e.start(t)
+	const bucket = "SHORT"
+	_, err := e.JS.CreateKeyValue(t.Context(), jetstream.KeyValueConfig{Bucket: bucket, TTL: time.Second})
+	require.NoError(t, err)
 	db := e.Couch.NewDB(t, e.Prefix)
-	e.ruleIn(t, app, "mir", db, map[string]any{"mirror": bucketDocs})
+	e.ruleIn(t, app, "mir", db, map[string]any{"mirror": bucket})
 	e.Couch.Put(t, db, "a", map[string]any{"v": "a"})
+	e.enqueue(t, db)
+	require.Eventually(t, func() bool { return e.caughtUp(t, "mir", db) }, 30*time.Second, 20*time.Millisecond)
+	require.Eventually(t, func() bool { return len(e.mirrorOf(t, bucket, db)) == 0 }, 30*time.Second, 50*time.Millisecond, "a expired")
+
+	// Another db's write: the bucket's first sequence is now past the rule's write.
+	kv, err := e.JS.KeyValue(t.Context(), bucket)
+	require.NoError(t, err)
+	_, err = kv.Put(t.Context(), "other", []byte(`{}`))
+	require.NoError(t, err)
 	e.Couch.Put(t, db, "b", map[string]any{"v": "b"})
 	e.enqueue(t, db)
-	e.requireMirror(t, bucketDocs, db)
-	require.Eventually(t, func() bool { return e.caughtUp(t, "mir", db) }, 30*time.Second, 20*time.Millisecond)
-
-	// The copy of the store that the power failure leaves: the old db's keys, before the drop.
-	powerFailure := e.storeCopy(t)
-
-	require.NoError(t, e.Couch.Do(t, "DELETE", "/"+couchtest.PathDB(db), nil, nil))
-	e.Couch.CreateDB(t, db)
-	e.onChangeStore(t).Forget(t.Context(), "mir", db) // as the producer does on the deleted event
-	e.Couch.Put(t, db, "x", map[string]any{"v": "x"})
-	e.enqueue(t, db)
 	require.Eventually(t, func() bool {
-		ok, _ := e.mirrorEquals(t, bucketDocs, db)
+		_, ok := e.mirrorOf(t, bucket, db)["b"]
 		return ok && e.caughtUp(t, "mir", db)
-	}, 90*time.Second, 50*time.Millisecond, "the new db mirrored, the old db's keys deleted")
-	cps := e.onChangeStore(t)
-	p, err := cps.Load(t.Context(), "mir", db)
-	require.NoError(t, err)
-	require.NoError(t, cps.SaveNow(t.Context(), &p, p.LastSeq)) // CouchDB is past x when NATS fails
-
-	e.healAfterPowerFailure(t, powerFailure, db, "the mirror holds x and y only")
-	got := e.mirrorOf(t, bucketDocs, db)
-	assert.Contains(t, got, "x", "the lost write is mirrored again")
-	assert.NotContains(t, got, "a", "the old db's keys are deleted")
-}
-
-// TestMirrorLostDropOfARecreatedDBHealed: as TestMirrorLossOfARecreatedDBHealed, but the new db
-// is empty when its first job drops the old db's keys, so that job writes no doc: the drop's
-// deletes are the rule's only writes, and its checkpoint records them. NATS comes back from a
-// store older than the drop: the old keys are back, and the next job drops them again (seen in
-// a chaos run, where a recreated db's checkpoint began at the start of its feed and the old keys
-// stayed).
-func TestMirrorLostDropOfARecreatedDBHealed(t *testing.T) {
-	e, db := mirroredDB(t, "a", "b")
-	require.Eventually(t, func() bool { return e.caughtUp(t, "mir", db) }, 30*time.Second, 20*time.Millisecond)
-	powerFailure := e.storeCopy(t) // the old db's keys, before the drop
-
-	require.NoError(t, e.Couch.Do(t, "DELETE", "/"+couchtest.PathDB(db), nil, nil))
-	e.Couch.CreateDB(t, db)
-	e.enqueue(t, db)
-	require.Eventually(t, func() bool { return len(e.mirrorOf(t, bucketDocs, db)) == 0 }, 30*time.Second, 50*time.Millisecond,
-		"the old db's keys dropped")
-	require.Eventually(t, func() bool { seq, found := e.checkpoint(t, "mir", db); return found && seq == "" }, 30*time.Second, 50*time.Millisecond,
-		"the new db's checkpoint begun")
-
-	e.healAfterPowerFailure(t, powerFailure, db, "the mirror holds y only")
+	}, 30*time.Second, 50*time.Millisecond)
+	assert.Zero(t, healthtest.Scrape(t, addr).Get("spiegel_output_gaps_total", "kind", "mirror"), "no gap reported")
 }
 
 // TestMirrorKeyWrittenAgainIsNoLoss: the message at the checkpoint's sequence is gone because
@@ -591,5 +549,5 @@ func TestMirrorKeyWrittenAgainIsNoLoss(t *testing.T) {
 	e.requireMirror(t, bucketDocs, db)
 	require.Eventually(t, func() bool { return e.caughtUp(t, "mir", db) }, 30*time.Second, 20*time.Millisecond)
 	assert.NotEqual(t, seen, "", "the rule had a checkpoint")
-	assert.Zero(t, healthtest.Scrape(t, addr).Get("spiegel_change_stream_heals_total"), "no loss healed")
+	assert.Zero(t, healthtest.Scrape(t, addr).Get("spiegel_output_gaps_total", "kind", "mirror"), "no gap reported")
 }

@@ -59,6 +59,7 @@ type changePublisher struct {
 	atomic  *expiringSet // those of them whose stream takes a page as one atomic batch (see publishAtomic)
 
 	streamsRead, atomicStreams *expiringSet // stream names whose info was read; those taking atomic batches
+	consumed                   *expiringSet // stream names whose readers remove messages (WorkQueue, Interest): not fenced
 	reported                   *expiringSet // rule id, rev and subject already dead-lettered as unusable
 
 	atomicOnFile bool // tests and benchmarks: atomic pages on a single-replica file stream too
@@ -68,7 +69,9 @@ func newChangePublisher(js streamPublisher, m *metrics.Consumer, subjects events
 	return &changePublisher{js: js, metrics: m, subjects: subjects,
 		checked: newExpiringSet(subjectCheckTTL, publisherMemory), atomic: newExpiringSet(subjectCheckTTL, publisherMemory),
 		reported:    newExpiringSet(reportedTTL, publisherMemory),
-		streamsRead: newExpiringSet(subjectCheckTTL, publisherMemory), atomicStreams: newExpiringSet(subjectCheckTTL, publisherMemory)}
+		streamsRead: newExpiringSet(subjectCheckTTL, publisherMemory), atomicStreams: newExpiringSet(subjectCheckTTL, publisherMemory),
+		// outlives checked, which is put after it: a subject found captured is never taken for fenced
+		consumed: newExpiringSet(2*subjectCheckTTL, publisherMemory)}
 }
 
 // subject returns rule's subject for db: ${db_name} becomes the db's subject token
@@ -96,8 +99,12 @@ func (p *changePublisher) check(ctx context.Context, db string, rule *rules.OnCh
 				if err != nil {
 					return false, fmt.Errorf("rule %s: read stream %s of subject %s: %w", rule.ID(), name, subject, err)
 				}
-				if cfg := st.CachedInfo().Config; takesAtomicPages(cfg) || p.atomicOnFile && cfg.AllowAtomicPublish {
+				cfg := st.CachedInfo().Config
+				if takesAtomicPages(cfg) || p.atomicOnFile && cfg.AllowAtomicPublish {
 					p.atomicStreams.add(name)
+				}
+				if cfg.Retention != jetstream.LimitsPolicy {
+					p.consumed.add(name)
 				}
 				p.streamsRead.add(name)
 			}
@@ -258,6 +265,18 @@ func (s *expiringSet) put(key, val string) {
 		}
 	}
 	s.at[key] = expiringEntry{at: now, val: val}
+}
+
+// firstTime adds key and reports whether it was not held already (or had expired).
+func (s *expiringSet) firstTime(key string) bool {
+	s.mu.Lock()
+	e, ok := s.at[key]
+	held := ok && s.now().Sub(e.at) < s.ttl
+	s.mu.Unlock()
+	if !held {
+		s.add(key)
+	}
+	return !held
 }
 
 // len returns the number of entries held (expired ones included until swept).

@@ -32,7 +32,7 @@ import (
 func orderStream(t testing.TB, s *natstest.Server, maxMsg int32, atomic bool) jetstream.JetStream {
 	t.Helper()
 	_, js := s.Connect(t)
-	_, err := js.CreateStream(t.Context(), jetstream.StreamConfig{Name: "CHG", Subjects: []string{"chg.>"},
+	_, err := js.CreateStream(t.Context(), jetstream.StreamConfig{Name: "CHG_CHANGES", Subjects: []string{"chg.>"},
 		MaxMsgSize: maxMsg, Duplicates: time.Hour, Storage: jetstream.FileStorage, AllowAtomicPublish: atomic})
 	require.NoError(t, err)
 	return js
@@ -84,7 +84,7 @@ func pageRows(n, big int) []couch.Change {
 // stored returns the message ids stream CHG holds, in stream order.
 func stored(t testing.TB, js jetstream.JetStream) []string {
 	t.Helper()
-	st, err := js.Stream(t.Context(), "CHG")
+	st, err := js.Stream(t.Context(), "CHG_CHANGES")
 	require.NoError(t, err)
 	info, err := st.Info(t.Context())
 	require.NoError(t, err)
@@ -98,7 +98,7 @@ func stored(t testing.TB, js jetstream.JetStream) []string {
 }
 
 func storedCount(t testing.TB, js jetstream.JetStream) uint64 {
-	st, err := js.Stream(t.Context(), "CHG")
+	st, err := js.Stream(t.Context(), "CHG_CHANGES")
 	require.NoError(t, err)
 	info, err := st.Info(t.Context())
 	require.NoError(t, err)
@@ -177,7 +177,7 @@ func TestPipelinedPublishBreaksOrder(t *testing.T) {
 
 func raiseMaxMsg(t testing.TB, js jetstream.JetStream) {
 	t.Helper()
-	st, err := js.Stream(t.Context(), "CHG")
+	st, err := js.Stream(t.Context(), "CHG_CHANGES")
 	require.NoError(t, err)
 	cfg := st.CachedInfo().Config
 	cfg.MaxMsgSize = 1 << 20

@@ -4,29 +4,30 @@ import (
 	"encoding/json"
 	"os"
 	"path/filepath"
-	"slices"
 	"strconv"
-	"strings"
-	"sync"
 	"testing"
 	"time"
 
-	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
+	"github.com/prometheus/client_golang/prometheus/testutil"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/spiegel-nats/spiegel/pkg/consumer"
 	"github.com/spiegel-nats/spiegel/pkg/couchtest"
 	"github.com/spiegel-nats/spiegel/pkg/events"
+	"github.com/spiegel-nats/spiegel/pkg/status"
 )
 
-// TestChangeStreamLossHealed: NATS comes back from a power failure with a store older than what
-// it had acknowledged (lazy sync): the change stream lost the changes d and e of a subject rule,
-// while CouchDB keeps the rule's checkpoint past them. The rule's next job finds the subject's last
-// message older than the one its checkpoint records, goes back to that message's feed seq, and
-// publishes d and e again with the new change f: the stream ends with every change once. Without the check the rule would go on after e, and d and e would be lost for good
-// (the change stream lives only in NATS; no sweep finds them).
-func TestChangeStreamLossHealed(t *testing.T) {
+// TestChangeStreamLostTailPublishedAgain: NATS comes back from a power failure with a store older
+// than what it had acknowledged (lazy sync): our changes stream lost the changes d and e of a
+// subject rule, its latest on the subject, while CouchDB keeps the rule's checkpoint past them.
+// The rule's next job finds the subject's last message older than the one its checkpoint
+// records, reports the gap, goes back to that message's feed seq, and publishes d and e again
+// after it, with the new change f: the stream ends with every change once, and nothing it
+// still held is touched. Without the check the rule would go on after e, and d and e would be
+// lost for good (the change stream lives only in NATS; no sweep finds them).
+func TestChangeStreamLostTailPublishedAgain(t *testing.T) {
 	e := newEnv(t, 60*time.Second)
 	app := e.start(t)
 	db := e.Couch.NewDB(t, e.Prefix)
@@ -71,13 +72,12 @@ func TestChangeStreamLossHealed(t *testing.T) {
 	powerFailure()
 	require.Eventually(t, func() bool { return len(onSubject()) == 3 }, 30*time.Second, 20*time.Millisecond)
 	e.onChangeStore(t).Forget(t.Context(), "pub", db)
-	notices := lossNotices(t, e)
 
 	put("f")
 	require.Eventually(t, func() bool { return len(onSubject()) >= 6 && e.caughtUp(t, "pub", db) }, 60*time.Second, 20*time.Millisecond,
 		"d and e published again: the subject holds %v", onSubject())
-	assert.Eventually(t, func() bool { return slices.Contains(notices(), "SPIEGEL_CHANGES") }, 10*time.Second, 20*time.Millisecond,
-		"the producers are told: they rebuild the stream's replicas")
+	assert.Equal(t, 1.0, gapsCounted(app, gapSubject), "the gap is counted once")
+	assertGapNoted(t, app, "pub", db, "lost its latest messages")
 	// Every change once; a sharded db (CouchDB, q > 1) lists its docs in no global order, so the
 	// order is checked as far as it is defined: what was stored before the failure stays first.
 	got := onSubject()
@@ -124,14 +124,14 @@ func (e *env) subjectMsgIDs(t *testing.T, subject string) []string {
 	return ids
 }
 
-// TestChangeStreamLossOfARecreatedDBHealed: a db is deleted and created again under its name;
+// TestChangeStreamLossOfARecreatedDBPublishedAgain: a db is deleted and created again under its name;
 // the new db's changes are published after the old db's on the same subject. NATS then comes
 // back from a store older than those: the subject's last message is the old db's. Its feed seq
 // means nothing in the new db (on PouchDB Server the new db's seqs start again at 1, so it
 // would skip the new db's first changes, and the rule would find the loss again in every job
 // without publishing them). The rule's checkpoint knows where the subject stood when it began in
 // the new db, and goes back to its own start: every change of the new db is published again.
-func TestChangeStreamLossOfARecreatedDBHealed(t *testing.T) {
+func TestChangeStreamLossOfARecreatedDBPublishedAgain(t *testing.T) {
 	e := newEnv(t, 60*time.Second)
 	app := e.start(t)
 	db := e.Couch.NewDB(t, e.Prefix)
@@ -215,33 +215,28 @@ func TestChangeStreamAgedOutIsNotALoss(t *testing.T) {
 	_, err = e.JS.Publish(t.Context(), "spiegel.changes.another", []byte(`{}`))
 	require.NoError(t, err)
 
-	notices := lossNotices(t, e)
 	e.Couch.Put(t, db, "c", map[string]any{"v": "c"})
 	e.enqueue(t, db)
 	require.Eventually(t, func() bool { return count(subject) >= 1 && e.caughtUp(t, "pub", db) }, 30*time.Second, 20*time.Millisecond)
 	assert.Equal(t, uint64(1), count(subject), "only the new change: the aged-out ones are not published again")
-	assert.Empty(t, notices(), "no loss told")
+	assert.Zero(t, gapsCounted(app, gapSubject), "no gap reported")
 }
 
-// lossNotices listens to the notices of stream losses that jobs send the producers
-// (events.Subjects.StreamLoss) and returns what came so far.
-func lossNotices(t *testing.T, e *env) func() []string {
+// gapsCounted returns the gaps of kind that app's handler counted (spiegel_output_gaps_total).
+func gapsCounted(app *consumer.App, kind string) float64 {
+	return testutil.ToFloat64(app.Metrics.OutputGaps.WithLabelValues(kind))
+}
+
+// assertGapNoted checks that app's status answer names a gap of rule in db whose text holds
+// what.
+func assertGapNoted(t *testing.T, app *consumer.App, rule, db, what string) {
 	t.Helper()
-	nc, _ := e.NATS.Connect(t)
-	var mu sync.Mutex
-	var got []string
-	sub, err := nc.Subscribe(events.NewSubjects("spiegel").StreamLoss(), func(m *nats.Msg) {
-		mu.Lock()
-		got = append(got, string(m.Data))
-		mu.Unlock()
-	})
-	require.NoError(t, err)
-	require.NoError(t, nc.Flush())
-	t.Cleanup(func() { _ = sub.Unsubscribe() })
-	return func() []string {
-		mu.Lock()
-		defer mu.Unlock()
-		return append([]string(nil), got...)
+	var rep status.Report
+	app.Status.Fill(&rep)
+	st := rep.RuleStats[rule]
+	if assert.NotNil(t, st.LastGap, "status names the rule's gap") {
+		assert.Equal(t, db, st.LastGap.DB)
+		assert.Contains(t, st.LastGap.Text, what)
 	}
 }
 
@@ -274,33 +269,22 @@ func subjectMessages(t *testing.T, js jetstream.JetStream, subject string) []sub
 	}
 }
 
-// TestChangeStreamHoleHealed: NATS comes back from a failure with a hole in the middle of a
+// TestChangeStreamHoleReported: NATS comes back from a failure with a hole in the middle of a
 // subject — a store copied file by file while it ran kept the later messages and lost some in
-// between (seen in the chaos suite's storage loss of every node). Here the hole is made by
-// removing the messages of d and e. The rule's next job finds the subject holding fewer messages
-// than its last one's position says, removes the messages after the hole, and publishes d, e, f
-// and g again, then the new change h: the subject holds every change once, in feed order, with
-// consecutive positions. The stream still remembers the ids of the removed messages (here even
-// those of d and e), so they go again under the heal's id. Without the heal the subject would
-// hold a, b, c, f, g, h: d and e lost, and a service rebuilding its state from the subject
-// would never see them. A later job that reads the changes from before the hole again stores
-// nothing twice.
-func TestChangeStreamHoleHealed(t *testing.T) {
+// between. Here the hole is made by removing the messages of d and e. The rule's next job finds
+// the subject holding fewer messages than its last one's position says and reports it (metric,
+// status naming the db and the positions); it deletes nothing and publishes nothing again: the
+// readers may have read f and g, and d and e after them would break the order they rely on.
+// Only the new change h is published, after g.
+func TestChangeStreamHoleReported(t *testing.T) {
 	e := newEnv(t, 60*time.Second)
 	app := e.start(t)
 	db := e.Couch.NewOneShardDB(t, e.Prefix) // one shard: one feed order to check
 	e.ruleIn(t, app, "pub", db, map[string]any{"subject": "spiegel.changes.${db_name}"})
 	subject := "spiegel.changes." + events.EncodeDBName(db)
-	docs := func(ms []subjectMessage) []string {
-		var out []string
-		for _, m := range ms {
-			out = append(out, m.doc)
-		}
-		return out
-	}
 	e.putAndWaitSubject(t, db, subject, 7, "a", "b", "c", "d", "e", "f", "g")
 	before := subjectMessages(t, e.JS, subject)
-	require.Equal(t, []string{"a", "b", "c", "d", "e", "f", "g"}, docs(before))
+	require.Equal(t, []string{"a", "b", "c", "d", "e", "f", "g"}, subjectDocs(before))
 	for i, m := range before {
 		require.Equal(t, strconv.Itoa(i+1), m.pos, "message %s carries its position on the subject", m.doc)
 	}
@@ -310,44 +294,37 @@ func TestChangeStreamHoleHealed(t *testing.T) {
 	require.NoError(t, err)
 	require.NoError(t, stream.DeleteMsg(t.Context(), before[3].seq))
 	require.NoError(t, stream.DeleteMsg(t.Context(), before[4].seq))
-	notices := lossNotices(t, e)
 
 	e.Couch.Put(t, db, "h", map[string]any{"v": "h"})
 	e.enqueue(t, db)
 	require.Eventually(t, func() bool {
-		return len(subjectMessages(t, e.JS, subject)) == 8 && e.caughtUp(t, "pub", db)
-	}, 30*time.Second, 20*time.Millisecond, "a to h on the subject")
+		return len(subjectMessages(t, e.JS, subject)) == 6 && e.caughtUp(t, "pub", db)
+	}, 30*time.Second, 20*time.Millisecond, "h published after g")
 	after := subjectMessages(t, e.JS, subject)
-	assert.Equal(t, []string{"a", "b", "c", "d", "e", "f", "g", "h"}, docs(after), "every change once, in feed order")
-	assert.Eventually(t, func() bool { return slices.Contains(notices(), "SPIEGEL_CHANGES") }, 10*time.Second, 20*time.Millisecond,
-		"the producers are told: they rebuild the stream's replicas")
-	for i, m := range after {
-		assert.Equal(t, strconv.Itoa(i+1), m.pos, "message %s: consecutive positions", m.doc)
-		switch {
-		case i < 3:
-			assert.Equal(t, before[i].seq, m.seq, "message %s from before the hole is kept", m.doc)
-		case i < 7:
-			assert.True(t, strings.HasPrefix(m.id, "heal/"), "message %s goes again under the heal's id, not %q", m.doc, m.id)
-		default:
-			assert.Equal(t, events.ChangeMsgID(db, "h", m.rev), m.id, "a change never published before keeps its own id")
-		}
+	assert.Equal(t, []string{"a", "b", "c", "f", "g", "h"}, subjectDocs(after), "nothing deleted, nothing published again")
+	for i, m := range after[:5] {
+		assert.Equal(t, append(before[:3:3], before[5:]...)[i].seq, m.seq, "message %s kept where it was", m.doc)
 	}
-	cp, err := e.onChangeStore(t).Load(t.Context(), "pub", db)
-	require.NoError(t, err)
-	require.Len(t, cp.Stream.Heals, 1, "the checkpoint remembers the heal")
-	assert.Equal(t, before[2].seq, cp.Stream.Heals[0].After)
-	assert.Equal(t, before[6].seq, cp.Stream.Heals[0].Through)
+	assert.Equal(t, "8", after[5].pos)
+	assert.Equal(t, 1.0, gapsCounted(app, gapSubject), "the hole is counted once")
+	assertGapNoted(t, app, "pub", db, "lacks 2 of the messages at positions 1 to 7")
 
-	// A job from before the hole again (a checkpoint moved back, e.g. its cache entry lost):
-	// d to g are duplicates, of the removed messages and then of the heal's, and h of itself.
-	cps := e.onChangeStore(t)
-	require.NoError(t, cps.Save(t.Context(), &cp, after[2].feedSeq))
+	// The next job finds the same hole: it is not counted again.
+	e.Couch.Put(t, db, "i", map[string]any{"v": "i"})
 	e.enqueue(t, db)
 	require.Eventually(t, func() bool {
-		p, err := cps.Load(t.Context(), "pub", db)
-		return err == nil && p.LastSeq != after[2].feedSeq && e.caughtUp(t, "pub", db)
+		return len(subjectMessages(t, e.JS, subject)) == 7 && e.caughtUp(t, "pub", db)
 	}, 30*time.Second, 20*time.Millisecond)
-	assert.Equal(t, docs(after), docs(subjectMessages(t, e.JS, subject)), "nothing stored twice")
+	assert.Equal(t, 1.0, gapsCounted(app, gapSubject), "one gap, counted once")
+}
+
+// subjectDocs returns the doc ids of ms.
+func subjectDocs(ms []subjectMessage) []string {
+	var out []string
+	for _, m := range ms {
+		out = append(out, m.doc)
+	}
+	return out
 }
 
 // TestChangeStreamOldestDroppedIsNotAHole: the stream dropped the oldest messages of a subject
@@ -377,19 +354,15 @@ func TestChangeStreamOldestDroppedIsNotAHole(t *testing.T) {
 	assert.Equal(t, []uint64{before[2].seq, before[3].seq}, []uint64{after[0].seq, after[1].seq}, "c and d kept")
 	assert.Equal(t, "e", after[2].doc)
 	assert.Equal(t, "5", after[2].pos)
-	cp, err := e.onChangeStore(t).Load(t.Context(), "pub", db)
-	require.NoError(t, err)
-	assert.Empty(t, cp.Stream.Heals, "no heal")
+	assert.Zero(t, gapsCounted(app, gapSubject), "no gap reported")
 }
 
-// TestChangeStreamOldestLostHealed: NATS comes back having lost the oldest messages of a subject
-// while the stream still holds older messages of other subjects (a store copied file by file; the
-// chaos suite's storage loss on every node left such subjects, their other replicas holding them
-// whole). Made here by removing a and b. The subject's first message names a previous one that no
-// limit can have dropped: the rule removes the subject's messages and publishes the db's changes
-// from the start again. Without the check the subject would hold c, d, e, and a service
-// rebuilding from it would never see a and b.
-func TestChangeStreamOldestLostHealed(t *testing.T) {
+// TestChangeStreamOldestLostReported: NATS comes back having lost the oldest messages of a
+// subject while the stream still holds older messages of other subjects (a store copied file by
+// file). Made here by removing a and b. The subject's first message names a previous one that no
+// limit can have dropped: the gap is reported from position 1, and nothing is deleted or
+// published again.
+func TestChangeStreamOldestLostReported(t *testing.T) {
 	e := newEnv(t, 60*time.Second)
 	app := e.start(t)
 	db := e.Couch.NewOneShardDB(t, e.Prefix)
@@ -406,24 +379,12 @@ func TestChangeStreamOldestLostHealed(t *testing.T) {
 
 	e.Couch.Put(t, db, "e", map[string]any{"v": "e"})
 	e.enqueue(t, db)
-	docs := func() []string {
-		var out []string
-		for _, m := range subjectMessages(t, e.JS, subject) {
-			out = append(out, m.doc)
-		}
-		return out
-	}
 	require.Eventually(t, func() bool {
-		return len(subjectMessages(t, e.JS, subject)) == 5 && e.caughtUp(t, "pub", db)
-	}, 30*time.Second, 20*time.Millisecond, "a to e on the subject")
-	assert.Equal(t, []string{"a", "b", "c", "d", "e"}, docs(), "every change once, in feed order")
-	for i, m := range subjectMessages(t, e.JS, subject) {
-		assert.Equal(t, strconv.Itoa(i+1), m.pos, "message %s: consecutive positions from 1", m.doc)
-	}
-	cp, err := e.onChangeStore(t).Load(t.Context(), "pub", db)
-	require.NoError(t, err)
-	require.Len(t, cp.Stream.Heals, 1, "the checkpoint remembers the heal")
-	assert.Zero(t, cp.Stream.Heals[0].After)
+		return len(subjectMessages(t, e.JS, subject)) == 3 && e.caughtUp(t, "pub", db)
+	}, 30*time.Second, 20*time.Millisecond, "e after d")
+	assert.Equal(t, []string{"c", "d", "e"}, subjectDocs(subjectMessages(t, e.JS, subject)), "nothing deleted, nothing published again")
+	assert.Equal(t, 1.0, gapsCounted(app, gapSubject))
+	assertGapNoted(t, app, "pub", db, "lacks 2 of the messages at positions 1 to 4")
 }
 
 // putAndWaitSubject writes docs ids to db (each {"v": id}), runs the db's job, and waits until

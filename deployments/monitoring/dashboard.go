@@ -168,10 +168,10 @@ func Dashboard() (dashboard.Dashboard, error) {
 	p.add(graph("Webhook latency", "Webhook request duration per status class: p50, p90 and p99.",
 		"s", quantiles("spiegel_webhook_request_duration_seconds", "class")...))
 	p.add(graph("Changes published to NATS", "Changes published by on_change rules with a subject, "+
-		"and losses healed: a hole in the middle of a subject (the changes from the hole on go again), writes a mirror bucket lost (the db mirrored again).",
+		"and gaps found in what readers consume: our changes stream lacks messages a rule stored (subject), a mirror bucket lost a write (mirror).",
 		"ops",
 		query{fmt.Sprintf("sum(%s)", rate("spiegel_changes_published_total")), "published"},
-		query{fmt.Sprintf("sum(%s)", rate("spiegel_change_stream_heals_total")), "losses healed"}))
+		query{fmt.Sprintf("sum by (kind) (%s)", rate("spiegel_output_gaps_total")), "gaps {{kind}}"}))
 
 	p.row("Replication")
 	p.add(graph("Replications by engine and result", "Replications of one rule and db: ok, error, missing_source; "+

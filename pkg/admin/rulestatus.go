@@ -51,6 +51,10 @@ type RuleStatus struct {
 	Runs             uint64     `json:"runs"`
 	FailuresLastHour int        `json:"failures_last_hour"`
 	DeadLetters      int        `json:"dead_letters"`
+	// Gaps found in what an on_change rule keeps for readers (a change stream's subject, a mirror
+	// bucket), summed over the consumers, and the latest, naming the db and the range.
+	Gaps    uint64          `json:"gaps,omitempty"`
+	LastGap *status.GapNote `json:"last_gap,omitempty"`
 }
 
 // ruleChecker computes the per-rule part of `producer status`. Its work is bounded by ctx.
@@ -216,6 +220,10 @@ func withProcesses(out []RuleStatus, procs []status.Report) {
 			}
 			rs.Runs += st.Runs
 			rs.FailuresLastHour += st.FailuresLastHour
+			rs.Gaps += st.Gaps
+			if g := st.LastGap; g != nil && (rs.LastGap == nil || g.At.After(rs.LastGap.At)) {
+				rs.LastGap = g
+			}
 			if rs.LastRun == nil || st.LastRun.After(*rs.LastRun) {
 				at := st.LastRun
 				rs.LastRun, rs.LastResult, rs.LastError = &at, st.LastResult, st.LastError

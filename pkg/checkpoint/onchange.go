@@ -107,12 +107,10 @@ type OnChangePoint struct {
 // Save to weigh against OnChangeStore.LocalChanges.
 func (p *OnChangePoint) Acted(n int) { p.trail += n }
 
-// StreamPoint is a message stored on a subject: its stream sequence, and the heals of holes in
-// the subject that are recent enough to matter.
+// StreamPoint is a message stored on a subject: its stream sequence.
 type StreamPoint struct {
-	Subject string       `json:"subject,omitempty"`
-	Seq     uint64       `json:"seq,omitempty"`
-	Heals   []StreamHeal `json:"heals,omitempty"`
+	Subject string `json:"subject,omitempty"`
+	Seq     uint64 `json:"seq,omitempty"`
 	// Began says that Base and Start are known: the checkpoint began in its db (no checkpoint
 	// before it, as in a db created again) when the subject's last message was Base (0: none),
 	// from the feed seq Start. A message at or before Base is not a change of this checkpoint's
@@ -120,18 +118,6 @@ type StreamPoint struct {
 	Began bool   `json:"began,omitempty"`
 	Base  uint64 `json:"base,omitempty"`
 	Start string `json:"start,omitempty"`
-}
-
-// StreamHeal records one heal of a hole in the middle of a subject: the messages stored after
-// message After, up to Through, were removed, and the changes from After on published again
-// under the heal's id (events.HealMsgID). The stream remembers the removed messages' ids for its
-// duplicate window, so a publish answered as a duplicate of a message in (After, Through] was not
-// stored: it goes again under the heal's id.
-type StreamHeal struct {
-	ID      string    `json:"id"`
-	After   uint64    `json:"after"`
-	Through uint64    `json:"through"`
-	At      time.Time `json:"at"`
 }
 
 // localDoc is the body of a checkpoint's _local doc.

@@ -124,13 +124,6 @@ func (s Subjects) DeadLetter(g Group, db string) string {
 // ChangesAll is the changes stream's subject filter.
 func (s Subjects) ChangesAll() string { return s.Prefix + ".changes.>" }
 
-// StreamLoss is the core NATS subject on which onchange tells the producers that a job found a
-// stream (the changes stream, a mirror bucket's) without messages it had acknowledged; the
-// payload is the stream's name. The producers rebuild its replicas from its leader and enqueue
-// every db of a rule that writes there (see producer streamWatch). A notice lost on the way costs nothing but time:
-// the next job to find the loss sends another.
-func (s Subjects) StreamLoss() string { return s.Prefix + ".notice.streamloss" }
-
 // DefaultChangeSubject is the subject template of a `subject` rule that names none.
 func (s Subjects) DefaultChangeSubject() string { return s.Prefix + ".changes.${db_name}" }
 
@@ -176,9 +169,3 @@ const PositionHeader = "Spiegel-Subject-Position"
 // that the stream's limits cannot have dropped (at or after the stream's first sequence) lost its
 // oldest messages.
 const PreviousHeader = "Spiegel-Subject-Previous"
-
-// HealMsgID is the message id of a change published again after its stream lost messages in the
-// middle of a subject and the messages after the hole were removed: id (the change's first or
-// replay id, which the stream still remembers for its duplicate window) in the heal's own
-// namespace, so that the republished change is stored, once.
-func HealMsgID(heal, id string) string { return "heal/" + heal + "/" + id }

@@ -19,7 +19,7 @@ type Consumer struct {
 	WebhookRequests  *prometheus.CounterVec
 	WebhookDuration  *prometheus.HistogramVec
 	ChangesPublished prometheus.Counter
-	StreamHeals      prometheus.Counter
+	OutputGaps       *prometheus.CounterVec
 	Replications     *prometheus.CounterVec
 	DocsWritten      prometheus.Counter
 	ReplDuration     prometheus.Histogram
@@ -49,9 +49,9 @@ func NewConsumer(reg prometheus.Registerer) *Consumer {
 		ChangesPublished: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "spiegel_changes_published_total", Help: "Changes published to NATS by subject rules.",
 		}),
-		StreamHeals: prometheus.NewCounter(prometheus.CounterOpts{
-			Name: "spiegel_change_stream_heals_total", Help: "Losses healed in what on_change rules keep in NATS: a hole in the middle of a subject (its messages from the hole on published again), or writes a mirror bucket lost (the db mirrored again).",
-		}),
+		OutputGaps: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "spiegel_output_gaps_total", Help: "Gaps found in what on_change rules keep for readers, by kind: subject (our changes stream lacks messages a rule stored), mirror (a bucket lost a write). Reported, never mended by deleting or reordering.",
+		}, []string{"kind"}),
 		Replications: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "spiegel_replications_total", Help: "Replications run, by engine and result (ok, error, missing_source).",
 		}, []string{"engine", "result"}),
@@ -75,7 +75,7 @@ func NewConsumer(reg prometheus.Registerer) *Consumer {
 			Name: "spiegel_rules_rejected", Help: "Rule docs currently rejected as invalid.",
 		}),
 	}
-	reg.MustRegister(m.JobsRun, m.JobDuration, m.WebhookRequests, m.WebhookDuration, m.ChangesPublished, m.StreamHeals,
+	reg.MustRegister(m.JobsRun, m.JobDuration, m.WebhookRequests, m.WebhookDuration, m.ChangesPublished, m.OutputGaps,
 		m.Replications, m.DocsWritten, m.ReplDuration, m.DeadLetters, m.FeedErrors, m.RulesLoaded, m.RulesRejected)
 	return m
 }
@@ -89,10 +89,10 @@ func (m *Consumer) JobDone(group events.Group, result string, d time.Duration) {
 	m.JobDuration.WithLabelValues(string(group)).Observe(d.Seconds())
 }
 
-// StreamHealed counts one healed hole in a change stream.
-func (m *Consumer) StreamHealed() {
+// OutputGap counts one gap of kind (subject, mirror) found in what readers consume.
+func (m *Consumer) OutputGap(kind string) {
 	if m != nil {
-		m.StreamHeals.Inc()
+		m.OutputGaps.WithLabelValues(kind).Inc()
 	}
 }
 

@@ -42,6 +42,8 @@ type Producer struct {
 	HotFeedsRefused    prometheus.Counter
 	HotFeedStreak      prometheus.Gauge
 	CheckpointsDropped prometheus.Counter
+	ChangeStreamLosses prometheus.Counter
+	ReplicasBehind     *prometheus.GaugeVec
 }
 
 // NewProducer registers the producer's metrics on reg.
@@ -104,10 +106,17 @@ func NewProducer(reg prometheus.Registerer) *Producer {
 		CheckpointsDropped: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "spiegel_deleted_db_checkpoints_dropped_total", Help: "Deleted dbs whose cached on_change checkpoints were dropped from the key-value bucket.",
 		}),
+		ReplicasBehind: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "spiegel_stream_replicas_behind", Help: "Replicas of each of Spiegel's streams (and buckets' streams) that are offline or not current, as the stream's leader reports them. Reported only: Spiegel never changes a stream's replicas.",
+		}, []string{"stream"}),
+		ChangeStreamLosses: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "spiegel_change_stream_losses_total", Help: "Times the sweep found that the changes stream lost messages it had acknowledged (gone, went back, or a message missing in the middle).",
+		}),
 	}
 	reg.MustRegister(m.FeedEvents, m.JobsPublished, m.JobsDeduped, m.PublishErrors, m.FeedPositionAge,
 		m.FeedReconnects, m.RulesLoaded, m.RulesRejected, m.SweepEnqueued, m.SweepChecks, m.HotFeeds, m.HotFeedJobs, m.EventsCovered,
-		m.HotFeedsOpened, m.HotFeedsClosed, m.HotFeedsRefused, m.HotFeedStreak, m.CheckpointsDropped)
+		m.HotFeedsOpened, m.HotFeedsClosed, m.HotFeedsRefused, m.HotFeedStreak, m.CheckpointsDropped, m.ChangeStreamLosses,
+		m.ReplicasBehind)
 	return m
 }
 

@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"maps"
 	"slices"
 	"time"
 
@@ -78,25 +77,7 @@ func (p *producer) sweepOnce(ctx context.Context, prev couch.Snapshot) (couch.Sn
 	if derr != nil && ctx.Err() == nil {
 		p.log.WithError(derr).Warn("read the completion records failed: this sweep enqueues the dbs changed since the previous one only")
 	}
-	var lost lostOutputs // what the watches found lost: the dbs of the rules that wrote it run (streamWatch)
-	if p.changes != nil {
-		if p.takeNotice(p.changes.name) {
-			p.changes.noticed.Store(true)
-		}
-		l, why, err := p.changes.lost(ctx)
-		switch {
-		case err != nil && ctx.Err() == nil:
-			p.log.WithError(err).Debug("look at the changes stream failed: the next sweep looks again")
-		case l && p.changes.certain:
-			lost.stream = true
-			p.log.Warn(why + ": it lost messages it had acknowledged; its replicas are rebuilt from its leader and every db of a subject rule is enqueued, so that the rules publish them again")
-		case l:
-			lost.stream = true
-			p.log.Warn(why + ": every db of a subject rule is enqueued, so that the rules check what they published")
-		}
-	}
-	lost.buckets = p.watchMirrors(ctx)
-	defer p.repairStreams(ctx) // after the jobs are enqueued, however the sweep ends
+	lost := p.watchChanges(ctx) // our changes stream lost messages: the subject rules' dbs run
 	if derr == nil {
 		p.forgetVanished(ctx, snap, done)
 	}
@@ -120,9 +101,10 @@ func (p *producer) sweepOnce(ctx context.Context, prev couch.Snapshot) (couch.Sn
 		if len(due) > 0 && derr == nil {
 			due = p.stillDue(ctx, db, seq, due)
 		}
-		// A stream lost messages: the db runs when a rule of it wrote there, and a job that is
-		// running now may have looked at the stream before the loss, so a refusal leaves a marker.
-		heal := lost.any() && slices.Contains(groups, events.GroupOnChange) && lost.heals(p.rules.OnChanges(db))
+		// Our changes stream lost messages: the db runs when a subject rule of it wrote there, and
+		// a job that is running now may have looked at the stream before the loss, so a refusal
+		// leaves a marker.
+		heal := lost && slices.Contains(groups, events.GroupOnChange) && publishesChanges(p.rules.OnChanges(db))
 		if heal {
 			due = slices.DeleteFunc(due, func(g events.Group) bool { return g == events.GroupOnChange })
 		}
@@ -150,106 +132,50 @@ func (p *producer) sweepOnce(ctx context.Context, prev couch.Snapshot) (couch.Sn
 			}
 		}
 	}
-	// due: dbs not recorded done at their update_seq; heal: dbs enqueued only because a stream
-	// lost messages (the watch's warning said so). They are counted apart: after a loss
+	// due: dbs not recorded done at their update_seq; heal: dbs enqueued only because our
+	// changes stream lost messages (the watch's warning said so). They are counted apart: after a loss
 	// nearly every db is a heal, which is not a db the pipeline left behind.
 	log := p.log.WithFields(logrus.Fields{"dbs": len(snap), "due": nDue, "heal": nHeal, "first": examples})
 	switch {
 	case nDue > 0:
 		log.Info("reconciliation sweep offered the jobs of the dbs not recorded done at their update_seq (a job pending or running refuses the offer)")
 	case nHeal > 0:
-		log.Info("reconciliation sweep found every matched db done; it offered a job to each db whose rules wrote to a stream that lost messages")
+		log.Info("reconciliation sweep found every matched db done; it offered a job to each db of a subject rule, whose changes stream lost messages")
 	default:
 		log.Debug("reconciliation sweep found every matched db done")
 	}
 	return snap, nil
 }
 
-// repairStreams rebuilds the replicas of the watched streams that lost messages for certain at
-// this sweep's look, or scales back one a rebuild left with fewer (streamWatch.repair). It runs
-// after the sweep enqueued its jobs, which a rebuild (up to a minute: the stream scaled down and
-// up again) would otherwise hold back; the jobs heal what the leader shows, and the rebuild keeps
-// the leader's store.
-func (p *producer) repairStreams(ctx context.Context) {
+// watchChanges looks at our changes stream (streamWatch) and reports whether it lost messages
+// since the previous sweep: the loss is counted and logged, and its reason shown by `producer
+// status`. Nothing in NATS is changed.
+func (p *producer) watchChanges(ctx context.Context) bool {
 	if p.changes == nil {
-		return
+		return false
 	}
-	if p.changes.looked {
-		p.changes.repair(ctx, p.cfg.Replicas, p.log)
-	}
-	for _, b := range slices.Sorted(maps.Keys(p.mirrors)) {
-		p.mirrors[b].repair(ctx, p.cfg.Replicas, p.log)
-	}
-}
-
-// watchMirrors looks at the bucket of every mirror rule (see streamWatch) and returns those that
-// lost writes they had acknowledged, or may have (nil: none): every db of a mirror rule of one is
-// enqueued, and the rule's job finds what its bucket lost and mirrors its db again
-// (consumers/onchange healMirror). A bucket no rule names any more is no longer watched.
-func (p *producer) watchMirrors(ctx context.Context) map[string]bool {
-	if p.mirrors == nil || p.changes == nil {
-		return nil
-	}
-	named := p.mirrorBuckets()
-	for b := range p.mirrors {
-		if !slices.Contains(named, b) {
-			delete(p.mirrors, b)
-		}
-	}
-	var lost map[string]bool
-	for _, b := range named {
-		w := p.mirrors[b]
-		if w == nil {
-			w = &streamWatch{js: p.changes.js, name: "KV_" + b}
-			p.mirrors[b] = w
-		}
-		if p.takeNotice(w.name) {
-			w.noticed.Store(true)
-		}
-		l, why, err := w.lost(ctx)
-		switch {
-		case err != nil && ctx.Err() == nil:
-			p.log.WithError(err).Debug("look at a mirror bucket failed: the next sweep looks again")
-		case l && w.certain:
-			lost = setTrue(lost, b)
-			p.log.Warn(why + ": mirror bucket " + b + " lost writes it had acknowledged; its replicas are rebuilt from its leader and every db of its mirror rules is enqueued, so that the rules write them again")
-		case l:
-			lost = setTrue(lost, b)
-			p.log.Warn(why + ": every db of a mirror rule of bucket " + b + " is enqueued, so that the rules check what they wrote")
-		}
+	lost, why, err := p.changes.lost(ctx)
+	switch {
+	case err != nil && ctx.Err() == nil:
+		p.log.WithError(err).Debug("look at the changes stream failed: the next sweep looks again")
+	case lost:
+		p.metrics.streamLost()
+		p.noteStreamLoss(why)
+		p.log.WithField("stream", p.changes.name).Warn(why + ": it lost messages it had acknowledged; every db of a subject rule is enqueued, " +
+			"and each rule publishes again, after what the stream still holds, the changes of its that are gone (see the runbook SpiegelChangeStreamLoss)")
 	}
 	return lost
 }
 
-// lostOutputs is what one sweep's stream watches found lost, for certain or possibly: the changes
-// stream, where subject rules publish, and mirror buckets.
-type lostOutputs struct {
-	stream  bool
-	buckets map[string]bool
-}
-
-func (l lostOutputs) any() bool { return l.stream || len(l.buckets) > 0 }
-
-// heals reports whether a db with the on_change rules ocs gets a job for l: a subject rule when
-// the changes stream lost messages, a mirror rule of a bucket that lost writes. A webhook rule's
-// output is not in NATS, and its checkpoint is current: a db of webhook rules only gets no job, so
-// that a leader election does not cost a job for every db of a webhook rule.
-func (l lostOutputs) heals(ocs []*rules.OnChange) bool {
+// publishesChanges reports whether one of ocs publishes to a subject (a webhook or mirror rule's
+// output is not in the changes stream).
+func publishesChanges(ocs []*rules.OnChange) bool {
 	for _, r := range ocs {
-		if l.stream && r.Subject != "" || r.Mirror != "" && l.buckets[r.Mirror] {
+		if r.Subject != "" {
 			return true
 		}
 	}
 	return false
-}
-
-// setTrue sets m[k], making m when it is nil.
-func setTrue(m map[string]bool, k string) map[string]bool {
-	if m == nil {
-		m = map[string]bool{}
-	}
-	m[k] = true
-	return m
 }
 
 // stillDue returns those of due whose record of db, read again now, still does not cover seq. A
@@ -371,15 +297,4 @@ func (p *producer) forgetVanished(ctx context.Context, snap couch.Snapshot, done
 		p.undone.Add(db)
 		p.deleted.Add(db) // cached on_change checkpoints and fencing tokens
 	}
-}
-
-// mirrorBuckets are the buckets the mirror rules name, sorted.
-func (p *producer) mirrorBuckets() []string {
-	named := map[string]bool{}
-	for _, r := range p.rules.All() {
-		if oc, ok := r.(*rules.OnChange); ok && oc.Mirror != "" {
-			named[oc.Mirror] = true
-		}
-	}
-	return slices.Sorted(maps.Keys(named))
 }

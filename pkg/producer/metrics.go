@@ -43,3 +43,9 @@ func (p producerMetrics) checkpointsDropped() {
 		p.m.CheckpointsDropped.Inc()
 	}
 }
+
+func (p producerMetrics) streamLost() {
+	if p.m != nil {
+		p.m.ChangeStreamLosses.Inc()
+	}
+}

@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"net/http"
-	"strings"
 	"sync"
 	"time"
 
@@ -36,22 +35,16 @@ var feedRetry = backoff.Policy{Initial: time.Second, Max: time.Minute, Multiplie
 type producer struct {
 	cfg     producerSettings
 	couch   *couch.Client
-	store   *checkpoint.Store       // the producer's position
-	deleted *deletedDBs             // drops the cached on_change checkpoints of deleted dbs (nil: none)
-	done    *doneRecords            // the completion records the sweep compares with (nil: none)
-	undone  *deletedDBs             // drops the completion records of deleted dbs (nil: none)
-	changes *streamWatch            // notices the changes stream losing messages (nil: not watched)
-	mirrors map[string]*streamWatch // notice mirror buckets losing writes, by bucket (nil: not watched)
-	// notices are the streams jobs found without messages they had published since the last
-	// sweep (noticeLoss), by stream name; sweepNow wakes the sweep for them.
-	noticesMu sync.Mutex
-	notices   map[string]bool
-	sweepNow  chan struct{}
-	rules     *rules.Set
-	pub       *publisher.Pipeline
-	hot       *publisher.HotFeeds // nil: off
-	log       logrus.FieldLogger
-	metrics   producerMetrics
+	store   *checkpoint.Store // the producer's position
+	deleted *deletedDBs       // drops the cached on_change checkpoints of deleted dbs (nil: none)
+	done    *doneRecords      // the completion records the sweep compares with (nil: none)
+	undone  *deletedDBs       // drops the completion records of deleted dbs (nil: none)
+	changes *streamWatch      // notices our changes stream losing messages (nil: not watched)
+	rules   *rules.Set
+	pub     *publisher.Pipeline
+	hot     *publisher.HotFeeds // nil: off
+	log     logrus.FieldLogger
+	metrics producerMetrics
 
 	// askChanged replaces couch.ChangedSince in the sweep's question to CouchDB (tests; nil:
 	// the client's).
@@ -62,6 +55,7 @@ type producer struct {
 	feedErr    error             // the feed's current failure, nil while it runs
 	failingAt  time.Time         // when the current failure began
 	lastErr    *status.ErrorNote // the feed's last failure, for status answers (redacted)
+	streamLoss *status.ErrorNote // the changes stream's last loss (streamWatch), for status answers
 	permanent  bool              // feedErr is one retrying alone cannot fix (credentials, a bad request)
 	resyncDue  bool              // enqueue every matched db once the feed runs (see startOver)
 	savedState checkpoint.Position
@@ -84,7 +78,6 @@ type producerSettings struct {
 	SweepInterval time.Duration
 	SaveInterval  time.Duration
 	Grace         time.Duration
-	Replicas      int // SPIEGEL_STREAM_REPLICAS: what a stream rebuilt after a loss is scaled back to
 }
 
 // skip reports whether db's updates never produce jobs: the spiegel db and CouchDB's own dbs.
@@ -430,7 +423,6 @@ func (p *producer) runSweep(ctx context.Context) {
 	defer t.Stop()
 	for {
 		var err error
-		began := time.Now()
 		if prev, err = p.sweepOnce(ctx, prev); err != nil && ctx.Err() == nil {
 			p.log.WithError(err).Warn("reconciliation sweep failed")
 		}
@@ -438,49 +430,8 @@ func (p *producer) runSweep(ctx context.Context) {
 		case <-ctx.Done():
 			return
 		case <-t.C:
-		case <-p.sweepNow:
-			// A job found a stream without messages it had published: sweep now, but not
-			// more often than every noticeSweepGap (the jobs of one loss tell it many times).
-			select {
-			case <-ctx.Done():
-				return
-			case <-time.After(time.Until(began.Add(noticeSweepGap))):
-			}
 		}
 	}
-}
-
-// noticeSweepGap is the shortest time between the start of a sweep and one a notice of a loss
-// starts (noticeLoss).
-const noticeSweepGap = 15 * time.Second
-
-// noticeLoss takes a job's notice that stream (the changes stream, or a mirror bucket's
-// stream) lost a message it had published (events.Subjects.StreamLoss): the next sweep, started
-// now, rebuilds the stream's replicas and enqueues every db of a rule that writes there (a subject
-// rule, a mirror rule of the bucket; streamWatch). Notices of other streams are ignored.
-func (p *producer) noticeLoss(stream string) {
-	if p.changes == nil || stream != p.changes.name && !strings.HasPrefix(stream, "KV_") || len(stream) > 256 {
-		return
-	}
-	p.noticesMu.Lock()
-	if p.notices == nil {
-		p.notices = map[string]bool{}
-	}
-	p.notices[stream] = true
-	p.noticesMu.Unlock()
-	select {
-	case p.sweepNow <- struct{}{}:
-	default:
-	}
-}
-
-// takeNotice reports whether a job noticed a loss of stream since the last call for it.
-func (p *producer) takeNotice(stream string) bool {
-	p.noticesMu.Lock()
-	defer p.noticesMu.Unlock()
-	had := p.notices[stream]
-	delete(p.notices, stream)
-	return had
 }
 
 // enqueueMatching publishes jobs for every existing db that r matches (SPEC §4.6), paging

@@ -125,16 +125,15 @@ func Run(ctx context.Context, cfg *config.Producer, log *logrus.Logger) error {
 		cfg: producerSettings{
 			SpiegelDB: cfg.DBName, Source: cfg.Source, Heartbeat: cfg.FeedHeartbeat,
 			PollInterval: cfg.PollInterval, SweepInterval: cfg.SweepInterval, SaveInterval: cfg.PositionSaveInterval,
-			Grace: cfg.ShutdownGrace, Replicas: cfg.StreamReplicas,
+			Grace: cfg.ShutdownGrace,
 		},
-		couch:    d.Couch,
-		store:    checkpoint.NewStore(d.Couch, cfg.DBName),
-		rules:    rules.NewSet(),
-		log:      plog,
-		metrics:  producerMetrics{m: pm},
-		resync:   make(chan struct{}, 1),
-		feedUp:   make(chan struct{}),
-		sweepNow: make(chan struct{}, 1),
+		couch:   d.Couch,
+		store:   checkpoint.NewStore(d.Couch, cfg.DBName),
+		rules:   rules.NewSet(),
+		log:     plog,
+		metrics: producerMetrics{m: pm},
+		resync:  make(chan struct{}, 1),
+		feedUp:  make(chan struct{}),
 	}
 	dropper, err := checkpoint.NewCacheDropper(ctx, d.JS, kv)
 	if err != nil {
@@ -144,19 +143,12 @@ func Run(ctx context.Context, cfg *config.Producer, log *logrus.Logger) error {
 	records := reconcile.New(d.JS, doneKV)
 	p.done = &doneRecords{records: records, ensure: func(ctx context.Context) error { return natsjs.EnsureDoneBucket(ctx, d.JS, d.Topo) }}
 	p.undone = newDeletedDBs(records, producerMetrics{}, plog.WithField("records", "done"))
-	p.changes = &streamWatch{js: d.JS, name: d.Topo.Subjects.ChangesStream(), gaps: true}
-	p.mirrors = map[string]*streamWatch{}
+	p.changes = &streamWatch{js: d.JS, name: d.Topo.Subjects.ChangesStream()}
 	p.pub = publisher.New(natsjs.NewJobs(d.JS, d.Topo.Subjects), cfg.MaxInflight, pm, plog)
 	if cfg.HotFeeds > 0 {
 		p.hot = publisher.NewHotFeeds(d.Couch, p.pub, func(db string) []events.Group { return p.rules.Groups(db).Groups() },
 			cfg.HotFeeds, cfg.HotFeedIdle, cfg.FeedHeartbeat, pm, log.WithField("component", "hot"))
 	}
-
-	notices, err := d.NC.Subscribe(d.Topo.Subjects.StreamLoss(), func(m *nats.Msg) { p.noticeLoss(string(m.Data)) })
-	if err != nil {
-		return fmt.Errorf("subscribe to %s: %w", d.Topo.Subjects.StreamLoss(), err)
-	}
-	defer func() { _ = notices.Unsubscribe() }()
 
 	svc, err := p.registerService(d.NC, cfg.SubjectPrefix)
 	if err != nil {
@@ -218,15 +210,14 @@ func Run(ctx context.Context, cfg *config.Producer, log *logrus.Logger) error {
 	go func() { defer feedWG.Done(); p.runSweepIfFeed(ctx) }()
 	go func() { defer feedWG.Done(); p.runResyncs(ctx) }()
 	go func() { defer feedWG.Done(); p.runFeed(ctx, since) }()
-	if cfg.StreamReplicas > 1 {
-		sub := d.Topo.Subjects
-		rw := &replicaWatch{js: d.JS, want: cfg.StreamReplicas, log: plog, names: p.streamNames([]string{
-			sub.WorkStream(), sub.WakeupStream(), sub.DeadLetterStream(), sub.ChangesStream(),
-			"KV_" + sub.OnChangeBucket(), "KV_" + sub.DoneBucket(),
-		})}
-		feedWG.Add(1)
-		go func() { defer feedWG.Done(); rw.run(ctx) }()
-	}
+	sub := d.Topo.Subjects
+	ours := []string{sub.WorkStream(), sub.WakeupStream(), sub.DeadLetterStream(), sub.ChangesStream(),
+		"KV_" + sub.OnChangeBucket(), "KV_" + sub.DoneBucket()}
+	feedWG.Add(1)
+	go func() {
+		defer feedWG.Done()
+		watchReplicas(ctx, d.JS, ours, replicaInterval, func(s string, n int) { pm.ReplicasBehind.WithLabelValues(s).Set(float64(n)) }, plog)
+	}()
 	saverCtx, stopSaver := context.WithCancel(ctx)
 	saverDone := make(chan struct{})
 	go func() {

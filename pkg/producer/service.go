@@ -1,6 +1,8 @@
 package producer
 
 import (
+	"time"
+
 	"github.com/nats-io/nats.go"
 
 	"github.com/spiegel-nats/spiegel/pkg/config"
@@ -27,8 +29,20 @@ func (p *producer) statusReport(rep *status.Report) {
 		e := *p.lastErr
 		rep.LastError = &e
 	}
+	if p.streamLoss != nil {
+		e := *p.streamLoss
+		ps.StreamLoss = &e
+	}
 	p.feedMu.Unlock()
 	ps.Position = p.pub.Safe()
 	ps.HotFeeds = p.hot.Count()
 	rep.Producer = ps
+}
+
+// noteStreamLoss keeps why the changes stream was last found to have lost messages, for status
+// answers.
+func (p *producer) noteStreamLoss(why string) {
+	p.feedMu.Lock()
+	p.streamLoss = &status.ErrorNote{At: time.Now().UTC(), Text: why}
+	p.feedMu.Unlock()
 }

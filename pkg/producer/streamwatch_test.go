@@ -2,64 +2,110 @@ package producer
 
 import (
 	"context"
+	"sync"
 	"testing"
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
+	"github.com/sirupsen/logrus"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+
+	"github.com/spiegel-nats/spiegel/pkg/natstest"
 )
 
-// watchedStream is a replicated stream as the watch sees it: its state and its leader. A real
-// cluster whose replicas came back from a loss with other messages each cannot be made on
-// demand; this stands in for its stream info.
-type watchedStream struct {
-	jetstream.Stream
-	info jetstream.StreamInfo
-}
-
-func (s *watchedStream) CachedInfo() *jetstream.StreamInfo { return &s.info }
-
-func (s *watchedStream) GetMsg(context.Context, uint64, ...jetstream.GetMsgOpt) (*jetstream.RawStreamMsg, error) {
-	return &jetstream.RawStreamMsg{Time: s.info.State.LastTime}, nil
-}
-
-// stater hands the watch its stream.
-type stater struct{ s *watchedStream }
-
-func (st stater) Stream(context.Context, string) (jetstream.Stream, error) { return st.s, nil }
-
-// A new leader of the changes stream counts as a possible loss: the on_change dbs are enqueued
-// so that their jobs check what they published, and nothing is rebuilt. For a while after a loss
-// for certain it counts as one: then its replicas may each hold other messages, and the stream's
-// replicas are rebuilt from the new leader.
-func TestStreamWatchNewLeaderAfterALoss(t *testing.T) {
-	at := time.Now()
-	s := &watchedStream{info: jetstream.StreamInfo{Cluster: &jetstream.ClusterInfo{Leader: "n1", LeaderSince: &at}}}
-	s.info.State.FirstSeq, s.info.State.LastSeq, s.info.State.LastTime = 1, 10, at
-	w := &streamWatch{js: stater{s}, name: "SPIEGEL_CHANGES", gaps: true}
-	type seen struct{ lost, certain bool }
-	look := func() seen {
-		lost, _, err := w.lost(t.Context())
+// The watch tells a loss of the changes stream from what its own limits drop, on a real
+// server: a stream deleted, or made again with fewer messages (its last sequence went back), or
+// again with as many (another message at the remembered sequence), or a message deleted in the
+// middle, is a loss; the oldest messages dropped by max msgs are not. It changes nothing.
+func TestStreamWatchTellsLossFromLimits(t *testing.T) {
+	srv := natstest.Start(t)
+	_, js := srv.Connect(t)
+	ctx := t.Context()
+	cfg := jetstream.StreamConfig{Name: "SPIEGEL_CHANGES", Subjects: []string{"spiegel.changes.>"}, MaxMsgs: 5}
+	create := func(n int) {
+		_ = js.DeleteStream(ctx, cfg.Name)
+		_, err := js.CreateStream(ctx, cfg)
 		require.NoError(t, err)
-		return seen{lost, w.certain}
+		publish(t, js, n)
 	}
-	assert.Equal(t, seen{}, look(), "first look: a baseline")
-	s.info.Cluster.Leader = "n2"
-	assert.Equal(t, seen{true, false}, look(), "a new leader without a loss before it: the jobs check")
-	assert.Equal(t, seen{}, look(), "the same leader again")
-	since := at.Add(time.Minute)
-	s.info.Cluster.LeaderSince = &since
-	assert.Equal(t, seen{true, false}, look(), "the same leader elected again")
+	w := &streamWatch{js: js, name: cfg.Name}
+	look := func() bool {
+		lost, _, err := w.lost(ctx)
+		require.NoError(t, err)
+		return lost
+	}
+	create(3)
+	assert.False(t, look(), "first look: the baseline")
+	publish(t, js, 4) // 7 stored, the oldest 2 dropped by max msgs
+	assert.False(t, look(), "the oldest dropped by the stream's limits")
 
-	s.info.State.LastSeq = 5 // went back: a loss
-	assert.Equal(t, seen{true, true}, look())
-	s.info.Cluster.Leader = "n3"
-	s.info.State.LastSeq = 7
-	assert.Equal(t, seen{true, true}, look(), "a new leader after the loss")
-	assert.Equal(t, seen{}, look(), "the same leader again")
+	create(4)
+	assert.True(t, look(), "the last sequence went back")
+	create(4)
+	assert.True(t, look(), "another message at the remembered sequence")
+	assert.False(t, look(), "nothing since")
 
-	w.suspect = time.Now().Add(-time.Second) // an hour later
-	s.info.Cluster.Leader = "n1"
-	assert.Equal(t, seen{true, false}, look(), "a new leader long after the loss")
+	publish(t, js, 2)
+	assert.False(t, look())
+	st, err := js.Stream(ctx, cfg.Name)
+	require.NoError(t, err)
+	require.NoError(t, st.DeleteMsg(ctx, 5))
+	assert.True(t, look(), "a message deleted in the middle")
+
+	require.NoError(t, js.DeleteStream(ctx, cfg.Name))
+	assert.True(t, look(), "the stream is gone")
+	assert.False(t, look(), "still gone: told once")
+	_, err = js.Stream(ctx, cfg.Name)
+	assert.ErrorIs(t, err, jetstream.ErrStreamNotFound, "the watch never creates a stream")
+}
+
+// publish stores n messages on the changes stream's subjects.
+func publish(t *testing.T, js jetstream.JetStream, n int) {
+	t.Helper()
+	for range n {
+		_, err := js.Publish(t.Context(), "spiegel.changes.db", []byte("{}"))
+		require.NoError(t, err)
+	}
+}
+
+// On a three-node cluster, a replica whose server is shut down is reported behind, and the
+// stream keeps its configured replicas: the watch changes nothing.
+func TestWatchReplicasReportsAStoppedPeer(t *testing.T) {
+	servers := natstest.StartCluster(t, 3)
+	_, js := servers[0].Connect(t)
+	ctx, cancel := context.WithCancel(t.Context())
+	defer cancel()
+	cfg := jetstream.StreamConfig{Name: "SPIEGEL_WORK", Subjects: []string{"spiegel.work.>"}, Replicas: 3}
+	var st jetstream.Stream
+	require.Eventually(t, func() bool {
+		var err error
+		st, err = js.CreateStream(ctx, cfg)
+		return err == nil
+	}, 30*time.Second, 100*time.Millisecond, "create an R3 stream")
+	info, err := st.Info(ctx)
+	require.NoError(t, err)
+	var victim *natstest.Server
+	for _, s := range servers[1:] { // a follower on a server the test client is not connected to
+		if s.Name() != info.Cluster.Leader {
+			victim = s
+			break
+		}
+	}
+	require.NotNil(t, victim, "a follower outside the client's server")
+
+	var mu sync.Mutex
+	seen := map[string]int{}
+	go watchReplicas(ctx, js, []string{cfg.Name}, 100*time.Millisecond, func(s string, n int) {
+		mu.Lock()
+		seen[s] = n
+		mu.Unlock()
+	}, logrus.New())
+	behind := func() int { mu.Lock(); defer mu.Unlock(); return seen[cfg.Name] }
+	require.Eventually(t, func() bool { mu.Lock(); _, ok := seen[cfg.Name]; mu.Unlock(); return ok && behind() == 0 }, 30*time.Second, 50*time.Millisecond, "all current at first")
+	victim.Stop()
+	require.Eventually(t, func() bool { return behind() == 1 }, 60*time.Second, 100*time.Millisecond, "the stopped peer is reported")
+	info, err = st.Info(ctx)
+	require.NoError(t, err)
+	assert.Equal(t, 3, info.Config.Replicas, "the stream keeps its replicas")
 }

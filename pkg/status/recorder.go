@@ -73,6 +73,19 @@ func (r *Recorder) GaveUp(rule string, err error) {
 	r.failure(r.rule(rule), rule, now, text)
 }
 
+// Gap records a gap found in what rule keeps for readers in db (see RuleStats.LastGap).
+func (r *Recorder) Gap(rule, db, text string) {
+	if r == nil {
+		return
+	}
+	note := &GapNote{At: r.now(), DB: db, Text: redact(text)}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	s := r.rule(rule)
+	s.Gaps++
+	s.LastGap = note
+}
+
 // rule returns the state of rule, made when missing. r.mu is held.
 func (r *Recorder) rule(id string) *ruleState {
 	s := r.rules[id]

@@ -50,6 +50,9 @@ type ProducerState struct {
 	Position string `json:"position,omitempty"` // every job up to it is acknowledged by JetStream
 	FeedOK   bool   `json:"feed_ok"`            // the db-updates feed runs
 	HotFeeds int    `json:"hot_feeds"`
+	// StreamLoss is the last time the changes stream was found to have lost messages it had
+	// acknowledged, and how (nil: never since start).
+	StreamLoss *ErrorNote `json:"stream_loss,omitempty"`
 }
 
 // RuleStats are one rule's figures in one consumer process.
@@ -60,6 +63,17 @@ type RuleStats struct {
 	Runs             uint64    `json:"runs"`
 	Failures         uint64    `json:"failures"`
 	FailuresLastHour int       `json:"failures_last_hour"`
+	// Gaps counts the gaps found in what the rule keeps for readers (a change stream's subject, a
+	// mirror bucket); LastGap is the latest, naming the db and the range.
+	Gaps    uint64   `json:"gaps,omitempty"`
+	LastGap *GapNote `json:"last_gap,omitempty"`
+}
+
+// GapNote is a gap found in what a rule keeps for readers: when, in which db, and what is missing.
+type GapNote struct {
+	At   time.Time `json:"at"`
+	DB   string    `json:"db"`
+	Text string    `json:"gap"`
 }
 
 // Results of one rule's run in one db, as RuleRun records them.
