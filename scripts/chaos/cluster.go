@@ -61,7 +61,7 @@ func startCluster(ctx context.Context, r *run, dir string) (*cluster, error) {
 		conf := fmt.Sprintf(`server_name: %s
 listen: 127.0.0.1:%d
 http: 127.0.0.1:%d
-jetstream { store_dir: %q }
+jetstream { store_dir: %q, sync_interval: always }
 cluster { name: chaos, listen: 127.0.0.1:%d, routes: [%s]%s }
 `, n.name, n.client, n.monitor, n.store, ports[6+i], strings.Join(routes, ", "), noAdvertise)
 		path := filepath.Join(dir, n.name+".conf")

@@ -24,13 +24,17 @@
 // CouchDB, frozen (no byte moves, connections stay open) or cut (connections reset), through
 // the process's own proxies (links.go, outage.go; without it no proxy is in the path); with
 // CHAOS_STORE_LOSS=1 NATS storage loss: one node, or every node at once, SIGKILLed and
-// restarted from a copy of its store taken seconds earlier.
+// restarted from a copy of its store taken seconds earlier. The nodes run as deployments/ runs
+// them (sync_interval: always); storage loss is what no durable deployment meets, and is a
+// detection check (gaps.go): the changes the stream and the mirror lost may stay missing when
+// the loss was reported within one sweep interval (and two AckWaits) of the fault's end.
 //
 // Verdict (oracle.go, after the writer and the faults stop and the pipeline converges): every
 // target holds exactly its source's docs and leaf revisions; every (rule, doc, final revision)
 // was delivered to the webhook; the change stream holds every final revision, each db
 // incarnation in feed order; no dead letter; no process crashed or is left running; no webhook
-// password in any log; with partitions, no webhook call by an onchange instance partitioned from
+// password in any log; after storage loss, gaps in the stream and the mirror only when reported
+// in time (gaps.go); with partitions, no webhook call by an onchange instance partitioned from
 // NATS later than AckWait + the rule's timeout after its partition began (lease.go). Duplicates
 // are counted and reported, not failures.
 //

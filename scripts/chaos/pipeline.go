@@ -114,6 +114,18 @@ func (r *run) install(ctx context.Context) error {
 	return nil
 }
 
+// sweepInterval is the producers' SPIEGEL_SWEEP_INTERVAL.
+const sweepInterval = 30 * time.Second
+
+// metricsURLs returns the /metrics URL of every product process.
+func (r *run) metricsURLs() []string {
+	out := make([]string, 0, len(r.procs))
+	for _, p := range r.procs {
+		out = append(out, strings.TrimSuffix(p.ready, "/readyz")+"/metrics")
+	}
+	return out
+}
+
 // startPipeline starts the six product processes (procNames), with partitions each reaching
 // NATS and CouchDB through its own links (links.go), and waits until each is ready.
 func (r *run) startPipeline(ctx context.Context) error {
@@ -131,7 +143,7 @@ func (r *run) startPipeline(ctx context.Context) error {
 		switch {
 		case strings.HasPrefix(name, "producer"):
 			bin = "producer"
-			env = append(env, "SPIEGEL_POLL_INTERVAL=1s", "SPIEGEL_SWEEP_INTERVAL=30s", "SPIEGEL_FEED_HEARTBEAT=5s")
+			env = append(env, "SPIEGEL_POLL_INTERVAL=1s", "SPIEGEL_SWEEP_INTERVAL="+sweepInterval.String(), "SPIEGEL_FEED_HEARTBEAT=5s")
 			// Hot feeds: producer-1 may keep one for every busy db, producer-2 only
 			// hotFeedsSmall, so that it keeps refusing busy dbs at its limit; both close a feed
 			// idle for hotFeedIdle, so that feeds close and reopen during the run.

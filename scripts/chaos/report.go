@@ -38,6 +38,8 @@ type Result struct {
 	sink         *sink    // for its counts
 	LogFindings  []string
 	LogNotes     []string
+	// StoreLossNote says what the storage-loss faults left and how they were reported (gaps.go).
+	StoreLossNote string
 
 	mu       sync.Mutex
 	failures []string
@@ -213,7 +215,10 @@ func (res *Result) write(w io.Writer) {
 		p("changes:     %d messages, %d (db, doc, final rev) expected, %d missing; %d stored duplicates; feed-order violations %d",
 			v.StreamMsgs, v.StreamExpected, len(v.StreamMissing), v.StreamDuplicates, len(v.OrderViolations))
 		if v.StreamRereads > 0 {
-			p("             read again from its start %d times: it lost messages it had acknowledged, or a heal removed some", v.StreamRereads)
+			p("             read again from its start %d times: it lost messages it had acknowledged (storage loss)", v.StreamRereads)
+		}
+		if res.StoreLossNote != "" {
+			p("storage loss: %s", res.StoreLossNote)
 		}
 		if n := violationsInRecreated(v.orderViolations()); n > 0 {
 			p("             %d of the %d feed-order violations are in recreated dbs (incarnation > 0)", n, len(v.OrderViolations))

@@ -31,6 +31,7 @@ type run struct {
 	procs   []*proc // the product processes, by procNames index
 	changes *streamReader
 	probes  *prober
+	gaps    *gapWatch // reports of losses, scraped from the processes' metrics
 
 	outMu sync.Mutex
 	out   io.Writer // progress: the test's output and run.log
@@ -100,6 +101,7 @@ func execute(ctx context.Context, cfg Config, out io.Writer) *Result {
 	watching, stopWatching := context.WithCancel(ctx)
 	defer stopWatching()
 	go r.probes.watch(watching, time.Second)
+	go r.gaps.watch(watching, r.metricsURLs, r.since, time.Second)
 	wg.Go(func() { w.run(ctx, r.plan.Ops); res.WriterEnd = r.since() })
 	wg.Go(func() { f.run(ctx, r.plan.Faults) })
 	go r.reportProgress(progress, w)
@@ -148,6 +150,13 @@ func execute(ctx context.Context, cfg Config, out io.Writer) *Result {
 		}
 	}
 	res.Verdict = v
+	if cfg.StoreLoss && v != nil {
+		fails, note := storeLossVerdict(v, res.Faults, r.gaps, sweepInterval+2*cfg.AckWait)
+		for _, f := range fails {
+			res.fail("%s", f)
+		}
+		res.StoreLossNote = note
+	}
 	if cfg.Partitions {
 		// The lease verdict is about partitions; without them it has nothing to check.
 		pids := map[string][]int{}
@@ -213,6 +222,7 @@ func (r *run) setup(ctx context.Context, res *Result) error {
 		return err
 	}
 	r.probes = &prober{r: r}
+	r.gaps = newGapWatch()
 	if err := r.probes.createProbeDBs(ctx); err != nil {
 		return err
 	}
