@@ -381,9 +381,11 @@ func mirroredDB(t *testing.T, ids ...string) (*env, string) {
 // TestMirrorOfARecreatedDBWithAStaleCheckpointDoc: on CouchDB 2+, a db deleted and created
 // again whose new incarnation holds the old one's checkpoint doc — CouchDB 3 does not check the
 // revs of _local docs, so a save sent after the db was created again lands in the new db, lineage
-// and all — loses no change of the new db: CouchDB reads a since of the old db's shard files
-// from the new files' beginning. (The old db's docs that the new one lacks are not found out:
-// the seqs are not read for it, and the doc's lineage is the old one's.)
+// and all — must be recognised as new: the old db's docs leave the mirror. Since the feed's seqs
+// are no longer decoded (FilesReplaced), nothing recognises it, and this fails on CouchDB 3
+// until the checkpoint records something only a re-creation changes (issue 49 item 4). No
+// change of the new db is lost meanwhile: CouchDB reads a since of the old db's shard files
+// from the new files' beginning.
 func TestMirrorOfARecreatedDBWithAStaleCheckpointDoc(t *testing.T) {
 	e, db := mirroredDB(t, "old1")
 	require.Eventually(t, func() bool { return e.caughtUp(t, "mir", db) }, 10*time.Second, 20*time.Millisecond)
@@ -401,8 +403,8 @@ func TestMirrorOfARecreatedDBWithAStaleCheckpointDoc(t *testing.T) {
 	e.enqueue(t, db)
 	e.requireMirror(t, bucketDocs, db)
 	got := e.mirrorOf(t, bucketDocs, db)
+	assert.NotContains(t, got, "old1")
 	assert.Contains(t, got, "new1")
-	assert.Equal(t, json.Number("2"), got["new1"]["v"])
 }
 
 // TestMirrorOfADeletedDBLeavesNoFence: each job of a mirrored db claims it in the bucket (the
