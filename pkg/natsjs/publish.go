@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"sort"
 	"strconv"
 	"strings"
 	"sync"
@@ -101,7 +100,8 @@ func (j *Jobs) PublishAsync(g events.Group, job events.Job) (jetstream.PubAckFut
 //
 // So at every moment a change is represented by a pending job, a running job that will read the
 // marker, or a marker. A marker whose job is gone (the worker died or lost NATS between the read
-// and the offer) is offered again by the workers' sweep (Wakeups, OfferWakeup).
+// and the offer) stands for a change its db's completion record does not cover: the producer's
+// reconciliation sweep enqueues the db, and that job's check finds the marker.
 
 // WakeupHeader carries, on a job offered because of a wakeup marker, the marker's stream
 // sequence: the run of that job covers the marker, which may then be deleted.
@@ -192,51 +192,6 @@ func (j *Jobs) ClearWakeup(ctx context.Context, g events.Group, db string, seq u
 		return fmt.Errorf("clear wakeup marker %d of %s %q: %w", seq, g, db, err)
 	}
 	return nil
-}
-
-// Wakeup is a wakeup marker: the db and the marker's stream sequence.
-type Wakeup struct {
-	DB  string
-	Seq uint64
-}
-
-// Wakeups lists up to limit wakeup markers of group g (one API request, plus one read per
-// marker), for the sweep that offers again the markers nobody handled. A marker whose subject
-// names no db is skipped.
-func (j *Jobs) Wakeups(ctx context.Context, g events.Group, limit int) ([]Wakeup, error) {
-	s, err := j.wakeups(ctx)
-	if err != nil {
-		return nil, fmt.Errorf("list wakeup markers of %s: %w", g, err)
-	}
-	prefix := strings.TrimSuffix(j.subjects.Wakeup(g, "x"), "x") // <prefix>.wakeup.<group>.
-	info, err := s.Info(ctx, jetstream.WithSubjectFilter(prefix+"*"))
-	if err != nil {
-		return nil, fmt.Errorf("list wakeup markers of %s: %w", g, err)
-	}
-	subjects := make([]string, 0, len(info.State.Subjects))
-	for subject := range info.State.Subjects {
-		subjects = append(subjects, subject)
-	}
-	sort.Strings(subjects)
-	var out []Wakeup
-	for _, subject := range subjects {
-		if len(out) >= limit {
-			break
-		}
-		db, err := events.DecodeDBName(strings.TrimPrefix(subject, prefix))
-		if err != nil {
-			continue
-		}
-		m, err := s.GetLastMsgForSubject(ctx, subject)
-		if errors.Is(err, jetstream.ErrMsgNotFound) {
-			continue // deleted meanwhile
-		}
-		if err != nil {
-			return out, fmt.Errorf("read wakeup marker %s: %w", subject, err)
-		}
-		out = append(out, Wakeup{DB: db, Seq: m.Sequence})
-	}
-	return out, nil
 }
 
 func (j *Jobs) wakeups(ctx context.Context) (jetstream.Stream, error) {

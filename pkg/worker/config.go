@@ -51,10 +51,6 @@ type Config struct {
 	// is renewed every AckWait/3 by an InProgress the server confirms, and runs out AckWait/10
 	// before JetStream could redeliver the job.
 	AckWait time.Duration
-	// WakeupSweep is how often the runner looks for wakeup markers that nobody handled (their
-	// worker died between reading one and enqueueing its job again) and enqueues their jobs: a
-	// marker found unchanged by two sweeps in a row is offered again (default AckWait).
-	WakeupSweep time.Duration
 	// wakeupPause paces the jobs enqueued again after a failed lost-wakeup check
 	// (wakeupFailurePause; tests lengthen it).
 	wakeupPause backoff.Policy
@@ -83,7 +79,7 @@ func (c Config) withDefaults() (Config, error) {
 	if c.Group == "" {
 		return c, errors.New("worker config: no group")
 	}
-	if c.Concurrency < 0 || c.FetchBatch < 0 || c.AckWait < 0 || c.Grace < 0 || c.WakeupSweep < 0 {
+	if c.Concurrency < 0 || c.FetchBatch < 0 || c.AckWait < 0 || c.Grace < 0 {
 		return c, fmt.Errorf("worker config for %s: negative concurrency, fetch batch, ack wait, grace or wakeup sweep", c.Group)
 	}
 	if c.Concurrency == 0 {

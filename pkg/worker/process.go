@@ -268,7 +268,8 @@ var wakeupFailurePause = backoff.Policy{Initial: 500 * time.Millisecond, Max: 30
 // leave the worker without slots for the pause's length.
 //
 // A marker is never deleted before a job that covers it is stored, so a process that dies here
-// loses nothing: the marker stays, and the sweep (sweepWakeups) offers its job again.
+// loses nothing: the change stays unprocessed, so the db's completion record stays behind its
+// update_seq, and the producer's reconciliation sweep enqueues the db.
 func (r *Runner) checkWakeup(handlerCtx context.Context, job *Job, log logrus.FieldLogger) (then func()) {
 	ctx, cancel := context.WithTimeout(handlerCtx, settleTimeout)
 	seq, err := r.jobs.ReadWakeup(ctx, job.Group, job.DB)
@@ -290,7 +291,7 @@ func (r *Runner) checkWakeup(handlerCtx context.Context, job *Job, log logrus.Fi
 		ctx, cancel := context.WithTimeout(handlerCtx, settleTimeout)
 		defer cancel()
 		if err := r.jobs.ClearWakeup(ctx, job.Group, job.DB, seq); err != nil {
-			log.WithError(err).Debug("clear wakeup marker failed: the sweep offers the job once more than needed")
+			log.WithError(err).Debug("clear wakeup marker failed: the db's next job runs once more than needed")
 		}
 	default:
 		return func() { r.offerWakeup(handlerCtx, job, seq, log) }
@@ -327,7 +328,8 @@ func (r *Runner) readWakeupAtStart(ctx context.Context, job *Job, log logrus.Fie
 
 // offerWakeup enqueues the job again for the wakeup marker seq, retrying until it is stored (or
 // refused: a job for the db is pending or running, and reads the marker after its run) or the
-// handlers' context ends (the end of a shutdown's grace period; the marker stays for the sweep).
+// handlers' context ends (the end of a shutdown's grace period; the reconciliation sweep finds
+// the db behind its record).
 func (r *Runner) offerWakeup(handlerCtx context.Context, job *Job, seq uint64, log logrus.FieldLogger) {
 	retry := backoff.Policy{Initial: 200 * time.Millisecond, Max: 5 * time.Second, Multiplier: 2, Jitter: 0.2}
 	for attempt := 1; ; attempt++ {
@@ -339,58 +341,9 @@ func (r *Runner) offerWakeup(handlerCtx context.Context, job *Job, seq uint64, l
 			return
 		}
 		if backoff.Sleep(handlerCtx, retry.Delay(attempt)) != nil {
-			log.WithError(err).Warn("enqueue job again after a lost wakeup failed until shutdown: its marker stays, the sweep enqueues it")
+			log.WithError(err).Warn("enqueue job again after a lost wakeup failed until shutdown: the reconciliation sweep enqueues it")
 			return
 		}
 		log.WithError(err).WithField("attempt", attempt).Warn("enqueue job again after a lost wakeup failed: retrying")
-	}
-}
-
-// maxSweptWakeups bounds the wakeup markers one sweep reads.
-const maxSweptWakeups = 1000
-
-// sweepWakeups offers again, every Config.WakeupSweep (AckWait by default) until ctx ends, the
-// job of each wakeup marker of the group that two sweeps in a row found with the same sequence:
-// a marker nobody handled for that long, because the worker that read it died or lost NATS
-// before it could enqueue the job again. A marker whose job is pending or running is refused as
-// a duplicate, which is fine: that job reads it after its run. Offering one more job than needed
-// costs a run; a marker left behind would cost a change.
-func (r *Runner) sweepWakeups(ctx context.Context) {
-	tick := time.NewTicker(r.cfg.WakeupSweep)
-	defer tick.Stop()
-	log := r.log.WithField("component", "wakeup-sweep")
-	var seen map[string]uint64
-	for {
-		select {
-		case <-ctx.Done():
-			return
-		case <-tick.C:
-		}
-		lctx, cancel := context.WithTimeout(ctx, settleTimeout)
-		markers, err := r.jobs.Wakeups(lctx, r.cfg.Group, maxSweptWakeups)
-		cancel()
-		if err != nil {
-			log.WithError(err).Debug("list wakeup markers failed: retried at the next sweep")
-		}
-		now := make(map[string]uint64, len(markers))
-		for _, m := range markers {
-			now[m.DB] = m.Seq
-			if seen[m.DB] != m.Seq {
-				continue
-			}
-			octx, cancel := context.WithTimeout(ctx, settleTimeout)
-			dedup, err := r.jobs.OfferWakeup(octx, r.cfg.Group, m.DB, m.Seq)
-			cancel()
-			switch {
-			case err != nil:
-				log.WithError(err).WithField("db", m.DB).Debug("enqueue the job of a stale wakeup marker failed: retried at the next sweep")
-			case !dedup:
-				log.WithFields(logrus.Fields{"db": m.DB, "marker": m.Seq}).Info("wakeup marker left unhandled: job enqueued again")
-				delete(now, m.DB) // its run deletes it: offered again only if two more sweeps find it
-			}
-		}
-		if err == nil || len(markers) > 0 {
-			seen = now
-		}
 	}
 }

@@ -80,9 +80,6 @@ func New(js jetstream.JetStream, subjects events.Subjects, cfg Config, h Handler
 	if cfg.AckWait <= 0 {
 		cfg.AckWait = 30 * time.Second // the server's default
 	}
-	if cfg.WakeupSweep == 0 {
-		cfg.WakeupSweep = cfg.AckWait
-	}
 	return &Runner{
 		cfg:         cfg,
 		nc:          js.Conn(),
@@ -100,8 +97,7 @@ func New(js jetstream.JetStream, subjects events.Subjects, cfg Config, h Handler
 func (r *Runner) InFlight() int { return int(r.inFlight.Load()) }
 
 // Run takes and runs jobs until ctx ends. It pulls only as many jobs as it has free slots
-// (Config.Concurrency), so no job waits in a local buffer while its AckWait runs; meanwhile it
-// sweeps the group's wakeup markers for ones nobody handled (Config.WakeupSweep). Errors
+// (Config.Concurrency), so no job waits in a local buffer while its AckWait runs. Errors
 // talking to NATS (server down, consumer deleted for a while) are logged and retried with
 // backoff; they never end Run.
 //
@@ -124,9 +120,6 @@ func (r *Runner) Run(ctx context.Context) error {
 	var wg sync.WaitGroup
 
 	r.log.WithField("concurrency", r.cfg.Concurrency).Info("worker started")
-	sweepDone := make(chan struct{})
-	go func() { defer close(sweepDone); r.sweepWakeups(ctx) }()
-	defer func() { <-sweepDone }()
 	r.pullLoop(ctx, handlerCtx, slots, &wg)
 
 	done := make(chan struct{})
