@@ -99,7 +99,7 @@ func (p *producer) sweepOnce(ctx context.Context, prev couch.Snapshot) (couch.Sn
 			due = groups
 		}
 		if len(due) > 0 && derr == nil {
-			due = p.stillDue(ctx, db, seq, due)
+			due = p.stillDue(ctx, db, seq, due, done)
 		}
 		// Our changes stream lost messages: the db runs when a subject rule of it wrote there, and
 		// a job that is running now may have looked at the stream before the loss, so a refusal
@@ -191,12 +191,16 @@ func publishesChanges(ocs []*rules.OnChange) bool {
 // _changes read of one row since the record (changedSince), once per distinct record of the
 // db. No row: the group is done with the db as it is, and gets no job; that answer is
 // remembered for the pair (record, seq) (doneRecords.unchanged), so an idle db costs one
-// question, not one per sweep. A failed question keeps the group due.
-func (p *producer) stillDue(ctx context.Context, db, seq string, due []events.Group) []events.Group {
+// question, not one per sweep; a pair remembered for the record the sweep read (read) costs not
+// even the key-value read. A failed question keeps the group due.
+func (p *producer) stillDue(ctx context.Context, db, seq string, due []events.Group, read reconcile.Done) []events.Group {
 	out := due[:0:0]
 	answers := map[string]bool{} // record → changed since it
 	for _, g := range due {
 		key := reconcile.Key(g, db)
+		if rec, ok := read[key]; ok && p.done.unchanged.said(key, rec, seq) {
+			continue
+		}
 		rec, err := p.done.records.Get(ctx, g, db)
 		switch {
 		case err != nil || rec == "":

@@ -28,6 +28,17 @@ func (f fixedRecords) Get(_ context.Context, g events.Group, db string) (string,
 	return f[reconcile.Key(g, db)], nil
 }
 
+// failingRecords is a doneReader whose reads fail.
+type failingRecords struct{}
+
+func (failingRecords) Read(context.Context) (reconcile.Done, error) {
+	return nil, errors.New("no answer")
+}
+
+func (failingRecords) Get(context.Context, events.Group, string) (string, error) {
+	return "", errors.New("no answer")
+}
+
 // A record of another string than the db's update_seq (CouchDB 2+ sends one state as different
 // strings) is asked about: one _changes row since the record, once per distinct record, and
 // only what changed is enqueued. The same string is never asked about, nor a missing record.
@@ -78,7 +89,7 @@ func TestSweepAsksCouchDBWhenStringsDiffer(t *testing.T) {
 					return tc.answer, tc.answerErr
 				},
 			}
-			due := p.stillDue(t.Context(), "userdb", tc.seq, both)
+			due := p.stillDue(t.Context(), "userdb", tc.seq, both, nil)
 			assert.ElementsMatch(t, tc.wantDue, due)
 			assert.Equal(t, tc.wantAsked, asked)
 		})
@@ -101,10 +112,14 @@ func TestSweepAsksOncePerRecordAndUpdateSeq(t *testing.T) {
 		},
 	}
 	onc := []events.Group{events.GroupOnChange}
-	sweep := func(seq string) []events.Group { return p.stillDue(t.Context(), "userdb", seq, onc) }
+	sweep := func(seq string) []events.Group { return p.stillDue(t.Context(), "userdb", seq, onc, nil) }
 	assert.Empty(t, sweep(clusterSeqB))
 	assert.Empty(t, sweep(clusterSeqB), "the same pair: not asked again")
 	assert.Equal(t, []string{clusterSeqA}, asked)
+	// With the record as the sweep read it, the remembered pair costs no key-value read either.
+	p.done.records = failingRecords{}
+	assert.Empty(t, p.stillDue(t.Context(), "userdb", clusterSeqB, onc, reconcile.Done(recs)), "answered without a read")
+	p.done.records = recs
 
 	changed = true
 	assert.Equal(t, onc, sweep("6-later"), "a new update_seq is asked about")
