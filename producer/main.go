@@ -35,6 +35,7 @@ Usage:
   producer replay          dispatch an on_change rule's history again: --rule ID [--db REGEX] [--since SEQ] [--id ID] [--wait D]
   producer deadletters     list, retry or purge dead letters: list|retry|purge [--group G] [--rule ID] [--db REGEX] [--since AGE]
   producer status          rules, jobs, position, running processes, per-rule state [--rule ID] [--json]
+  producer rules           rules as code: list | get ID | apply FILE... [--dry-run] | delete ID | validate FILE... [--json]
   producer healthcheck     exit 0 when this producer's /healthz answers (the container health check) [URL]
 
 Every command accepts --help and --version. The admin commands wait at most --timeout (default
@@ -65,6 +66,11 @@ func realMain(ctx context.Context, args []string, stdin io.Reader, stdout, stder
 	if err != nil {
 		fmt.Fprintf(stderr, "producer %s: %v\n", cmd, err)
 		return 2
+	}
+	if cmd == "rules" { // its subcommands' help, and validate, which needs no configuration
+		if code, done := rulesWithoutConfig(ctx, args, stdout, stderr); done {
+			return code
+		}
 	}
 	for _, a := range args {
 		switch a {
@@ -174,6 +180,7 @@ var commands = map[string]command{
 	"resync":    runResync,
 	"replay":    runReplay,
 	"status":    runStatus,
+	"rules":     runRules,
 
 	"deadletters": runDeadLetters,
 }
