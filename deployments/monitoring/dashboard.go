@@ -171,7 +171,12 @@ func Dashboard() (dashboard.Dashboard, error) {
 		"and gaps found in what readers consume: our changes stream lacks messages a rule stored (subject), a mirror bucket lost a write (mirror).",
 		"ops",
 		query{fmt.Sprintf("sum(%s)", rate("spiegel_changes_published_total")), "published"},
-		query{fmt.Sprintf("sum by (kind) (%s)", rate("spiegel_output_gaps_total")), "gaps {{kind}}"}))
+		query{fmt.Sprintf("sum by (kind) (%s)", rate("spiegel_output_gaps_total")), "gaps {{kind}}"},
+		query{fmt.Sprintf("sum(%s)", rate("spiegel_change_stream_losses_total")), "changes stream losses"}))
+	p.add(graph("Stream replicas behind", "Replicas of each of Spiegel's streams that are offline or not current, as the "+
+		"stream's leader reports them (SpiegelStreamReplicaBehind). Spiegel never changes replicas: see the runbook.",
+		"short",
+		query{fmt.Sprintf("max by (stream) (%s)", sel("spiegel_stream_replicas_behind")), "{{stream}}"}))
 
 	p.row("Replication")
 	p.add(graph("Replications by engine and result", "Replications of one rule and db: ok, error, missing_source; "+
