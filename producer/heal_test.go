@@ -21,6 +21,8 @@ import (
 	"github.com/spiegel-nats/spiegel/pkg/events"
 	"github.com/spiegel-nats/spiegel/pkg/natsjs"
 	"github.com/spiegel-nats/spiegel/pkg/reconcile"
+	"github.com/spiegel-nats/spiegel/pkg/rulefeed"
+	"github.com/spiegel-nats/spiegel/pkg/rules"
 	"github.com/spiegel-nats/spiegel/pkg/worker"
 )
 
@@ -48,6 +50,12 @@ func (e *env) startConsumer(t *testing.T, g events.Group) (*runs, func()) {
 	records := e.records(t)
 	cc := couchClient(t, e.cfg.CouchDBURL)
 	rec := reconcile.NewRecorder(cc, records, e.Logger())
+	// As the consumers do: records vouch for the rules they ran with.
+	set := rules.NewSet()
+	rf := &rulefeed.Follower{Couch: cc, DB: e.cfg.DBName, Set: set, Log: e.Logger()}
+	from, err := rf.Load(t.Context())
+	require.NoError(t, err)
+	rec.Rules = set.Fingerprint
 	h := rec.Wrap(func(ctx context.Context, job *worker.Job) error {
 		r.mu.Lock()
 		r.got[job.DB] = append(r.got[job.DB], job.Reason)
@@ -67,6 +75,7 @@ func (e *env) startConsumer(t *testing.T, g events.Group) (*runs, func()) {
 	require.NoError(t, err)
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
+	go rf.Follow(ctx, from)
 	go func() { defer close(done); _ = runner.Run(ctx) }()
 	var once sync.Once
 	stop := func() { once.Do(func() { cancel(); <-done }) }
@@ -95,8 +104,8 @@ func (e *env) waitSweeps(t *testing.T, n int) {
 		"%d sweeps did not run", n)
 }
 
-// waitDone waits until the completion record of (g, db) covers the db's update_seq (what the
-// sweep asks of it).
+// waitDone waits until the completion record of (g, db) covers the db's update_seq, as the
+// sweep asks of it: the same string, or no change in CouchDB after the record's seq.
 func (e *env) waitDone(t *testing.T, g events.Group, db string) {
 	t.Helper()
 	records := e.records(t)
@@ -106,7 +115,13 @@ func (e *env) waitDone(t *testing.T, g events.Group, db string) {
 		require.NoError(t, err)
 		done, err := records.Read(t.Context())
 		require.NoError(t, err)
-		return reconcile.Covered(done[reconcile.Key(g, db)], info.UpdateSeq)
+		rec, ok := done[reconcile.Key(g, db)]
+		if !ok || reconcile.Covered(rec, info.UpdateSeq) {
+			return ok
+		}
+		seq, _ := reconcile.ParseValue(rec)
+		changed, err := cc.ChangedSince(t.Context(), db, seq)
+		return err == nil && !changed
 	}, 30*time.Second, 50*time.Millisecond, "%s never recorded done at the update_seq of %s", g, db)
 }
 
@@ -139,6 +154,33 @@ func TestSweepHealsLostJob(t *testing.T) {
 	e.Purge(t)
 	e.waitJob(t, rep, db, 20*time.Second)
 	assert.Equal(t, events.ReasonSweep, e.jobReason(t, rep, db), "the job came from the sweep")
+}
+
+// A rule added for a db that its group's record says is done: the rule's catch-up job is
+// enqueued and then lost (the work stream purged) before any consumer ran it. The db did not
+// change, but its record vouches for the rules before the new one, so the sweep enqueues it
+// again, and the new rule acts on the db's existing docs (SPEC §7.9). Before records named
+// their rules, the record covered the db's update_seq and the rule skipped the db until its
+// next write.
+func TestSweepHealsALostRuleCatchUp(t *testing.T) {
+	e := newEnv(t, couchtest.AlwaysSynthesize())
+	db, mark := e.replicatedDB(t, "newrule")
+	e.cfg.SweepInterval = 300 * time.Millisecond
+	e.startProducer(t)
+	_, stop := e.startConsumer(t, rep)
+	e.waitSettled(t, db, mark)
+	e.waitDone(t, rep, db)
+	e.waitRulesCaughtUp(t)
+	stop()
+	e.waitSweeps(t, 2)
+	require.Empty(t, e.Pending(t), "settled: no job")
+
+	e.putRule(t, "rep2", map[string]any{"type": "replicator", "source": db, "target": db + "_other"})
+	e.waitJob(t, rep, db, 20*time.Second)
+	require.Equal(t, events.ReasonRule, e.jobReason(t, rep, db), "the new rule's catch-up job")
+	e.Purge(t) // lost
+	e.waitJob(t, rep, db, 20*time.Second)
+	assert.Equal(t, events.ReasonSweep, e.jobReason(t, rep, db), "the sweep enqueued the db again for the new rule")
 }
 
 // The same right after a restart: the producer's first sweep heals a job lost while it was down

@@ -4,6 +4,7 @@
 package consumer
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -65,6 +66,7 @@ type App struct {
 	group     events.Group
 	follower  *rulefeed.Follower
 	rulesSeq  string
+	rulesWait time.Duration       // awaitRules' bound (rulesWait; tests shorten it)
 	done      *reconcile.Recorder // records each successful job for the producer's sweep
 
 	// StatusExtra, when set before Run, adds the binary's own parts to the process's status
@@ -202,7 +204,8 @@ func OpenWith(ctx context.Context, cfg *config.Consumer, group events.Group, log
 // successful job records the position of its db's feed that h vouched for, for the producer's
 // reconciliation sweep (reconcile.Recorder.Wrap, reconcile.Vouch).
 func (a *App) Run(ctx context.Context, httpAddr string, h worker.Handler) error {
-	h = a.done.Wrap(h)
+	a.done.Rules = a.Rules.Fingerprint
+	h = a.awaitRules(a.done.Wrap(h))
 	defer func() { _ = a.nc.Drain() }()
 	var wg sync.WaitGroup
 	defer wg.Wait()
@@ -258,6 +261,23 @@ func (a *App) Run(ctx context.Context, httpAddr string, h worker.Handler) error 
 	err = runner.Run(ctx)
 	a.log.WithField("group", a.group).Info("consumer stopped")
 	return err
+}
+
+// rulesWait bounds how long a job waits for this process's rule feed to apply the rules the job
+// was published with; then it is retried later (a transient failure).
+const rulesWait = 10 * time.Second
+
+// awaitRules returns h run only once this process's rule set has applied every rule change the
+// job's publisher had (events.Job Rules, rulefeed.Follower.Await). Without it, a consumer whose
+// rule feed lagged ran a new rule's catch-up job with its old rules and acked it: the rule
+// skipped the db until its next write, and the completion record said the db was done.
+func (a *App) awaitRules(h worker.Handler) worker.Handler {
+	return func(ctx context.Context, job *worker.Job) error {
+		if err := a.follower.Await(ctx, job.Rules, cmp.Or(a.rulesWait, rulesWait)); err != nil {
+			return fmt.Errorf("job of %s: %w", job.DB, err)
+		}
+		return h(ctx, job)
+	}
 }
 
 // observers tells every Observer of the list about each job.

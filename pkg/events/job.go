@@ -24,10 +24,17 @@ const (
 // Job is the payload of a work message. It is a hint: the subject alone says which db has
 // changes; the consumer always reads the db's own state (checkpoints, _changes) to decide what
 // to do. Seq is the opaque feed sequence that caused the job, if any; never parse it.
+//
+// Rules is the spiegel db seq up to which the publisher's rule set had applied every rule
+// change when it published the job (rulefeed.Follower.AppliedSeq; "": not known). A consumer
+// runs the job only with a rule set at least that new (rulefeed.Follower.Await), so that a job
+// enqueued for a new or edited rule is never run, and acked, by an instance that does not know
+// the rule yet. Opaque like Seq.
 type Job struct {
 	DB     string    `json:"db"`
 	Reason string    `json:"reason,omitempty"`
 	Seq    string    `json:"seq,omitempty"`
+	Rules  string    `json:"rules,omitempty"`
 	At     time.Time `json:"at"`
 }
 

@@ -39,6 +39,7 @@ func IsDuplicateJob(err error) bool {
 type Jobs struct {
 	js       jetstream.JetStream
 	subjects events.Subjects
+	rules    func() string // the publisher's rule-set seq, stamped on jobs (nil: none)
 
 	mu           sync.Mutex
 	wakeupStream jetstream.Stream // looked up once
@@ -49,10 +50,20 @@ func NewJobs(js jetstream.JetStream, subjects events.Subjects) *Jobs {
 	return &Jobs{js: js, subjects: subjects}
 }
 
+// WithRules returns j stamping every job that names no rule-set seq with rules() (events.Job
+// Rules): the producer's rule follower's AppliedSeq.
+func (j *Jobs) WithRules(rules func() string) *Jobs {
+	out := &Jobs{js: j.js, subjects: j.subjects, rules: rules}
+	return out
+}
+
 // Msg builds the message of a job for group g.
 func (j *Jobs) Msg(g events.Group, job events.Job) *nats.Msg {
 	if job.At.IsZero() {
 		job.At = time.Now().UTC()
+	}
+	if job.Rules == "" && j.rules != nil {
+		job.Rules = j.rules()
 	}
 	return &nats.Msg{Subject: j.subjects.Work(g, job.DB), Data: job.Marshal()}
 }
@@ -124,18 +135,31 @@ func (j *Jobs) Offer(ctx context.Context, g events.Group, job events.Job) (dedup
 // job stored by that second publish carries the marker's sequence: its run covers the marker.
 func (j *Jobs) MarkAndRetry(ctx context.Context, g events.Group, job events.Job) (deduplicated bool, err error) {
 	subject := j.subjects.Wakeup(g, job.DB)
-	ack, err := j.js.Publish(ctx, subject, nil, jetstream.WithExpectStream(j.subjects.WakeupStream()))
+	if job.Rules == "" && j.rules != nil {
+		job.Rules = j.rules()
+	}
+	// The marker carries the job's rule-set seq: the job offered for it runs with rules at
+	// least as new (Wakeup.Rules).
+	ack, err := j.js.Publish(ctx, subject, []byte(job.Rules), jetstream.WithExpectStream(j.subjects.WakeupStream()))
 	if err != nil {
 		return false, fmt.Errorf("write wakeup marker %s: %w", subject, err)
 	}
 	return j.publishWakeup(ctx, g, job, ack.Sequence)
 }
 
-// OfferWakeup enqueues the job of (g, db) for the wakeup marker at stream sequence seq (0: for a
-// marker that could not be read). deduplicated is true when a job for (g, db) is already pending
-// or running: that job reads the marker after its run, so nothing more is needed.
-func (j *Jobs) OfferWakeup(ctx context.Context, g events.Group, db string, seq uint64) (deduplicated bool, err error) {
-	return j.publishWakeup(ctx, g, events.Job{DB: db, Reason: events.ReasonWakeup}, seq)
+// OfferWakeup enqueues the job of (g, db) for the wakeup marker m (m.Seq 0: for a marker that
+// could not be read), carrying the marker's rule-set seq. deduplicated is true when a job for
+// (g, db) is already pending or running: that job reads the marker after its run, so nothing
+// more is needed.
+func (j *Jobs) OfferWakeup(ctx context.Context, g events.Group, db string, m Wakeup) (deduplicated bool, err error) {
+	return j.publishWakeup(ctx, g, events.Job{DB: db, Reason: events.ReasonWakeup, Rules: m.Rules}, m.Seq)
+}
+
+// Wakeup is a wakeup marker: its stream sequence (0: none) and the rule-set seq of the job it
+// stands for ("": not known).
+type Wakeup struct {
+	Seq   uint64
+	Rules string
 }
 
 func (j *Jobs) publishWakeup(ctx context.Context, g events.Group, job events.Job, seq uint64) (bool, error) {
@@ -162,22 +186,22 @@ func WakeupSeq(h nats.Header) uint64 {
 	return seq
 }
 
-// ReadWakeup returns the stream sequence of the wakeup marker of (g, db), 0 when there is none.
-// It reads at the stream leader (one API request, no write): a marker stored before the call
-// is seen. A failure to tell is an error; the caller offers the job again to be safe.
-func (j *Jobs) ReadWakeup(ctx context.Context, g events.Group, db string) (uint64, error) {
+// ReadWakeup returns the wakeup marker of (g, db), Seq 0 when there is none. It reads at the
+// stream leader (one API request, no write): a marker stored before the call is seen. A failure
+// to tell is an error; the caller offers the job again to be safe.
+func (j *Jobs) ReadWakeup(ctx context.Context, g events.Group, db string) (Wakeup, error) {
 	s, err := j.wakeups(ctx)
 	if err != nil {
-		return 0, fmt.Errorf("read wakeup marker of %s %q: %w", g, db, err)
+		return Wakeup{}, fmt.Errorf("read wakeup marker of %s %q: %w", g, db, err)
 	}
 	m, err := s.GetLastMsgForSubject(ctx, j.subjects.Wakeup(g, db))
 	if errors.Is(err, jetstream.ErrMsgNotFound) {
-		return 0, nil
+		return Wakeup{}, nil
 	}
 	if err != nil {
-		return 0, fmt.Errorf("read wakeup marker of %s %q: %w", g, db, err)
+		return Wakeup{}, fmt.Errorf("read wakeup marker of %s %q: %w", g, db, err)
 	}
-	return m.Sequence, nil
+	return Wakeup{Seq: m.Sequence, Rules: string(m.Data)}, nil
 }
 
 // ClearWakeup deletes the wakeup marker of (g, db) at stream sequence seq, which a settled run

@@ -94,7 +94,7 @@ func (p *producer) sweepOnce(ctx context.Context, prev couch.Snapshot) (couch.Sn
 		var due []events.Group
 		switch {
 		case derr == nil:
-			due = done.Due(db, seq, groups)
+			due = done.Due(db, seq, groups, func(g events.Group) string { return p.rules.Fingerprint(g, db) })
 		case prev != nil && p.changedSincePrev(ctx, db, prev[db], seq):
 			due = groups
 		}
@@ -198,12 +198,12 @@ func (p *producer) stillDue(ctx context.Context, db, seq string, due []events.Gr
 	answers := map[string]bool{} // record → changed since it
 	for _, g := range due {
 		key := reconcile.Key(g, db)
-		if rec, ok := read[key]; ok && p.done.unchanged.said(key, rec, seq) {
+		if rec, ok := read[key]; ok && p.done.unchanged.said(key, rec, seq) && !reconcile.RulesChanged(rec, p.rules.Fingerprint(g, db)) {
 			continue
 		}
 		rec, err := p.done.records.Get(ctx, g, db)
 		switch {
-		case err != nil || rec == "":
+		case err != nil || rec == "" || reconcile.RulesChanged(rec, p.rules.Fingerprint(g, db)):
 			out = append(out, g)
 			continue
 		case reconcile.Covered(rec, seq) || p.done.unchanged.said(key, rec, seq):
@@ -211,7 +211,8 @@ func (p *producer) stillDue(ctx context.Context, db, seq string, due []events.Gr
 		}
 		changed, asked := answers[rec]
 		if !asked {
-			changed = p.changedSince(ctx, db, rec)
+			recSeq, _ := reconcile.ParseValue(rec)
+			changed = p.changedSince(ctx, db, recSeq)
 			answers[rec] = changed
 		}
 		if changed {

@@ -144,7 +144,11 @@ func Run(ctx context.Context, cfg *config.Producer, log *logrus.Logger) error {
 	p.done = &doneRecords{records: records, ensure: func(ctx context.Context) error { return natsjs.EnsureDoneBucket(ctx, d.JS, d.Topo) }}
 	p.undone = newDeletedDBs(records, producerMetrics{}, plog.WithField("records", "done"))
 	p.changes = &streamWatch{js: d.JS, name: d.Topo.Subjects.ChangesStream()}
-	p.pub = publisher.New(natsjs.NewJobs(d.JS, d.Topo.Subjects), cfg.MaxInflight, pm, plog)
+	// Every job carries the rule set it was published with (events.Job Rules): a consumer whose
+	// own rule feed lags waits for it before it runs the job (rulefeed.Follower.Await).
+	rf := &rulefeed.Follower{Couch: d.Couch, DB: cfg.DBName, Set: p.rules, Log: plog.WithField("component", "rules"), Metrics: pm,
+		OnAdded: p.enqueueMatching}
+	p.pub = publisher.New(natsjs.NewJobs(d.JS, d.Topo.Subjects).WithRules(rf.AppliedSeq), cfg.MaxInflight, pm, plog)
 	if cfg.HotFeeds > 0 {
 		p.hot = publisher.NewHotFeeds(d.Couch, p.pub, func(db string) []events.Group { return p.rules.Groups(db).Groups() },
 			cfg.HotFeeds, cfg.HotFeedIdle, cfg.FeedHeartbeat, pm, log.WithField("component", "hot"))
@@ -179,8 +183,6 @@ func Run(ctx context.Context, cfg *config.Producer, log *logrus.Logger) error {
 	pubDone := make(chan struct{})
 	go func() { defer close(pubDone); p.pub.Run(ctx, cfg.ShutdownGrace) }()
 
-	rf := &rulefeed.Follower{Couch: d.Couch, DB: cfg.DBName, Set: p.rules, Log: plog.WithField("component", "rules"), Metrics: pm,
-		OnAdded: p.enqueueMatching}
 	rulesSeq, err := rf.Load(ctx)
 	if err != nil {
 		return err

@@ -26,7 +26,7 @@ type dbReader interface {
 
 // recordPutter writes completion records (*Records).
 type recordPutter interface {
-	Put(ctx context.Context, g events.Group, db, seq string) error
+	PutFor(ctx context.Context, g events.Group, db, seq, rules string) error
 }
 
 // Recorder writes the completion record of every successful job of a consumer (see Wrap).
@@ -34,6 +34,9 @@ type Recorder struct {
 	dbs     dbReader
 	records recordPutter
 	log     logrus.FieldLogger
+	// Rules returns the fingerprint of the group's rules that match a db (rules.Set.Fingerprint),
+	// recorded with the seq (nil: none).
+	Rules func(g events.Group, db string) string
 }
 
 // NewRecorder returns a recorder writing into records; dbs serves the read after a Settled job
@@ -132,6 +135,10 @@ func (r *Recorder) earliest(ctx context.Context, db string, seqs []string) (stri
 // runs the db once more.
 func (r *Recorder) Wrap(h worker.Handler) worker.Handler {
 	return func(ctx context.Context, job *worker.Job) error {
+		var rules string
+		if r.Rules != nil {
+			rules = r.Rules(job.Group, job.DB) // the rules the job starts with: a later edit leaves the record due
+		}
 		v := &vouchers{}
 		err := h(context.WithValue(ctx, vouchKey{}, v), job)
 		if err != nil || ctx.Err() != nil || !job.Held() {
@@ -166,7 +173,7 @@ func (r *Recorder) Wrap(h worker.Handler) worker.Handler {
 		if seq == "" || !job.Held() {
 			return nil
 		}
-		if perr := r.records.Put(pctx, job.Group, job.DB, seq); perr != nil {
+		if perr := r.records.PutFor(pctx, job.Group, job.DB, seq, rules); perr != nil {
 			log.WithError(perr).Warn("record the job done failed: the reconciliation sweep runs the db once more")
 		}
 		return nil

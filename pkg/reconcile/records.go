@@ -74,16 +74,40 @@ func ParseKey(key string) (events.Group, string, error) {
 	return events.Group(g), string(db), nil
 }
 
-// Put records that a job of g processed db up to seq, the db's update_seq read before the job
-// read anything of the db. A holder that ran late (its lease lost after the check, a put that
-// overtakes a newer one) may write an older seq over a newer: that costs one job more at the
-// next sweep, never a change, because the sweep only skips a db whose record equals CouchDB's
-// update_seq.
+// Put records that a job of g processed db up to seq (see PutFor), vouching for no rule set.
 func (r *Records) Put(ctx context.Context, g events.Group, db, seq string) error {
-	if _, err := r.kv.Put(ctx, Key(g, db), []byte(seq)); err != nil {
+	return r.PutFor(ctx, g, db, seq, "")
+}
+
+// PutFor records that a job of g processed db up to seq, the last_seq of a read of the db's
+// feed that reached its end, with the rules whose fingerprint is rules (rules.Set.Fingerprint:
+// the group's enabled rules that match db, with their revisions). A holder that ran late (its
+// lease lost after the check, a put that overtakes a newer one) may write an older seq over a
+// newer: that costs one job more at the next sweep, never a change, because the sweep only
+// skips a db whose record covers CouchDB's update_seq.
+func (r *Records) PutFor(ctx context.Context, g events.Group, db, seq, rules string) error {
+	if _, err := r.kv.Put(ctx, Key(g, db), []byte(Value(seq, rules))); err != nil {
 		return fmt.Errorf("record %s done for %s: %w", g, db, err)
 	}
 	return nil
+}
+
+// Value is a record's value: seq, and, when known, a newline and the fingerprint of the rules
+// the job ran with. A record's rules say which rules it vouches for: a rule added or edited since
+// (another fingerprint) leaves the db due, so that the rule acts on the db's existing docs even
+// when its own catch-up job was lost (SPEC §7.9).
+func Value(seq, rules string) string {
+	if rules == "" {
+		return seq
+	}
+	return seq + "\n" + rules
+}
+
+// ParseValue splits a record's value into its seq and its rules' fingerprint ("" when the
+// record names none, as an earlier release's).
+func ParseValue(v string) (seq, rules string) {
+	seq, rules, _ = strings.Cut(v, "\n")
+	return seq, rules
 }
 
 // Get returns the record of (g, db), "" when there is none.
@@ -103,11 +127,13 @@ type Done map[string]string
 
 // Due returns those of groups whose record of db is missing or does not cover seq (Covered):
 // the groups that may have to run db (see the package doc: the sweep asks CouchDB about a
-// record of another string before it enqueues).
-func (d Done) Due(db, seq string, groups []events.Group) []events.Group {
+// record of another string before it enqueues). With rules (nil: not compared), a record that
+// vouches for other rules than rules(g) is due as well (RulesChanged).
+func (d Done) Due(db, seq string, groups []events.Group, rules func(events.Group) string) []events.Group {
 	var due []events.Group
 	for _, g := range groups {
-		if done, ok := d[Key(g, db)]; !ok || !Covered(done, seq) {
+		done, ok := d[Key(g, db)]
+		if !ok || !Covered(done, seq) || rules != nil && RulesChanged(done, rules(g)) {
 			due = append(due, g)
 		}
 	}
@@ -115,10 +141,19 @@ func (d Done) Due(db, seq string, groups []events.Group) []events.Group {
 }
 
 // Covered reports whether a record says, by itself, that its group is done with a db now at
-// update_seq seq: it is the same string. A record of another string may still be done with the
-// db (one state sent as another string): only CouchDB can tell (couch.Client.ChangedSince).
+// update_seq seq: its seq is the same string. A record of another string may still be done with
+// the db (one state sent as another string): only CouchDB can tell (couch.Client.ChangedSince).
 func Covered(record, seq string) bool {
-	return record != "" && record == seq
+	rseq, _ := ParseValue(record)
+	return rseq != "" && rseq == seq
+}
+
+// RulesChanged reports whether record vouches for other rules than those of fingerprint rules:
+// a rule added, edited or removed since. A record that names none (an earlier release's)
+// vouches for whatever rules there are.
+func RulesChanged(record, rules string) bool {
+	_, rr := ParseValue(record)
+	return rr != "" && rr != rules
 }
 
 // Read reads every record, with one ordered consumer over the bucket, and never a cached copy:

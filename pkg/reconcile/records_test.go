@@ -81,11 +81,11 @@ func TestDue(t *testing.T) {
 	t.Parallel()
 	done := Done{Key(rep, "a"): "5-g1AAAA", Key(onc, "a"): "4-g1AAAA"}
 	both := []events.Group{rep, onc}
-	assert.Equal(t, []events.Group{onc}, done.Due("a", "5-g1AAAA", both))
-	assert.Empty(t, done.Due("a", "5-g1AAAA", []events.Group{rep}))
-	assert.Equal(t, both, done.Due("b", "5-g1AAAA", both), "no record: due")
-	assert.Equal(t, both, done.Due("a", "6-g1AAAA", both))
-	assert.Equal(t, both, Done{}.Due("a", "1", both))
+	assert.Equal(t, []events.Group{onc}, done.Due("a", "5-g1AAAA", both, nil))
+	assert.Empty(t, done.Due("a", "5-g1AAAA", []events.Group{rep}, nil))
+	assert.Equal(t, both, done.Due("b", "5-g1AAAA", both, nil), "no record: due")
+	assert.Equal(t, both, done.Due("a", "6-g1AAAA", both, nil))
+	assert.Equal(t, both, Done{}.Due("a", "1", both, nil))
 }
 
 // Read returns every record as last put; DropDB removes a deleted db's records of every group
@@ -216,11 +216,11 @@ func TestRecorderWrap(t *testing.T) {
 func TestDueComparesStrings(t *testing.T) {
 	t.Parallel()
 	done := Done{Key(rep, "a"): "9", Key(rep, "b"): "4", Key(rep, "c"): "3-x"}
-	assert.Empty(t, done.Due("a", "9", []events.Group{rep}))
-	assert.Equal(t, []events.Group{rep}, done.Due("a", "8", []events.Group{rep}), "another string: not known done")
-	assert.Equal(t, []events.Group{rep}, done.Due("b", "5", []events.Group{rep}))
-	assert.Equal(t, []events.Group{rep}, done.Due("c", "3-y", []events.Group{rep}))
-	assert.Equal(t, []events.Group{rep}, done.Due("d", "1", []events.Group{rep}), "no record")
+	assert.Empty(t, done.Due("a", "9", []events.Group{rep}, nil))
+	assert.Equal(t, []events.Group{rep}, done.Due("a", "8", []events.Group{rep}, nil), "another string: not known done")
+	assert.Equal(t, []events.Group{rep}, done.Due("b", "5", []events.Group{rep}, nil))
+	assert.Equal(t, []events.Group{rep}, done.Due("c", "3-y", []events.Group{rep}, nil))
+	assert.Equal(t, []events.Group{rep}, done.Due("d", "1", []events.Group{rep}, nil), "no record")
 	assert.False(t, Covered("", ""), "no record covers nothing")
 }
 
@@ -255,7 +255,7 @@ func TestRecordIsWhereTheReadEnded(t *testing.T) {
 		info, err := cc.DBInfo(t.Context(), db)
 		require.NoError(t, err)
 		record := done[Key(onc, db)]
-		due := len(done.Due(db, info.UpdateSeq, []events.Group{onc})) > 0
+		due := len(done.Due(db, info.UpdateSeq, []events.Group{onc}, nil)) > 0
 		if due && record != "" {
 			// Another string (the same state, or not): the sweep asks CouchDB (producer's
 			// stillDue).
@@ -268,4 +268,27 @@ func TestRecordIsWhereTheReadEnded(t *testing.T) {
 			assert.False(t, due, "nothing landed: done (record %q, update_seq %q)", record, info.UpdateSeq)
 		}
 	}
+}
+
+// A record keeps the fingerprint of the rules it vouches for beside its seq; a record of other
+// rules is due although its seq covers the db's, and one that names no rules (an earlier
+// release's) vouches for whatever rules there are.
+func TestRecordVouchesForItsRules(t *testing.T) {
+	rep := events.GroupReplicate
+	v := Value("5-g1AAAA", "aaaa")
+	seq, rules := ParseValue(v)
+	assert.Equal(t, "5-g1AAAA", seq)
+	assert.Equal(t, "aaaa", rules)
+	assert.Equal(t, "7", Value("7", ""), "no rules: the seq alone, as before")
+	assert.True(t, Covered(v, "5-g1AAAA"))
+	assert.False(t, RulesChanged(v, "aaaa"))
+	assert.True(t, RulesChanged(v, "bbbb"))
+	assert.True(t, RulesChanged(v, ""), "every rule of the group removed")
+	assert.False(t, RulesChanged("5-g1AAAA", "bbbb"), "a record without rules")
+
+	done := Done{Key(rep, "a"): v}
+	same := func(events.Group) string { return "aaaa" }
+	other := func(events.Group) string { return "bbbb" }
+	assert.Empty(t, done.Due("a", "5-g1AAAA", []events.Group{rep}, same))
+	assert.Equal(t, []events.Group{rep}, done.Due("a", "5-g1AAAA", []events.Group{rep}, other), "a rule added or edited since")
 }

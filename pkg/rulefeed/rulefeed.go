@@ -43,6 +43,11 @@ type Follower struct {
 	mu sync.Mutex
 	// enqueuedSeq is the spiegel db seq up to which onAdded has run for every rule change.
 	enqueuedSeq string
+	// applied is the spiegel db seq up to which Set reflects every change (AppliedSeq); moved
+	// is closed when it moves; covered are seqs Await found covered.
+	applied string
+	moved   chan struct{}
+	covered map[string]bool
 }
 
 // EnqueuedSeq returns the seq up to which new rules have had their dbs enqueued. The service's
@@ -148,6 +153,7 @@ func (f *Follower) Load(ctx context.Context) (string, error) {
 		}
 		if len(page.Results) == 0 || page.LastSeq == since {
 			f.report()
+			f.setApplied(page.LastSeq)
 			return page.LastSeq, nil
 		}
 		since = page.LastSeq
@@ -178,9 +184,17 @@ func (f *Follower) Follow(ctx context.Context, since string) {
 
 func (f *Follower) apply(ctx context.Context, c couch.Change, live bool) {
 	if rules.IsServiceDocID(c.ID) {
+		if live {
+			f.setApplied(c.Seq)
+		}
 		return // the service's own docs: never rules, and they must not move EnqueuedSeq
 	}
 	ch, err := f.Set.Apply(c.ID, c.Doc, c.Deleted)
+	if live {
+		// The set reflects c now: jobs the OnAdded below publishes carry c.Seq, so a consumer
+		// runs them only once its own set has this rule (Await).
+		f.setApplied(c.Seq)
+	}
 	if err != nil {
 		f.Log.WithField("rule", c.ID).WithError(err).Error("invalid rule skipped")
 		if live {

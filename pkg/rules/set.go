@@ -1,13 +1,17 @@
 package rules
 
 import (
+	"crypto/sha256"
+	"encoding/hex"
 	"errors"
+	"fmt"
 	"hash/maphash"
 	"sort"
 	"strings"
 	"sync"
 	"sync/atomic"
 
+	"github.com/spiegel-nats/spiegel/pkg/events"
 	"github.com/spiegel-nats/spiegel/pkg/logging"
 )
 
@@ -180,6 +184,29 @@ func (s *Set) matching(db string) []Rule {
 	s.mu.RUnlock()
 	sort.Slice(rs, func(i, j int) bool { return rs[i].ID() < rs[j].ID() })
 	return rs
+}
+
+// Fingerprint identifies the enabled rules of group g that match db, with their revisions: 16
+// hex digits of a SHA-256 over their ids and revs ("" when none match). A completion record
+// keeps it (reconcile.Value), so that the sweep sees a db whose rules changed since its last
+// job as due.
+func (s *Set) Fingerprint(g events.Group, db string) string {
+	if s == nil {
+		return ""
+	}
+	h := sha256.New()
+	n := 0
+	for _, r := range s.matching(db) {
+		if r.Group() != g || !r.Enabled() {
+			continue
+		}
+		n++
+		fmt.Fprintf(h, "%s\x00%s\n", r.ID(), r.Rev())
+	}
+	if n == 0 {
+		return ""
+	}
+	return hex.EncodeToString(h.Sum(nil)[:8])
 }
 
 // Rule returns the rule with the given doc id, enabled or not.

@@ -1,6 +1,7 @@
 package rules
 
 import (
+	"encoding/json"
 	"errors"
 	"fmt"
 	"math/rand/v2"
@@ -266,4 +267,34 @@ func TestGroupCacheBounded(t *testing.T) {
 		assert.Equal(t, MaskOnChange, s.Groups(fmt.Sprintf("a%d", i)))
 	}
 	assert.LessOrEqual(t, s.cache.Load().n.Load(), int64(101))
+}
+
+// A group's fingerprint of a db names its enabled matching rules with their revisions: it moves
+// with a rule added, edited or disabled, and not with another group's rules or another db's.
+func TestFingerprint(t *testing.T) {
+	s := NewSet()
+	apply := func(id, doc string) {
+		t.Helper()
+		var m map[string]any
+		require.NoError(t, json.Unmarshal([]byte(doc), &m))
+		m["_id"] = id
+		m["_rev"] = fmt.Sprintf("%d-x", len(doc))
+		raw, err := json.Marshal(m)
+		require.NoError(t, err)
+		_, err = s.Apply(id, raw, false)
+		require.NoError(t, err)
+	}
+	assert.Empty(t, s.Fingerprint(events.GroupOnChange, "user_1"), "no rule")
+	apply("hook", `{"type":"on_change","db_name":"^user_","url":"https://hooks.example.com/a"}`)
+	first := s.Fingerprint(events.GroupOnChange, "user_1")
+	assert.Len(t, first, 16)
+	assert.Equal(t, first, s.Fingerprint(events.GroupOnChange, "user_2"), "same rules, same fingerprint")
+	assert.Empty(t, s.Fingerprint(events.GroupOnChange, "other"), "no matching rule")
+	apply("rep", `{"type":"replicator","db_name":"^user_","source":"$db_name","target":"$db_name-copy"}`)
+	assert.Equal(t, first, s.Fingerprint(events.GroupOnChange, "user_1"), "another group's rule")
+	assert.NotEmpty(t, s.Fingerprint(events.GroupReplicate, "user_1"))
+	apply("hook", `{"type":"on_change","db_name":"^user_","url":"https://hooks.example.com/edited"}`)
+	assert.NotEqual(t, first, s.Fingerprint(events.GroupOnChange, "user_1"), "an edit (another rev)")
+	apply("hook", `{"type":"on_change","db_name":"^user_","url":"https://hooks.example.com/edited","disabled":true}`)
+	assert.Empty(t, s.Fingerprint(events.GroupOnChange, "user_1"), "disabled")
 }

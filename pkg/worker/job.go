@@ -16,6 +16,8 @@ type Job struct {
 	Reason string
 	// Seq is the opaque feed sequence hint of the payload, possibly empty; never parse it.
 	Seq string
+	// Rules is the rule-set seq the job must run with at least (events.Job Rules; "": any).
+	Rules string
 	// Attempt is the delivery count of the message: 1 on the first delivery.
 	Attempt int
 	// Postponed is how many of the earlier deliveries the handler knows were postponements

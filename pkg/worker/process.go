@@ -46,7 +46,7 @@ func (r *Runner) process(handlerCtx context.Context, msg jetstream.Msg, pulled t
 	if payload, err := events.UnmarshalJob(msg.Data()); err != nil {
 		log.WithError(err).Warn("bad job payload: running the job from its subject alone")
 	} else {
-		job.Reason, job.Seq = payload.Reason, payload.Seq
+		job.Reason, job.Seq, job.Rules = payload.Reason, payload.Seq, payload.Rules
 	}
 
 	job.lease = newLease(r.cfg.AckWait, pulled, r.now)
@@ -272,7 +272,7 @@ var wakeupFailurePause = backoff.Policy{Initial: 500 * time.Millisecond, Max: 30
 // update_seq, and the producer's reconciliation sweep enqueues the db.
 func (r *Runner) checkWakeup(handlerCtx context.Context, job *Job, log logrus.FieldLogger) (then func()) {
 	ctx, cancel := context.WithTimeout(handlerCtx, settleTimeout)
-	seq, err := r.jobs.ReadWakeup(ctx, job.Group, job.DB)
+	m, err := r.jobs.ReadWakeup(ctx, job.Group, job.DB)
 	cancel()
 	if err != nil {
 		delay := r.wakeupStreak.Failed(r.cfg.wakeupPause, time.Now())
@@ -281,20 +281,20 @@ func (r *Runner) checkWakeup(handlerCtx context.Context, job *Job, log logrus.Fi
 			if backoff.Sleep(handlerCtx, delay) != nil {
 				return
 			}
-			r.offerWakeup(handlerCtx, job, 0, log)
+			r.offerWakeup(handlerCtx, job, natsjs.Wakeup{Rules: job.Rules}, log)
 		}
 	}
 	r.wakeupStreak.Succeeded()
 	switch {
-	case seq == 0:
-	case seq == job.wakeupSeq:
+	case m.Seq == 0:
+	case m.Seq == job.wakeupSeq:
 		ctx, cancel := context.WithTimeout(handlerCtx, settleTimeout)
 		defer cancel()
-		if err := r.jobs.ClearWakeup(ctx, job.Group, job.DB, seq); err != nil {
+		if err := r.jobs.ClearWakeup(ctx, job.Group, job.DB, m.Seq); err != nil {
 			log.WithError(err).Debug("clear wakeup marker failed: the db's next job runs once more than needed")
 		}
 	default:
-		return func() { r.offerWakeup(handlerCtx, job, seq, log) }
+		return func() { r.offerWakeup(handlerCtx, job, m, log) }
 	}
 	return nil
 }
@@ -310,34 +310,37 @@ const queuedMarkerRead = time.Second
 // (postponed by RetryAfter, e.g. a rule's dirty_after delay, or retried after a failure), or
 // delivered first after queuedMarkerRead in the queue. Changes that came while it waited are
 // read by this run, so their marker, read now, counts as covered and costs no run more after
-// this one. A first delivery taken at once skips it; a marker set in its short wait costs one
-// more run. A failure is harmless: the check after the run then offers the job again for the
-// marker.
+// this one; the run then needs the rule set the marker's job named (Job.Rules). A first delivery
+// taken at once skips it; a marker set in its short wait costs one more run. A failure is
+// harmless: the check after the run then offers the job again for the marker.
 func (r *Runner) readWakeupAtStart(ctx context.Context, job *Job, log logrus.FieldLogger) {
 	rctx, cancel := context.WithTimeout(ctx, settleTimeout)
 	defer cancel()
-	seq, err := r.jobs.ReadWakeup(rctx, job.Group, job.DB)
+	m, err := r.jobs.ReadWakeup(rctx, job.Group, job.DB)
 	if err != nil {
 		log.WithError(err).Debug("read wakeup marker before the run failed: a marker makes one run more")
 		return
 	}
-	if seq != 0 {
-		job.wakeupSeq = seq
+	if m.Seq != 0 {
+		job.wakeupSeq = m.Seq
+		if m.Rules != "" {
+			job.Rules = m.Rules
+		}
 	}
 }
 
-// offerWakeup enqueues the job again for the wakeup marker seq, retrying until it is stored (or
+// offerWakeup enqueues the job again for the wakeup marker m, retrying until it is stored (or
 // refused: a job for the db is pending or running, and reads the marker after its run) or the
 // handlers' context ends (the end of a shutdown's grace period; the reconciliation sweep finds
 // the db behind its record).
-func (r *Runner) offerWakeup(handlerCtx context.Context, job *Job, seq uint64, log logrus.FieldLogger) {
+func (r *Runner) offerWakeup(handlerCtx context.Context, job *Job, m natsjs.Wakeup, log logrus.FieldLogger) {
 	retry := backoff.Policy{Initial: 200 * time.Millisecond, Max: 5 * time.Second, Multiplier: 2, Jitter: 0.2}
 	for attempt := 1; ; attempt++ {
 		ctx, cancel := context.WithTimeout(handlerCtx, settleTimeout)
-		_, err := r.jobs.OfferWakeup(ctx, job.Group, job.DB, seq)
+		_, err := r.jobs.OfferWakeup(ctx, job.Group, job.DB, m)
 		cancel()
 		if err == nil {
-			log.WithField("marker", seq).Debug("db changed while its job ran: job enqueued again")
+			log.WithField("marker", m.Seq).Debug("db changed while its job ran: job enqueued again")
 			return
 		}
 		if backoff.Sleep(handlerCtx, retry.Delay(attempt)) != nil {

@@ -64,9 +64,9 @@ func waitClosed(t *testing.T, ch chan struct{}, what string) {
 
 func (e *env) marker(t *testing.T, db string) uint64 {
 	t.Helper()
-	seq, err := e.jobs.ReadWakeup(t.Context(), group, db)
+	m, err := e.jobs.ReadWakeup(t.Context(), group, db)
 	require.NoError(t, err)
-	return seq
+	return m.Seq
 }
 
 // queueWithMarker queues db's job and offers db once more while it waits: the offer is refused
