@@ -15,6 +15,7 @@ import (
 
 	"github.com/spiegel-nats/spiegel/pkg/checkpoint"
 	"github.com/spiegel-nats/spiegel/pkg/events"
+	"github.com/spiegel-nats/spiegel/pkg/natsjs"
 	"github.com/spiegel-nats/spiegel/pkg/rules"
 	"github.com/spiegel-nats/spiegel/pkg/webhook"
 	"github.com/spiegel-nats/spiegel/pkg/worker"
@@ -151,8 +152,6 @@ type jsAPIError struct {
 const (
 	errCodeNoMessage          = 10037 // no message found
 	errCodeSeqNotFound        = 10043 // sequence not found
-	errCodeWrongLastSeq       = 10071 // wrong last sequence
-	errCodeWrongLastSeqBusy   = 10164 // wrong last sequence (a replicated stream with a check on the subject in flight)
 	errCodeBatchHasDuplicates = 10201 // atomic publish batch contains duplicate message id
 )
 
@@ -365,11 +364,10 @@ func (p *changePublisher) attemptFenced(m changeMsg, f *fence, timeout time.Dura
 	}
 }
 
-// wrongLast reports whether err is the stream refusing an expected last subject sequence.
-func wrongLast(err error) bool {
-	var apiErr *jetstream.APIError
-	return errors.As(err, &apiErr) && (apiErr.ErrorCode == errCodeWrongLastSeq || apiErr.ErrorCode == errCodeWrongLastSeqBusy)
-}
+// wrongLast reports whether err is the stream refusing an expected last subject sequence that
+// it checked (natsjs.IsWrongLastSequence). A check the stream could not make while another write
+// on the subject was in flight (natsjs.IsSubjectBusy) is not: the publish is retried.
+func wrongLast(err error) bool { return natsjs.IsWrongLastSequence(err) }
 
 // takesAtomicPages reports whether a stream with cfg takes a page as one atomic batch: it allows
 // them, and stages them in memory. A single-replica stream on file storage stages every message of
@@ -456,7 +454,7 @@ func (p *changePublisher) publishAtomic(ctx context.Context, msgs []changeMsg, f
 				return fmt.Errorf("publish a batch of %d changes to %s: unreadable answer %q", len(msgs), msgs[0].subject, m.Data)
 			}
 			switch {
-			case a.Error != nil && (a.Error.ErrCode == errCodeWrongLastSeq || a.Error.ErrCode == errCodeWrongLastSeqBusy):
+			case a.Error != nil && natsjs.WrongLastCode(a.Error.ErrCode):
 				return fmt.Errorf("publish a batch of %d changes to %s: %w", len(msgs), msgs[0].subject, errFenced)
 			case a.Error != nil && a.Error.ErrCode == errCodeBatchHasDuplicates:
 				return fmt.Errorf("publish a batch of %d changes to %s: %w", len(msgs), msgs[0].subject, errBatchDuplicate)

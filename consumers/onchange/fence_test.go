@@ -228,3 +228,34 @@ func TestRulesSharingAStreamEachStoreTheChange(t *testing.T) {
 	require.NoError(t, err)
 	assert.Equal(t, "1", from, "no loss found")
 }
+
+// busyOncePublisher answers the first publish with JetStream's 10164 (a check on the subject
+// while another write on it is in flight, replicated streams only) and then publishes.
+type busyOncePublisher struct {
+	jetstream.JetStream
+	calls int
+}
+
+func (p *busyOncePublisher) PublishMsg(ctx context.Context, m *nats.Msg, opts ...jetstream.PublishOpt) (*jetstream.PubAck, error) {
+	p.calls++
+	if p.calls == 1 {
+		return nil, &jetstream.APIError{Code: 400, ErrorCode: 10164, Description: "wrong last sequence"}
+	}
+	return p.JetStream.PublishMsg(ctx, m, opts...)
+}
+
+// TestSubjectBusyIsRetriedNotFenced: a fenced publish answered 10164 was not refused by the
+// fence (nothing was checked): it is retried with the rule's policy and stored, and the job
+// goes on. Before, it ended the job as fenced and ran it again from its checkpoint.
+func TestSubjectBusyIsRetriedNotFenced(t *testing.T) {
+	t.Parallel()
+	s := natstest.Start(t)
+	js := orderStream(t, s, 0, false)
+	pub := &busyOncePublisher{JetStream: js}
+	h, r := orderHandler(t, pub)
+	res := publishPage(t, withFences(t.Context()), h, r, "", []couch.Change{docRow("1", "a", "1-a"), docRow("2", "b", "1-a")})
+	require.NoError(t, res.err)
+	assert.Equal(t, 2, res.done)
+	assert.Equal(t, []string{"db/a/1-a", "db/b/1-a"}, stored(t, js), "stored once each, in order")
+	assert.Equal(t, 3, pub.calls, "the busy publish was sent again")
+}

@@ -106,9 +106,8 @@ func (f *kvFence) Advance(ctx context.Context, id string, token uint64) (uint64,
 	} else {
 		next, err = kv.Update(ctx, fenceKey(ctx, id), v, token)
 	}
-	var apiErr *jetstream.APIError
 	switch {
-	case errors.Is(err, jetstream.ErrKeyExists) || errors.As(err, &apiErr) && apiErr.ErrorCode == jetstream.JSErrCodeStreamWrongLastSequence:
+	case errors.Is(err, jetstream.ErrKeyExists) || natsjs.IsWrongLastSequence(err):
 		return 0, false, nil
 	case err != nil:
 		return 0, false, fmt.Errorf("advance the fencing token of replication %s: %w", id, err)
