@@ -44,20 +44,27 @@ var ErrFenced = errors.New("fenced: another holder wrote the checkpoint since th
 //     writes nothing; a cache that does not answer is a transient error, never a write without
 //     the claim. CouchDB 3 does not check the revs of _local docs, so the entry, not the doc's
 //     rev, is what orders holders; PouchDB Server's rev check is a second fence.
-//   - Verification. The cache is never trusted alone: Verify reads the _local doc (one request,
-//     which a run makes in parallel with its first _changes page) and compares the checkpoint's
-//     lineage — a random instance id written in its first doc and kept in the entry. A doc that
-//     is gone, or of another lineage, means the db was deleted (and maybe recreated, whatever its
-//     new seqs): ErrMoved. A doc of the same lineage that is not the one the entry names (a
-//     write that landed after its holder was fenced, or a doc trailing the entry) leaves the
-//     entry in charge; the next Save rewrites the doc.
+//   - Verification. The cache is never trusted alone: Verify reads the _local doc and the db's
+//     identity doc (IdentityID), in parallel with each other and with the run's first _changes
+//     page. Every checkpoint records the identity of its db, created by the first checkpoint
+//     that begins there: a db without it, or with another, is not the checkpoint's db — it was
+//     deleted and created again, whatever its seqs and whatever checkpoint doc a late write left
+//     in it: ErrMoved. A doc that is gone, or of another lineage (a random instance id written
+//     in the checkpoint's first doc and kept in the entry), means the same. A doc of the same
+//     lineage that is not the one the entry names (a write that landed after its holder was
+//     fenced, or a doc trailing the entry) leaves the entry in charge; the next Save rewrites
+//     the doc. Load, reading CouchDB, reads both docs too, and a doc naming another identity is
+//     no checkpoint. Seqs are never read for any of this: a shard copy that CouchDB rebuilt
+//     (new shard files in the seqs, the same db) keeps the identity.
 //
-// A job that makes progress costs its _changes read, the _local read, and a _local write (at
-// most one per LocalEvery, see Save). Every CouchDB request ends at the client's request
-// timeout. Safe for concurrent use.
+// A job that makes progress costs its _changes read, the _local read, the identity read (shared
+// by the job's rules, see identities) and a _local write (at most one per LocalEvery, see Save);
+// the first checkpoint of a db creates its identity (a read and a write, once). Every CouchDB
+// request ends at the client's request timeout. Safe for concurrent use.
 type OnChangeStore struct {
 	couch *couch.Client
 	kv    jetstream.KeyValue // nil: no cache and no fencing but PouchDB Server's rev check
+	ids   identities         // the identity requests under way, shared by a job's rules
 	// LocalEvery, when above 0 and a cache is there, batches the _local writes of a busy
 	// checkpoint: Save writes the cache entry (durable in JetStream) every time but the _local
 	// doc only when it is older than LocalEvery. The doc then trails the entry by at most that
@@ -96,6 +103,8 @@ type OnChangePoint struct {
 	rev      string    // of the _local doc, as last written by a holder
 	replayed string    // the doc's replayed_at: a replay changes it
 	instance string    // the checkpoint's lineage, kept in its doc and entry ("": unknown)
+	dbID     string    // the identity of the db the checkpoint is of, kept in its doc and entry ("": unknown)
+	dbSeen   string    // the db's identity as the run last read it ("": none, or not read)
 	storedAt time.Time // when the _local doc was last written (zero: unknown)
 	kvRev    uint64    // the fencing token: the entry's revision read or last written (0: none)
 	cached   bool      // read from the cache, not from CouchDB
@@ -127,8 +136,13 @@ type localDoc struct {
 	LastSeq    string `json:"last_seq"`
 	ReplayedAt string `json:"replayed_at,omitempty"`
 	// Instance names the checkpoint's lineage: chosen at random by the first write, kept by the
-	// later ones. It dies with the db, so a recreated db cannot show the same one.
+	// later ones. It dies with the db; a db created again shows it only when a late write of the
+	// earlier db's holder landed there (CouchDB 3 takes _local docs whatever their rev), which
+	// DBID tells.
 	Instance string `json:"instance,omitempty"`
+	// DBID is the identity of the db the checkpoint is of (see IdentityID); absent from the
+	// docs of earlier releases, which the next save completes.
+	DBID string `json:"db_id,omitempty"`
 	// Fence is the cache entry's revision that the write was made under (for the record).
 	Fence     uint64      `json:"fence,omitempty"`
 	Stream    StreamPoint `json:"stream,omitzero"`
@@ -142,6 +156,7 @@ type cacheEntry struct {
 	Rev      string      `json:"rev"`
 	Replayed string      `json:"replayed,omitempty"`
 	Instance string      `json:"instance,omitempty"`
+	DBID     string      `json:"db_id,omitempty"`
 	StoredAt time.Time   `json:"stored_at,omitzero"`
 	Stream   StreamPoint `json:"stream,omitzero"`
 	// Trail is the number of changes acted on since the _local doc was written.
@@ -149,14 +164,15 @@ type cacheEntry struct {
 }
 
 func (p *OnChangePoint) entry(seq string) []byte {
-	v, _ := json.Marshal(cacheEntry{LastSeq: seq, Rev: p.rev, Replayed: p.replayed, Instance: p.instance, StoredAt: p.storedAt, Stream: p.Stream, Trail: p.trail})
+	v, _ := json.Marshal(cacheEntry{LastSeq: seq, Rev: p.rev, Replayed: p.replayed, Instance: p.instance, DBID: p.dbID, StoredAt: p.storedAt, Stream: p.Stream, Trail: p.trail})
 	return v
 }
 
 // Load returns the checkpoint of rule in db and the run's fencing token: from the cache, else
-// from the _local doc. A cache that does not answer is an error (transient): the doc may trail
-// the entry, so falling back to it would go back. A missing checkpoint is Found false; a
-// missing db is Found false too (the caller's _changes read tells).
+// from the _local doc, read with the db's identity (in parallel). A cache that does not answer
+// is an error (transient): the doc may trail the entry, so falling back to it would go back. A
+// missing checkpoint is Found false; so is a doc naming another identity than the db's (one of
+// an earlier db of the name), and a missing db (the caller's _changes read tells).
 func (s *OnChangeStore) Load(ctx context.Context, rule, db string) (OnChangePoint, error) {
 	p := OnChangePoint{Rule: rule, DB: db}
 	if s.kv != nil {
@@ -171,18 +187,26 @@ func (s *OnChangeStore) Load(ctx context.Context, rule, db string) (OnChangePoin
 			var c cacheEntry
 			if json.Unmarshal(e.Value(), &c) == nil {
 				p.LastSeq, p.rev, p.replayed, p.instance, p.storedAt, p.Stream, p.trail = c.LastSeq, c.Rev, c.Replayed, c.Instance, c.StoredAt, c.Stream, c.Trail
+				p.dbID = c.DBID
 				p.kvRev, p.Found, p.cached = e.Revision(), true, true
 				return p, nil
 			}
 			p.kvRev = e.Revision() // unreadable: the doc decides, the first Save replaces the entry
 		}
 	}
-	d, found, err := s.readDoc(ctx, rule, db)
+	d, found, dbID, err := s.readWithIdentity(ctx, rule, db)
 	if err != nil {
 		return p, err
 	}
+	p.dbSeen = dbID
+	if found && d.DBID != "" && d.DBID != dbID {
+		// The doc is of an earlier db of this name (a write that landed after the db was created
+		// again): this db has no checkpoint of the rule.
+		found = false
+	}
 	if found {
 		p.LastSeq, p.rev, p.replayed, p.instance, p.Stream, p.Found = d.LastSeq, d.Rev, d.ReplayedAt, d.Instance, d.Stream, true
+		p.dbID = d.DBID
 	}
 	return p, nil
 }
@@ -203,23 +227,36 @@ func (s *OnChangeStore) readDoc(ctx context.Context, rule, db string) (localDoc,
 	return d, true, nil
 }
 
-// Verify checks a checkpoint read from the cache against its _local doc (a checkpoint read from
-// CouchDB needs no check). A doc that is gone while the entry names one, or that is of another
-// lineage, means the db was deleted and maybe recreated since: Verify drops the entry (over the
-// run's token) and returns ErrMoved; the run starts again from Load. A doc of the same lineage
-// that differs from the entry's is rewritten by the next Save (the entry is the checkpoint: a
-// holder writes the doc only after moving the entry). A CouchDB or cache that does not answer
-// is a transient error; an entry moved by another holder meanwhile is ErrFenced. It makes one
-// CouchDB request and, on ErrMoved, one cache write. p is updated.
+// Verify checks a checkpoint read from the cache against its _local doc and its db's identity
+// (a checkpoint read from CouchDB needs no check: Load read both). A db whose identity is not
+// the one the entry names (none, or another) was deleted and created again since, whatever
+// checkpoint doc it holds; a doc that is gone while the entry names one, or that is of another
+// lineage, means the same. Verify then drops the entry (over the run's token) and returns
+// ErrMoved; the run starts again from Load. A doc of the same lineage that differs from the
+// entry's, or one of an earlier db of the name (a late write) while the entry is this db's, is
+// rewritten by the next Save (the entry is the checkpoint: a holder writes the doc only after
+// moving the entry). An entry of an earlier release names no identity: the lineage alone
+// decides, and the next Save records the identity. A CouchDB or cache that does not answer is
+// a transient error; an entry moved by another holder meanwhile is ErrFenced. It makes two
+// CouchDB requests in parallel (the identity read is shared with the job's other rules, see
+// identities) and, on ErrMoved, one cache write. p is updated.
 func (s *OnChangeStore) Verify(ctx context.Context, p *OnChangePoint) error {
 	if !p.cached {
 		return nil
 	}
-	d, found, err := s.readDoc(ctx, p.Rule, p.DB)
+	d, found, dbID, err := s.readWithIdentity(ctx, p.Rule, p.DB)
 	if err != nil {
 		return fmt.Errorf("verify: %w", err)
 	}
+	p.dbSeen = dbID
 	switch {
+	case p.dbID != "" && p.dbID != dbID: // the db was created again
+		return s.moved(ctx, p, "verify")
+	case found && d.DBID != "" && d.DBID != dbID: // a doc of an earlier db of the name
+		if p.dbID == "" { // nothing says that the entry is this db's either
+			return s.moved(ctx, p, "verify")
+		}
+		p.docStale = true
 	case !found && (p.rev != "" || p.instance != ""),
 		found && p.instance != "" && d.Instance != p.instance,
 		found && p.instance == "" && d.Rev != p.rev: // an entry of an earlier release: no lineage to compare
@@ -265,6 +302,16 @@ func (s *OnChangeStore) save(ctx context.Context, p *OnChangePoint, seq string, 
 	if p.instance == "" { // a new checkpoint, or a doc of an earlier release
 		p.instance, p.docStale = newInstance(), true
 	}
+	if p.dbID == "" { // a new checkpoint, or one of an earlier release: it records the db's identity
+		id := p.dbSeen
+		if id == "" {
+			var err error
+			if id, err = s.ensureIdentity(ctx, p.DB); err != nil {
+				return fmt.Errorf("save checkpoint of rule %s in %s: %w", p.Rule, p.DB, err)
+			}
+		}
+		p.dbID, p.docStale = id, true
+	}
 	if err := s.claim(ctx, p, seq); err != nil {
 		return err
 	}
@@ -274,7 +321,7 @@ func (s *OnChangeStore) save(ctx context.Context, p *OnChangePoint, seq string, 
 		p.LastSeq, p.cached = seq, true
 		return nil
 	}
-	d := localDoc{Rev: p.rev, Rule: p.Rule, LastSeq: seq, ReplayedAt: p.replayed, Instance: p.instance, Fence: p.kvRev, Stream: p.Stream, UpdatedAt: time.Now().UTC()}
+	d := localDoc{Rev: p.rev, Rule: p.Rule, LastSeq: seq, ReplayedAt: p.replayed, Instance: p.instance, DBID: p.dbID, Fence: p.kvRev, Stream: p.Stream, UpdatedAt: time.Now().UTC()}
 	rev, err := s.put(ctx, p.Rule, p.DB, d)
 	if isConflict(err) || errors.Is(err, couch.ErrNotFound) { // 404: a rev of a doc that is gone
 		cur, found, rerr := s.readDoc(ctx, p.Rule, p.DB)
@@ -303,8 +350,9 @@ func (s *OnChangeStore) save(ctx context.Context, p *OnChangePoint, seq string, 
 // Begin stores p, a checkpoint not Found, at the beginning of its db's feed ("") — the _local
 // doc and the cache entry — before its run reads anything of the db: a db deleted and created
 // again meanwhile has lost the doc, so the run's first save finds it gone (ErrMoved) instead of
-// creating a doc in the new db with the old db's seq. The first Save after it writes the doc
-// again whatever LocalEvery says (the doc holds no progress yet).
+// creating a doc in the new db with the old db's seq. The checkpoint records the db's identity,
+// which the first checkpoint to begin in a db creates (see IdentityID). The first Save after it
+// writes the doc again whatever LocalEvery says (the doc holds no progress yet).
 func (s *OnChangeStore) Begin(ctx context.Context, p *OnChangePoint) error {
 	if err := s.save(ctx, p, "", true); err != nil {
 		return err
@@ -402,7 +450,7 @@ func (s *OnChangeStore) Reset(ctx context.Context, rule, db, seq string) error {
 	if err != nil {
 		return fmt.Errorf("reset: %w", err)
 	}
-	p := OnChangePoint{Rule: rule, DB: db, LastSeq: seq, replayed: replayMark(time.Now().UTC().Format(time.RFC3339Nano), s.ReplayID), instance: cur.Instance}
+	p := OnChangePoint{Rule: rule, DB: db, LastSeq: seq, replayed: replayMark(time.Now().UTC().Format(time.RFC3339Nano), s.ReplayID), instance: cur.Instance, dbID: cur.DBID}
 	if p.instance == "" {
 		p.instance = newInstance()
 	}
@@ -414,7 +462,7 @@ func (s *OnChangeStore) Reset(ctx context.Context, rule, db, seq string) error {
 			return fmt.Errorf("reset checkpoint of rule %s in %s: write the cache entry: %w", rule, db, err)
 		}
 	}
-	d := localDoc{Rev: p.rev, Rule: rule, LastSeq: seq, ReplayedAt: p.replayed, Instance: p.instance, Fence: p.kvRev, UpdatedAt: time.Now().UTC()}
+	d := localDoc{Rev: p.rev, Rule: rule, LastSeq: seq, ReplayedAt: p.replayed, Instance: p.instance, DBID: p.dbID, Fence: p.kvRev, UpdatedAt: time.Now().UTC()}
 	for attempt := 0; ; attempt++ {
 		p.rev, err = s.put(ctx, rule, db, d)
 		if err == nil || attempt == 4 || !isConflict(err) && !errors.Is(err, couch.ErrNotFound) {

@@ -1,0 +1,144 @@
+package checkpoint
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/http"
+	"sync"
+	"time"
+
+	"github.com/spiegel-nats/spiegel/pkg/couch"
+	"github.com/spiegel-nats/spiegel/pkg/couchpath"
+)
+
+// IdentityID is the id, after "_local/", of a watched db's identity doc: a random id written the
+// first time an on_change checkpoint begins in the db (or an earlier release's checkpoint is
+// next saved), recorded in every checkpoint of the db, read by every verification. It tells a
+// db from another of the same name — a db deleted and created again — without reading seqs:
+// nothing but its first writer puts it in a db, so it dies with the db, and a checkpoint write
+// of the old db that lands in the new one (CouchDB 3 takes _local docs whatever their rev)
+// cannot bring it along. GET /{db} has nothing else that would: CouchDB 3 and PouchDB Server
+// answer the same instance_start_time for a db created again.
+const IdentityID = "spiegel_db"
+
+// identityDoc is the body of a db's identity doc.
+type identityDoc struct {
+	ID        string    `json:"id"`
+	CreatedAt time.Time `json:"created_at,omitzero"`
+}
+
+// identities shares the identity requests of one db between the checkpoints (the rules) of one
+// job, which run at the same time: concurrent readers of a db's identity share one GET, and
+// concurrent creators one GET-then-PUT, so that two rules beginning at once in a new db record
+// the same id even on CouchDB 3, where a second PUT without a rev overwrites the first.
+type identities struct {
+	mu      sync.Mutex
+	flights map[string]*identityFlight // "read:"/"ensure:" + db → the request under way
+}
+
+type identityFlight struct {
+	done chan struct{}
+	id   string
+	err  error
+}
+
+// share runs fn for key, or waits for the run of fn under way for key. fn runs without the
+// caller's cancellation (its requests end at the client's request timeout), so that one caller
+// giving up does not fail the others; each caller stops waiting when its own ctx ends.
+func (ids *identities) share(ctx context.Context, key string, fn func(context.Context) (string, error)) (string, error) {
+	ids.mu.Lock()
+	f, ok := ids.flights[key]
+	if !ok {
+		if ids.flights == nil {
+			ids.flights = map[string]*identityFlight{}
+		}
+		f = &identityFlight{done: make(chan struct{})}
+		ids.flights[key] = f
+		go func() {
+			f.id, f.err = fn(context.WithoutCancel(ctx))
+			ids.mu.Lock()
+			delete(ids.flights, key)
+			ids.mu.Unlock()
+			close(f.done)
+		}()
+	}
+	ids.mu.Unlock()
+	select {
+	case <-f.done:
+		return f.id, f.err
+	case <-ctx.Done():
+		return "", ctx.Err()
+	}
+}
+
+// readIdentity returns db's identity ("" when the db has none, or does not exist).
+func (s *OnChangeStore) readIdentity(ctx context.Context, db string) (string, error) {
+	return s.ids.share(ctx, "read:"+db, func(ctx context.Context) (string, error) {
+		return s.getIdentity(ctx, db)
+	})
+}
+
+// ensureIdentity returns db's identity, creating it when the db has none: a PUT without a rev,
+// which PouchDB Server refuses (409) when another writer created it first — then that one is
+// read. CouchDB 3 takes the PUT whatever is there: only the creators within this process are
+// kept from racing (identities); a holder whose lease expired and that creates the identity of
+// a new db at the same moment as the db's current job can leave that job's checkpoints naming
+// an id the db no longer has, and its next run starts over (a spurious start over, never a
+// missed one).
+func (s *OnChangeStore) ensureIdentity(ctx context.Context, db string) (string, error) {
+	return s.ids.share(ctx, "ensure:"+db, func(ctx context.Context) (string, error) {
+		id, err := s.getIdentity(ctx, db)
+		if err != nil || id != "" {
+			return id, err
+		}
+		d := identityDoc{ID: newInstance(), CreatedAt: time.Now().UTC()}
+		err = s.couch.DoIdempotent(ctx, http.MethodPut, identityPath(s.couch, db), nil, d, nil)
+		switch {
+		case isConflict(err):
+			return s.getIdentity(ctx, db)
+		case err != nil:
+			return "", fmt.Errorf("create the identity of %s: %w", db, err)
+		}
+		return d.ID, nil
+	})
+}
+
+func (s *OnChangeStore) getIdentity(ctx context.Context, db string) (string, error) {
+	var d identityDoc
+	err := s.couch.DoIdempotent(ctx, http.MethodGet, identityPath(s.couch, db), nil, nil, &d)
+	switch {
+	case errors.Is(err, couch.ErrNotFound):
+		return "", nil
+	case err != nil:
+		return "", fmt.Errorf("read the identity of %s: %w", db, err)
+	}
+	return d.ID, nil
+}
+
+// readWithIdentity reads the _local doc of rule in db and db's identity, in parallel.
+func (s *OnChangeStore) readWithIdentity(ctx context.Context, rule, db string) (d localDoc, found bool, dbID string, err error) {
+	type identity struct {
+		id  string
+		err error
+	}
+	ch := make(chan identity, 1)
+	go func() {
+		id, err := s.readIdentity(ctx, db)
+		ch <- identity{id, err}
+	}()
+	d, found, err = s.readDoc(ctx, rule, db)
+	ident := <-ch
+	if err != nil {
+		return d, found, "", err
+	}
+	if ident.err != nil {
+		return d, found, "", ident.err
+	}
+	return d, found, ident.id, nil
+}
+
+// identityPath is the request path of db's identity doc.
+func identityPath(c *couch.Client, db string) string {
+	return c.DBPath(db) + "/_local/" + couchpath.Segment(IdentityID)
+}
