@@ -219,9 +219,12 @@ func (h *handler) runRule(ctx context.Context, db string, rule *rules.OnChange, 
 		r.seq = cps.stored
 		return r
 	}
-	// A cached checkpoint is checked against its _local doc (checkpoint.OnChangeStore.Verify),
-	// read while the first page is, before anything of that page is acted on: a doc gone or of
-	// another lineage means the db was deleted (and maybe created again) under the cache.
+	// A cached checkpoint is checked against its _local doc and the db's identity
+	// (checkpoint.OnChangeStore.Verify), read while the first page is, before anything of that
+	// page is acted on: another identity, a doc gone or one of another lineage means the db was
+	// deleted (and maybe created again) under the cache. Starting over loads the checkpoint from
+	// CouchDB, where a doc of the earlier db is no checkpoint: start drops a mirror rule's keys
+	// of the earlier db and begins again.
 	verifying := h.verify(ctx, cps.cp)
 	// startOver takes the rule's checkpoint in db again from scratch (the one the run had was
 	// another db's); stop says the run ends with r (the db is gone, or the start failed).
