@@ -2,6 +2,7 @@ package producer
 
 import (
 	"context"
+	"errors"
 	"sync"
 	"testing"
 	"time"
@@ -24,9 +25,16 @@ func TestStreamWatchTellsLossFromLimits(t *testing.T) {
 	ctx := t.Context()
 	cfg := jetstream.StreamConfig{Name: "SPIEGEL_CHANGES", Subjects: []string{"spiegel.changes.>"}, MaxMsgs: 5}
 	create := func(n int) {
-		_ = js.DeleteStream(ctx, cfg.Name)
-		_, err := js.CreateStream(ctx, cfg)
+		if err := js.DeleteStream(ctx, cfg.Name); !errors.Is(err, jetstream.ErrStreamNotFound) {
+			require.NoError(t, err)
+		}
+		require.Eventually(t, func() bool { // a stream's deletion completes after its answer
+			_, err := js.Stream(ctx, cfg.Name)
+			return errors.Is(err, jetstream.ErrStreamNotFound)
+		}, 10*time.Second, 10*time.Millisecond)
+		st, err := js.CreateStream(ctx, cfg)
 		require.NoError(t, err)
+		require.Zero(t, st.CachedInfo().State.Msgs, "a new stream")
 		publish(t, js, n)
 	}
 	w := &streamWatch{js: js, name: cfg.Name}
