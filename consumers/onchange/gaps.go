@@ -175,7 +175,7 @@ func (h *handler) checkMirror(ctx context.Context, db string, rule *rules.OnChan
 // describing it: once per rule, db and key (the gap's identity) in this process, it counts one
 // in the metric, notes it for `producer status` and logs it.
 func (h *handler) reportGap(kind, rule, db, key, what string, log logrus.FieldLogger) {
-	if h.gaps != nil && !h.gaps.firstTime(rule + "\x00" + db + "\x00" + key) {
+	if h.gaps != nil && !h.gaps.firstTime(rule+"\x00"+db+"\x00"+key) {
 		return
 	}
 	h.metrics.OutputGap(kind)
