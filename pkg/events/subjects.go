@@ -82,6 +82,18 @@ func (s Subjects) Wakeup(g Group, db string) string {
 	return s.Prefix + ".wakeup." + string(g) + "." + EncodeDBName(db)
 }
 
+// LeaseStream holds one lease message per (group, db) whose job runs (worker's claim): with a
+// time to live, replaced by compare-and-set on its subject. SPIEGEL_LEASES.
+func (s Subjects) LeaseStream() string { return s.streamBase() + "_LEASES" }
+
+// LeaseAll is the lease stream's subject filter.
+func (s Subjects) LeaseAll() string { return s.Prefix + ".lease.>" }
+
+// Lease is the subject of the lease of (g, db).
+func (s Subjects) Lease(g Group, db string) string {
+	return s.Prefix + ".lease." + string(g) + "." + EncodeDBName(db)
+}
+
 // DeadLetterStream keeps records of work given up: SPIEGEL_DEADLETTER.
 func (s Subjects) DeadLetterStream() string { return s.streamBase() + "_DEADLETTER" }
 

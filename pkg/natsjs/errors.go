@@ -2,6 +2,7 @@ package natsjs
 
 import (
 	"errors"
+	"strings"
 
 	"github.com/nats-io/nats.go/jetstream"
 )
@@ -42,4 +43,10 @@ func apiCode(err error) jetstream.ErrorCode {
 		return apiErr.ErrorCode
 	}
 	return 0
+}
+
+// MsgGone reports whether a JetStream API error (code, description) says that the message asked
+// for is not there (10037, or a delete's 10057 "no message found"): deleted or expired already.
+func MsgGone(code int, description string) bool {
+	return code == 10037 || code == 10057 && strings.Contains(description, "no message found")
 }

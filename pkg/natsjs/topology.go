@@ -85,6 +85,24 @@ func (t Topology) WakeupStreamConfig() jetstream.StreamConfig {
 	}
 }
 
+// LeaseStreamConfig holds the lease of every running job: one message per (group, db)
+// (Subjects.Lease), stored with an expected last sequence on its subject and a time to live of
+// AckWait, so that at most one instance holds a db's job, through consumer leader changes too
+// (worker's claim). A holder that dies leaves a message that expires.
+func (t Topology) LeaseStreamConfig() jetstream.StreamConfig {
+	return jetstream.StreamConfig{
+		Name:              t.Subjects.LeaseStream(),
+		Description:       "Spiegel job leases: the instance running each (group, db)'s job",
+		Subjects:          []string{t.Subjects.LeaseAll()},
+		Retention:         jetstream.LimitsPolicy,
+		Storage:           jetstream.FileStorage,
+		Discard:           jetstream.DiscardOld,
+		MaxMsgsPerSubject: 1,
+		AllowMsgTTL:       true,
+		Replicas:          t.replicas(),
+	}
+}
+
 // OnChangeBucketConfig is the cache of on_change checkpoints (their home is a _local doc in the
 // watched db: see checkpoint.OnChangeStore). One value per (rule, db).
 func (t Topology) OnChangeBucketConfig() jetstream.KeyValueConfig {
@@ -199,7 +217,7 @@ type Object struct {
 // consumers of the work stream.
 func (t Topology) Objects() []Object {
 	var out []Object
-	for _, cfg := range []jetstream.StreamConfig{t.WorkStreamConfig(), t.WakeupStreamConfig(), t.DeadLetterStreamConfig(), t.ChangesStreamConfig()} {
+	for _, cfg := range []jetstream.StreamConfig{t.WorkStreamConfig(), t.WakeupStreamConfig(), t.LeaseStreamConfig(), t.DeadLetterStreamConfig(), t.ChangesStreamConfig()} {
 		out = append(out, Object{Kind: KindStream, Stream: cfg})
 	}
 	for _, cfg := range []jetstream.KeyValueConfig{t.OnChangeBucketConfig(), t.DoneBucketConfig()} {
@@ -341,10 +359,12 @@ func isRace(err error) bool {
 // stream, or the consumer of one of groups, is missing (an installation made by an older
 // release lacks the wakeup stream: running install again adds it).
 func CheckInstalled(ctx context.Context, js jetstream.JetStream, t Topology, groups ...events.Group) error {
-	if _, err := js.Stream(ctx, t.Subjects.WakeupStream()); errors.Is(err, jetstream.ErrStreamNotFound) {
-		return fmt.Errorf("stream %s is missing: %w", t.Subjects.WakeupStream(), ErrNotInstalled)
-	} else if err != nil {
-		return fmt.Errorf("look up stream %s: %w", t.Subjects.WakeupStream(), err)
+	for _, name := range []string{t.Subjects.WakeupStream(), t.Subjects.LeaseStream()} {
+		if _, err := js.Stream(ctx, name); errors.Is(err, jetstream.ErrStreamNotFound) {
+			return fmt.Errorf("stream %s is missing: %w", name, ErrNotInstalled)
+		} else if err != nil {
+			return fmt.Errorf("look up stream %s: %w", name, err)
+		}
 	}
 	s, err := js.Stream(ctx, t.Subjects.WorkStream())
 	if errors.Is(err, jetstream.ErrStreamNotFound) {
@@ -364,10 +384,10 @@ func CheckInstalled(ctx context.Context, js jetstream.JetStream, t Topology, gro
 	return nil
 }
 
-// Remove deletes the work, wakeup and dead-letter streams (and so their consumers), the changes
+// Remove deletes the work, wakeup, lease and dead-letter streams (and so their consumers), the changes
 // stream, the checkpoint cache and the completion records. Missing ones are not an error.
 func Remove(ctx context.Context, js jetstream.JetStream, t Topology) error {
-	for _, name := range []string{t.Subjects.WorkStream(), t.Subjects.WakeupStream(), t.Subjects.DeadLetterStream(), t.Subjects.ChangesStream()} {
+	for _, name := range []string{t.Subjects.WorkStream(), t.Subjects.WakeupStream(), t.Subjects.LeaseStream(), t.Subjects.DeadLetterStream(), t.Subjects.ChangesStream()} {
 		if err := js.DeleteStream(ctx, name); err != nil && !errors.Is(err, jetstream.ErrStreamNotFound) {
 			return fmt.Errorf("delete stream %s: %w", name, err)
 		}

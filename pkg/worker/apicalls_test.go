@@ -81,17 +81,18 @@ func extraCalls(counts map[string]int) int {
 	return n
 }
 
-// TestJobPathCostsOneAPIRequest: a job with no wakeup marker costs its fetch, its ack and at most
-// one JetStream API request more (the lost-wakeup check), which is no write (no RAFT proposal on
-// a replicated stream). The first version of the check cost a purge, a message get and, with a
-// marker, a delete.
-func TestJobPathCostsOneAPIRequest(t *testing.T) {
+// TestJobPathCostsTwoAPIRequests: a job with no wakeup marker costs its fetch, its ack, its
+// lease (a publish on the lease stream, no API request) and two JetStream API requests more:
+// the lost-wakeup check, which is no write, and the lease's release (a delete of its message).
+// The first version of the check cost a purge, a message get and, with a marker, a delete.
+func TestJobPathCostsTwoAPIRequests(t *testing.T) {
 	t.Parallel()
 	const n = 20
 	counts := jobPathCalls(t, n, false)
 	t.Logf("JetStream API requests for %d jobs: %v", n, counts)
-	assert.LessOrEqual(t, extraCalls(counts), n, "at most one API request per job beyond fetch and ack")
-	assert.Zero(t, counts["STREAM.PURGE"]+counts["STREAM.MSG.DELETE"], "no write on a job without a marker")
+	assert.LessOrEqual(t, extraCalls(counts), 2*n, "at most two API requests per job beyond fetch and ack")
+	assert.Zero(t, counts["STREAM.PURGE"], "no purge")
+	assert.Equal(t, n, counts["STREAM.MSG.DELETE"], "one delete per job: its lease's release")
 	assert.LessOrEqual(t, counts["STREAM.INFO"]+counts["CONSUMER.INFO"], 2, "streams are looked up once")
 }
 

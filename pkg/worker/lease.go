@@ -94,6 +94,19 @@ func (l *lease) renewed(sent time.Time) bool {
 	return true
 }
 
+// lose ends the lease at once: another instance took it (its claim was refused).
+func (l *lease) lose() {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.lost {
+		return
+	}
+	l.lost = true
+	if l.onLost != nil {
+		l.onLost()
+	}
+}
+
 // Held reports whether the job is still this process's: the server confirmed recently enough
 // that it keeps the job for this process, so JetStream has not handed it to another consumer.
 // It turns false (and stays false) when the lease runs out: the process was paused past it

@@ -2,6 +2,7 @@ package worker
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"runtime/debug"
 	"sync"
@@ -49,20 +50,26 @@ func (r *Runner) process(handlerCtx context.Context, msg jetstream.Msg, pulled t
 		job.Reason, job.Seq, job.Rules = payload.Reason, payload.Seq, payload.Rules
 	}
 
-	job.lease = newLease(r.cfg.AckWait, pulled, r.now)
-	if !job.Held() {
-		// The process stalled between the pull and now: another consumer may have the job.
-		log.WithError(ErrLeaseLost).Warn("job came after its lease ran out: not run, left for a redelivery")
+	c, sent, err := r.claimLease(handlerCtx, group, db)
+	if err != nil {
+		delay := r.cfg.AckWait / 4
+		if errors.Is(err, errClaimed) {
+			log.Debug("the db's job runs in another instance: this delivery is given back")
+		} else {
+			log.WithError(err).Warn("take the job's lease failed: this delivery is given back")
+		}
+		r.nak(msg, delay, log)
 		r.observe(ResultRetry, 0)
 		return nil
 	}
+	job.lease = newLease(r.cfg.AckWait, sent, r.now)
 	ctx, cancel := context.WithCancelCause(withJob(handlerCtx, job))
 	defer cancel(nil)
 	job.lease.whenLost(func() {
 		log.WithError(ErrLeaseLost).Warn("job lease ran out before a renewal was confirmed: stopped, left unsettled; another instance runs it")
 		cancel(ErrLeaseLost)
 	})
-	stopKeepAlive := r.keepAlive(ctx, msg, job.lease, log)
+	stopKeepAlive := r.keepAlive(ctx, msg, job.lease, c, log)
 	if attempt > 1 || queued >= r.cfg.queuedLong {
 		r.readWakeupAtStart(ctx, job, log)
 	}
@@ -99,7 +106,7 @@ var ackProgress = []byte("+WPI")
 // reconnect must not use up the lease) and never past the lease's end. keepAlive looks at
 // the lease the moment it is due to run out, so that its whenLost callback runs then at the
 // latest.
-func (r *Runner) keepAlive(ctx context.Context, msg jetstream.Msg, l *lease, log logrus.FieldLogger) (stop func()) {
+func (r *Runner) keepAlive(ctx context.Context, msg jetstream.Msg, l *lease, c *claim, log logrus.FieldLogger) (stop func()) {
 	ctx, cancel := context.WithCancel(ctx)
 	var wg sync.WaitGroup
 	wg.Go(func() {
@@ -125,10 +132,14 @@ func (r *Runner) keepAlive(ctx context.Context, msg jetstream.Msg, l *lease, log
 			}
 			sent := r.now()
 			rctx, rcancel := context.WithTimeout(ctx, min(until.Sub(sent), patience))
-			_, err := r.nc.RequestWithContext(rctx, msg.Reply(), ackProgress)
+			err := r.renew(rctx, msg, c)
 			rcancel()
 			switch {
 			case ctx.Err() != nil:
+				return
+			case errors.Is(err, errClaimed):
+				log.Warn("the job's lease was taken by another instance: stopped")
+				l.lose()
 				return
 			case err == nil && l.renewed(sent):
 				from, until = l.renewedAt()
@@ -141,7 +152,44 @@ func (r *Runner) keepAlive(ctx context.Context, msg jetstream.Msg, l *lease, log
 			}
 		}
 	})
-	return func() { cancel(); wg.Wait() }
+	return func() {
+		cancel()
+		wg.Wait()
+		if c == nil {
+			return
+		}
+		rctx, rcancel := context.WithTimeout(context.WithoutCancel(ctx), settleTimeout)
+		defer rcancel()
+		if err := c.release(rctx); err != nil {
+			log.WithError(err).Debug("release the job's lease failed: it expires after AckWait")
+		}
+	}
+}
+
+// renew renews a running job's lease: the claim's next lease message, confirmed by the stream
+// (c nil: an InProgress sent as a request, which the consumer confirms). With a claim an
+// InProgress is sent as well, without waiting, so that JetStream does not deliver the job again
+// while it runs; the lease does not rest on it.
+func (r *Runner) renew(ctx context.Context, msg jetstream.Msg, c *claim) error {
+	if c == nil {
+		_, err := r.nc.RequestWithContext(ctx, msg.Reply(), ackProgress)
+		return err
+	}
+	_ = msg.InProgress()
+	return c.write(ctx)
+}
+
+// claimLease takes the lease of (g, db)'s job for this delivery (see claim) and returns it with the
+// moment its write was sent, from which the lease counts. errClaimed: another instance holds it.
+func (r *Runner) claimLease(ctx context.Context, g events.Group, db string) (*claim, time.Time, error) {
+	c, err := newClaim(r.js, r.subjects.LeaseStream(), r.subjects.Lease(g, db), r.cfg.AckWait)
+	if err != nil {
+		return nil, time.Time{}, err
+	}
+	ctx, cancel := context.WithTimeout(ctx, max(r.cfg.AckWait/4, time.Second))
+	defer cancel()
+	sent := r.now()
+	return c, sent, c.write(ctx)
 }
 
 // settle acks, naks or terminates msg from the handler's result and returns the result for the
@@ -223,7 +271,7 @@ func (r *Runner) rejectSubject(handlerCtx context.Context, msg jetstream.Msg, at
 	log := r.log.WithFields(logrus.Fields{"subject": msg.Subject(), "attempt": attempt})
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(handlerCtx), settleTimeout)
 	defer cancel()
-	stopKeepAlive := r.keepAlive(ctx, msg, newLease(r.cfg.AckWait, pulled, r.now), log)
+	stopKeepAlive := r.keepAlive(ctx, msg, newLease(r.cfg.AckWait, pulled, r.now), nil, log)
 	rec := DeadLetter{Group: r.cfg.Group, DB: msg.Subject(), Error: perr.Error(), Attempts: attempt,
 		Details: map[string]any{"subject": msg.Subject()}}
 	err := r.deadLetters.Publish(ctx, rec)

@@ -36,7 +36,8 @@ const (
 // Several runners, in one process or many, may share the consumer: each job goes to one of them.
 type Runner struct {
 	cfg         Config
-	nc          *nats.Conn // renews leases: InProgress as a request
+	nc          *nats.Conn // keeps deliveries alive: InProgress
+	js          jetstream.JetStream
 	consumer    jetstream.Consumer
 	handler     Handler
 	jobs        *natsjs.Jobs
@@ -83,6 +84,7 @@ func New(js jetstream.JetStream, subjects events.Subjects, cfg Config, h Handler
 	return &Runner{
 		cfg:         cfg,
 		nc:          js.Conn(),
+		js:          js,
 		consumer:    consumer,
 		handler:     h,
 		jobs:        natsjs.NewJobs(js, subjects),
