@@ -2,7 +2,6 @@ package main
 
 import (
 	"context"
-	"encoding/base64"
 	"errors"
 	"fmt"
 	"sync"
@@ -10,23 +9,30 @@ import (
 
 	"github.com/nats-io/nats.go/jetstream"
 
+	"github.com/spiegel-nats/spiegel/pkg/checkpoint"
 	"github.com/spiegel-nats/spiegel/pkg/natsjs"
 	"github.com/spiegel-nats/spiegel/pkg/worker"
 )
 
-// fencePrefix starts the key of a native replication's fencing token in the checkpoint bucket.
-// The on_change keys there are two base64url tokens joined by a dot, never holding a '/'.
-const fencePrefix = "replication/"
-
-// fenceKey is the key of replication id's token: "replication/<id>.<db>", db (the job's, the
-// replication's source) base64url-encoded as in the on_change keys, so that dropping a deleted
-// db's cached checkpoints (checkpoint.CacheDropper: every "*.<db>" subject) drops its tokens
-// too. Without a job in ctx (no worker runs it), the key is "replication/<id>".
+// fenceKey is the key of replication id's token: checkpoint.ReplicationKey(rule, id, db), with
+// the rule and the db (the job's, the replication's source) from ctx, so that dropping a deleted
+// db's cached checkpoints (checkpoint.CacheDropper.DropDB) drops its tokens too, and a rule
+// removed or edited takes its tokens with it (CacheDropper.DropRule). Without a job in ctx (no
+// worker runs it) the db is "", without a rule the rule is "".
 func fenceKey(ctx context.Context, id string) string {
+	db := ""
 	if job, ok := worker.FromContext(ctx); ok {
-		return fencePrefix + id + "." + base64.RawURLEncoding.EncodeToString([]byte(job.DB))
+		db = job.DB
 	}
-	return fencePrefix + id
+	rule, _ := ctx.Value(ruleKey{}).(string)
+	return checkpoint.ReplicationKey(rule, id, db)
+}
+
+type ruleKey struct{}
+
+// withRule returns ctx naming the rule whose replication runs in it (fenceKey).
+func withRule(ctx context.Context, rule string) context.Context {
+	return context.WithValue(ctx, ruleKey{}, rule)
 }
 
 // kvFence keeps the fencing token of each native replication (replicate.Fence) as the revision

@@ -167,7 +167,7 @@ func (h *replicator) runRule(ctx context.Context, job *worker.Job, r *rules.Repl
 	log = log.WithFields(logrus.Fields{"source": req.Source, "target": req.Target})
 	log.Debug("replication starting")
 
-	rctx, cancel := context.WithTimeout(ctx, h.timeout)
+	rctx, cancel := context.WithTimeout(withRule(ctx, r.ID()), h.timeout)
 	started := time.Now()
 	res, err := eng.Replicate(rctx, req.Body, req.Secrets)
 	took := time.Since(started)

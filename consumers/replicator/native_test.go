@@ -166,7 +166,7 @@ func TestNativeEngineRule(t *testing.T) {
 	require.NoError(t, err)
 	var fences []string
 	for k := range keys.Keys() {
-		if strings.HasPrefix(k, fencePrefix) {
+		if strings.HasPrefix(k, "replication.") {
 			fences = append(fences, k)
 		}
 	}

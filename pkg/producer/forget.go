@@ -8,6 +8,7 @@ import (
 	"github.com/sirupsen/logrus"
 
 	"github.com/spiegel-nats/spiegel/pkg/backoff"
+	"github.com/spiegel-nats/spiegel/pkg/rules"
 )
 
 // dbDropper drops the cached checkpoints of one db (*checkpoint.CacheDropper).
@@ -114,4 +115,25 @@ func (d *deletedDBs) dropAll(ctx context.Context) bool {
 		return left
 	}
 	return backoff.Sleep(ctx, backoff.Default.Delay(attempt)) == nil
+}
+
+// ruleDropper drops what one rule keeps in the checkpoint bucket (*checkpoint.CacheDropper).
+type ruleDropper interface {
+	DropRule(ctx context.Context, rule string) error
+}
+
+// ruleDrops hands rule ids to a deletedDBs queue: its DropDB drops a rule.
+type ruleDrops struct{ d ruleDropper }
+
+func (r ruleDrops) DropDB(ctx context.Context, rule string) error { return r.d.DropRule(ctx, rule) }
+
+// ruleRemoved is the rule feed's OnRemoved: a rule deleted (or invalid now) leaves its cached
+// on_change checkpoints and its native replications' fencing tokens in the bucket, one per db;
+// a replicator rule edited may change its replications' ids, which leaves the old tokens. They
+// are dropped off the feed's path (removedRules). An on_change rule edited keeps its entries:
+// they stay its checkpoints.
+func (p *producer) ruleRemoved(old, now rules.Rule) {
+	if now == nil || old.Kind() == rules.KindReplicator {
+		p.removedRules.Add(old.ID())
+	}
 }

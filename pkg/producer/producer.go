@@ -37,14 +37,16 @@ type producer struct {
 	couch   *couch.Client
 	store   *checkpoint.Store // the producer's position
 	deleted *deletedDBs       // drops the cached on_change checkpoints of deleted dbs (nil: none)
-	done    *doneRecords      // the completion records the sweep compares with (nil: none)
-	undone  *deletedDBs       // drops the completion records of deleted dbs (nil: none)
-	changes *streamWatch      // notices our changes stream losing messages (nil: not watched)
-	rules   *rules.Set
-	pub     *publisher.Pipeline
-	hot     *publisher.HotFeeds // nil: off
-	log     logrus.FieldLogger
-	metrics producerMetrics
+	// removedRules drops what removed rules keep in the checkpoint bucket (nil: none; ruleRemoved)
+	removedRules *deletedDBs
+	done         *doneRecords // the completion records the sweep compares with (nil: none)
+	undone       *deletedDBs  // drops the completion records of deleted dbs (nil: none)
+	changes      *streamWatch // notices our changes stream losing messages (nil: not watched)
+	rules        *rules.Set
+	pub          *publisher.Pipeline
+	hot          *publisher.HotFeeds // nil: off
+	log          logrus.FieldLogger
+	metrics      producerMetrics
 
 	// askChanged replaces couch.ChangedSince in the sweep's question to CouchDB (tests; nil:
 	// the client's).

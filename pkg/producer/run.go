@@ -140,6 +140,7 @@ func Run(ctx context.Context, cfg *config.Producer, log *logrus.Logger) error {
 		return err
 	}
 	p.deleted = newDeletedDBs(dropper, p.metrics, plog)
+	p.removedRules = newDeletedDBs(ruleDrops{dropper}, producerMetrics{}, plog.WithField("drops", "rule"))
 	records := reconcile.New(d.JS, doneKV)
 	p.done = &doneRecords{records: records, ensure: func(ctx context.Context) error { return natsjs.EnsureDoneBucket(ctx, d.JS, d.Topo) }}
 	p.undone = newDeletedDBs(records, producerMetrics{}, plog.WithField("records", "done"))
@@ -147,7 +148,7 @@ func Run(ctx context.Context, cfg *config.Producer, log *logrus.Logger) error {
 	// Every job carries the rule set it was published with (events.Job Rules): a consumer whose
 	// own rule feed lags waits for it before it runs the job (rulefeed.Follower.Await).
 	rf := &rulefeed.Follower{Couch: d.Couch, DB: cfg.DBName, Set: p.rules, Log: plog.WithField("component", "rules"), Metrics: pm,
-		OnAdded: p.enqueueMatching}
+		OnAdded: p.enqueueMatching, OnRemoved: p.ruleRemoved}
 	p.pub = publisher.New(natsjs.NewJobs(d.JS, d.Topo.Subjects).WithRules(rf.AppliedSeq), cfg.MaxInflight, pm, plog)
 	if cfg.HotFeeds > 0 {
 		p.hot = publisher.NewHotFeeds(d.Couch, p.pub, func(db string) []events.Group { return p.rules.Groups(db).Groups() },
@@ -195,8 +196,9 @@ func Run(ctx context.Context, cfg *config.Producer, log *logrus.Logger) error {
 		feedWG.Add(1)
 		go func() { defer feedWG.Done(); p.hot.Run(ctx) }()
 	}
-	feedWG.Add(6)
+	feedWG.Add(7)
 	go func() { defer feedWG.Done(); p.deleted.Run(ctx) }()
+	go func() { defer feedWG.Done(); p.removedRules.Run(ctx) }()
 	go func() { defer feedWG.Done(); p.undone.Run(ctx) }()
 	go func() {
 		defer feedWG.Done()

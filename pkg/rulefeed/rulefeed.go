@@ -37,6 +37,10 @@ type Follower struct {
 	// retried with capped backoff until it succeeds or ctx ends, and the rule is recorded as
 	// enqueued (EnqueuedSeq) only then. It must return only once its work is durable.
 	OnAdded func(ctx context.Context, r rules.Rule) error
+	// OnRemoved is called, live, for every rule that a change replaced or removed (may be nil):
+	// old is the rule as it was, now the rule that replaced it (nil: deleted, or invalid now).
+	// It must not block: the rule feed waits for it.
+	OnRemoved func(old, now rules.Rule)
 	// Retry is the backoff of a failed OnAdded or catch-up pass; zero means DefaultRetry.
 	Retry backoff.Policy
 
@@ -194,6 +198,9 @@ func (f *Follower) apply(ctx context.Context, c couch.Change, live bool) {
 		// The set reflects c now: jobs the OnAdded below publishes carry c.Seq, so a consumer
 		// runs them only once its own set has this rule (Await).
 		f.setApplied(c.Seq)
+		if ch.Removed != nil && f.OnRemoved != nil {
+			f.OnRemoved(ch.Removed, ch.Added)
+		}
 	}
 	if err != nil {
 		f.Log.WithField("rule", c.ID).WithError(err).Error("invalid rule skipped")
