@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"sync"
 	"time"
 
@@ -205,6 +206,7 @@ func (h *handler) runRule(ctx context.Context, db string, rule *rules.OnChange, 
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel() // stops a page read ahead that is not needed
 	cps := &checkpointWriter{store: h.store, cp: cp, stored: since, fresh: fresh}
+	h.book.seed(rule.ID(), db, cp.Retries) // requests deferred by whichever instance ran the rule before
 	replay := replayOf(cp)
 	finish := func(r ruleResult) ruleResult {
 		if err := cps.wait(); err != nil {
@@ -318,10 +320,15 @@ func (h *handler) runRule(ctx context.Context, db string, rule *rules.OnChange, 
 		case b.done > 0:
 			next = page.Results[b.done-1].Seq
 		}
-		if next != since {
+		// The requests still waiting for a retry go with the checkpoint, so that the instance
+		// that runs the rule next goes on with their backoff; a rule that stopped at one saves
+		// even without progress.
+		retries := h.book.of(rule.ID(), db)
+		if next != since || b.retryIn > 0 && !slices.EqualFunc(retries, cps.cp.Retries, sameRetry) {
 			if !worker.Held(ctx) {
 				return finish(ruleResult{err: worker.ErrLeaseLost})
 			}
+			cps.cp.Retries = retries
 			if err := cps.save(ctx, next, h.streamPoint(ctx, db, rule), max(b.done, 1)); err != nil {
 				return finish(ruleResult{err: err})
 			}
@@ -337,6 +344,11 @@ func (h *handler) runRule(ctx context.Context, db string, rule *rules.OnChange, 
 			return finish(h.caughtUp(ctx, cps, next, log))
 		}
 	}
+}
+
+// sameRetry reports whether a and b are the same deferred request at the same attempt.
+func sameRetry(a, b checkpoint.Retry) bool {
+	return a.Seq == b.Seq && a.Key == b.Key && a.Attempts == b.Attempts
 }
 
 // verified is the outcome of a checkpoint's verification: the checkpoint as Verify left it.

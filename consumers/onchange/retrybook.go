@@ -1,8 +1,13 @@
 package main
 
 import (
+	"cmp"
+	"slices"
+	"strings"
 	"sync"
 	"time"
+
+	"github.com/spiegel-nats/spiegel/pkg/checkpoint"
 )
 
 // bookTTL is how long a deferred request's attempt count is remembered without being touched
@@ -13,8 +18,10 @@ const bookTTL = 24 * time.Hour
 // due, so that a job that deferred a request and runs again continues its backoff and counts
 // towards its retry limit instead of starting over.
 //
-// It is in-process memory: when the job runs again in another process the count starts over
-// there, which may mean more attempts than the limit, never fewer (at-least-once). Safe for
+// It is in-process memory, shared with the other instances through the rule's checkpoint: the
+// entries of a rule in a db are saved with its checkpoint when the rule stops at a deferred
+// request (of), and a run that loads the checkpoint takes them in (seed), so a job that
+// runs again in another process goes on with the same backoff and attempt count. Safe for
 // concurrent use.
 type retryBook struct {
 	mu      sync.Mutex
@@ -76,4 +83,41 @@ func (b *retryBook) forget(key string) {
 	b.mu.Lock()
 	delete(b.entries, key)
 	b.mu.Unlock()
+}
+
+// of returns the requests of rule in db that wait for a retry, for its checkpoint.
+func (b *retryBook) of(rule, db string) []checkpoint.Retry {
+	prefix := rule + "\x00" + db + "\x00"
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	var out []checkpoint.Retry
+	for k, e := range b.entries {
+		rest, ok := strings.CutPrefix(k, prefix)
+		if !ok {
+			continue
+		}
+		seq, key, _ := strings.Cut(rest, "\x00")
+		out = append(out, checkpoint.Retry{Seq: seq, Key: key, Attempts: e.attempts, NotBefore: e.notBefore.UTC()})
+	}
+	slices.SortFunc(out, func(a, b checkpoint.Retry) int { return cmp.Or(cmp.Compare(a.Seq, b.Seq), cmp.Compare(a.Key, b.Key)) })
+	return out
+}
+
+// seed takes in the deferred requests of rule in db that its checkpoint names (saved by another
+// instance, or by this one before a restart). An entry this process holds with more attempts is
+// kept.
+func (b *retryBook) seed(rule, db string, rs []checkpoint.Retry) {
+	if len(rs) == 0 {
+		return
+	}
+	now := b.now()
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	for _, r := range rs {
+		k := bookKey(rule, db, r.Seq, r.Key)
+		if e, ok := b.entries[k]; ok && e.attempts >= r.Attempts {
+			continue
+		}
+		b.entries[k] = retryEntry{attempts: r.Attempts, notBefore: r.NotBefore, touched: now}
+	}
 }

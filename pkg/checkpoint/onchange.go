@@ -99,6 +99,9 @@ type OnChangePoint struct {
 	// not a subject rule): kept with the checkpoint so that a stream that lost messages it had
 	// acknowledged is noticed (its subject's last message is older) and published again.
 	Stream StreamPoint
+	// Retries are the requests of the change after LastSeq that failed and wait for a retry: so
+	// that whichever instance runs the rule next goes on with their backoff and attempt counts.
+	Retries []Retry
 
 	rev      string    // of the _local doc, as last written by a holder
 	replayed string    // the doc's replayed_at: a replay changes it
@@ -129,6 +132,15 @@ type StreamPoint struct {
 	Start string `json:"start,omitempty"`
 }
 
+// Retry is a deferred request of a rule in a db: the change (its feed seq) and the request (its
+// key), the attempts made so far and when the next is due.
+type Retry struct {
+	Seq       string    `json:"seq"`
+	Key       string    `json:"key"`
+	Attempts  int       `json:"attempts"`
+	NotBefore time.Time `json:"not_before"`
+}
+
 // localDoc is the body of a checkpoint's _local doc.
 type localDoc struct {
 	Rev        string `json:"_rev,omitempty"`
@@ -146,6 +158,7 @@ type localDoc struct {
 	// Fence is the cache entry's revision that the write was made under (for the record).
 	Fence     uint64      `json:"fence,omitempty"`
 	Stream    StreamPoint `json:"stream,omitzero"`
+	Retries   []Retry     `json:"retries,omitempty"`
 	UpdatedAt time.Time   `json:"updated_at"`
 }
 
@@ -159,12 +172,13 @@ type cacheEntry struct {
 	DBID     string      `json:"db_id,omitempty"`
 	StoredAt time.Time   `json:"stored_at,omitzero"`
 	Stream   StreamPoint `json:"stream,omitzero"`
+	Retries  []Retry     `json:"retries,omitempty"`
 	// Trail is the number of changes acted on since the _local doc was written.
 	Trail int `json:"trail,omitempty"`
 }
 
 func (p *OnChangePoint) entry(seq string) []byte {
-	v, _ := json.Marshal(cacheEntry{LastSeq: seq, Rev: p.rev, Replayed: p.replayed, Instance: p.instance, DBID: p.dbID, StoredAt: p.storedAt, Stream: p.Stream, Trail: p.trail})
+	v, _ := json.Marshal(cacheEntry{LastSeq: seq, Rev: p.rev, Replayed: p.replayed, Instance: p.instance, DBID: p.dbID, StoredAt: p.storedAt, Stream: p.Stream, Retries: p.Retries, Trail: p.trail})
 	return v
 }
 
@@ -187,6 +201,7 @@ func (s *OnChangeStore) Load(ctx context.Context, rule, db string) (OnChangePoin
 			var c cacheEntry
 			if json.Unmarshal(e.Value(), &c) == nil {
 				p.LastSeq, p.rev, p.replayed, p.instance, p.storedAt, p.Stream, p.trail = c.LastSeq, c.Rev, c.Replayed, c.Instance, c.StoredAt, c.Stream, c.Trail
+				p.Retries = c.Retries
 				p.dbID = c.DBID
 				p.kvRev, p.Found, p.cached = e.Revision(), true, true
 				return p, nil
@@ -206,6 +221,7 @@ func (s *OnChangeStore) Load(ctx context.Context, rule, db string) (OnChangePoin
 	}
 	if found {
 		p.LastSeq, p.rev, p.replayed, p.instance, p.Stream, p.Found = d.LastSeq, d.Rev, d.ReplayedAt, d.Instance, d.Stream, true
+		p.Retries = d.Retries
 		p.dbID = d.DBID
 	}
 	return p, nil
@@ -321,7 +337,7 @@ func (s *OnChangeStore) save(ctx context.Context, p *OnChangePoint, seq string, 
 		p.LastSeq, p.cached = seq, true
 		return nil
 	}
-	d := localDoc{Rev: p.rev, Rule: p.Rule, LastSeq: seq, ReplayedAt: p.replayed, Instance: p.instance, DBID: p.dbID, Fence: p.kvRev, Stream: p.Stream, UpdatedAt: time.Now().UTC()}
+	d := localDoc{Rev: p.rev, Rule: p.Rule, LastSeq: seq, ReplayedAt: p.replayed, Instance: p.instance, DBID: p.dbID, Fence: p.kvRev, Stream: p.Stream, Retries: p.Retries, UpdatedAt: time.Now().UTC()}
 	rev, err := s.put(ctx, p.Rule, p.DB, d)
 	if isConflict(err) || errors.Is(err, couch.ErrNotFound) { // 404: a rev of a doc that is gone
 		cur, found, rerr := s.readDoc(ctx, p.Rule, p.DB)
