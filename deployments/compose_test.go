@@ -5,6 +5,7 @@ import (
 	"net/url"
 	"os"
 	"path/filepath"
+	"regexp"
 	"slices"
 	"strings"
 	"testing"
@@ -73,9 +74,10 @@ func TestCompose(t *testing.T) { // not parallel: checkEnv sets the environment
 	require.NoError(t, err)
 	assert.Regexp(t, `(?m)^\s*sync_interval:\s*always\s*$`, string(confText))
 	natsNames := []string{"nats-1", "nats-2", "nats-3"}
+	pinned := pinnedNATSServer(t)
 	for _, name := range natsNames {
 		s := p.Services[name]
-		assert.Regexp(t, `^nats:2(\.\d+)*(-alpine)?$`, s.Image, name)
+		assert.Equal(t, "nats:"+pinned+"-alpine", s.Image, "%s runs the nats-server the product module pins and its tests use", name)
 		cmd := strings.Join(s.Command, " ")
 		assert.Contains(t, cmd, "--js", name)
 		assert.Contains(t, cmd, "--server_name "+name, name)
@@ -199,4 +201,15 @@ func deref(s *string) string {
 		return ""
 	}
 	return *s
+}
+
+// pinnedNATSServer returns the version of github.com/nats-io/nats-server/v2 that the product's
+// go.mod pins (without the leading v): the server its tests embed and `make run` builds.
+func pinnedNATSServer(t *testing.T) string {
+	t.Helper()
+	b, err := os.ReadFile("../go.mod")
+	require.NoError(t, err)
+	m := regexp.MustCompile(`(?m)^\s*github\.com/nats-io/nats-server/v2 v(\S+)`).FindSubmatch(b)
+	require.NotNil(t, m, "go.mod pins nats-server")
+	return string(m[1])
 }
