@@ -44,7 +44,7 @@ import (
 //
 // A subject without ${db_name} is shared by the jobs of every db the rule matches, which publish at
 // once: it cannot be fenced that way. Its pages keep their feed order within one holder, as
-// before; the README says so.
+// before; consumers/onchange/README.md says so.
 
 // errFenced: the stream refused a publish because the subject's last message is not the one the
 // job knew of.

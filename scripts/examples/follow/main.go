@@ -1,4 +1,4 @@
-// Command follow is the consumer's guide's runnable example (README "Reading change streams"):
+// Command follow is the consumer's guide's runnable example (consumers/onchange/README.md, "Reading change streams"):
 // a service that reads the changes a `subject` rule publishes for one db, as it would to
 // rebuild its state from them. It prints one line per change and keeps the latest revision of
 // every doc in memory; it never reads CouchDB.
@@ -43,7 +43,7 @@ type Change struct {
 	Doc     json.RawMessage `json:"doc,omitempty"`
 
 	// From the message: the stream sequence, the time it was stored, and the replay it belongs
-	// to ("" for a first publication; see README "Replay").
+	// to ("" for a first publication; see consumers/onchange/README.md, "Change streams").
 	StreamSeq uint64    `json:"-"`
 	Stored    time.Time `json:"-"`
 	Replay    string    `json:"-"`

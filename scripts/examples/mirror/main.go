@@ -1,4 +1,4 @@
-// Command mirror is the runnable example of README "Rebuilding from a mirror": a service that
+// Command mirror is the runnable example of consumers/onchange/README.md, "Doc-state mirror": a service that
 // rebuilds the current state of every doc from the NATS KV bucket a `mirror` rule keeps, then
 // follows it live; it never reads CouchDB.
 //
