@@ -324,3 +324,82 @@ func freePorts(n int) ([]int, error) {
 	}
 	return ports, nil
 }
+
+// consumerLeader returns the name of the node leading consumer of stream (the JetStream API's
+// CONSUMER.INFO cluster.leader).
+func (c *cluster) consumerLeader(ctx context.Context, stream, consumer string) (string, error) {
+	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	s, err := c.js.Stream(ctx, stream)
+	if err != nil {
+		return "", err
+	}
+	cons, err := s.Consumer(ctx, consumer)
+	if err != nil {
+		return "", err
+	}
+	info, err := cons.Info(ctx)
+	if err != nil {
+		return "", err
+	}
+	if info.Cluster == nil || info.Cluster.Leader == "" {
+		return "", fmt.Errorf("consumer %s of %s has no leader", consumer, stream)
+	}
+	return info.Cluster.Leader, nil
+}
+
+// stepDownConsumer asks the leader of consumer of stream to step down
+// ($JS.API.CONSUMER.LEADER.STEPDOWN.<stream>.<consumer>), as an operator or a rolling upgrade
+// does, and waits until the consumer has a leader again. It calls mark once it knows the leader
+// and is about to send the request. A request the servers refuse or do not answer (an election
+// under way) is sent again for up to 20s.
+func (c *cluster) stepDownConsumer(ctx context.Context, stream, consumer string, mark func()) (what, skipped string, err error) {
+	what = fmt.Sprintf("leader of consumer %s of %s asked to step down", consumer, stream)
+	var before string
+	if err := waitUntil(ctx, 20*time.Second, 200*time.Millisecond, "a consumer leader to step down", func() bool {
+		var lerr error
+		before, lerr = c.consumerLeader(ctx, stream, consumer)
+		return lerr == nil
+	}); err != nil {
+		return what, "", err
+	}
+	mark()
+	subject := fmt.Sprintf("$JS.API.CONSUMER.LEADER.STEPDOWN.%s.%s", stream, consumer)
+	var answer struct {
+		Success bool `json:"success"`
+		Error   *struct {
+			Code        int    `json:"code"`
+			Description string `json:"description"`
+		} `json:"error"`
+	}
+	var last error
+	if err := waitUntil(ctx, 20*time.Second, 500*time.Millisecond, "a stepdown the servers accept", func() bool {
+		rctx, cancel := context.WithTimeout(ctx, 3*time.Second)
+		defer cancel()
+		msg, err := c.nc.RequestWithContext(rctx, subject, nil)
+		if err == nil {
+			answer.Success, answer.Error = false, nil
+			err = json.Unmarshal(msg.Data, &answer)
+		}
+		switch {
+		case err != nil:
+			last = err
+		case answer.Error != nil:
+			last = fmt.Errorf("%d %s", answer.Error.Code, answer.Error.Description)
+		case !answer.Success:
+			last = fmt.Errorf("answer %q", msg.Data)
+		default:
+			return true
+		}
+		return false
+	}); err != nil {
+		return what, "", fmt.Errorf("%w (last answer: %v)", err, last)
+	}
+	var after string
+	err = waitUntil(ctx, 30*time.Second, 200*time.Millisecond, "the consumer's new leader", func() bool {
+		var lerr error
+		after, lerr = c.consumerLeader(ctx, stream, consumer)
+		return lerr == nil
+	})
+	return fmt.Sprintf("leader of consumer %s of %s stepped down: nats-%s → nats-%s", consumer, stream, before, after), "", err
+}

@@ -95,7 +95,7 @@ func (f *faults) execute(ctx context.Context, ft Fault, mark func()) (what, skip
 			return "SIGSTOP " + p.name, "", err
 		}
 		return "SIGSTOP/SIGCONT " + p.name, "", werr
-	case FaultNATSWorkLdr, FaultNATSMetaLdr, FaultNATSNode:
+	case FaultNATSWorkLdr, FaultNATSMetaLdr, FaultNATSNode, FaultNATSConsumerLdr:
 		f.natsMu.Lock()
 		defer f.natsMu.Unlock()
 		n, what, err := f.natsTarget(ctx, ft)
@@ -104,6 +104,10 @@ func (f *faults) execute(ctx context.Context, ft Fault, mark func()) (what, skip
 		}
 		mark()
 		return what, "", r.nats.killAndRestart(ctx, n, ft.Down)
+	case FaultStepdownConsumer:
+		f.natsMu.Lock()
+		defer f.natsMu.Unlock()
+		return r.nats.stepDownConsumer(ctx, r.subjects.WorkStream(), workConsumers[ft.Target%len(workConsumers)], mark)
 	case FaultCouchRestart:
 		f.couchMu.Lock()
 		defer f.couchMu.Unlock()
@@ -181,8 +185,8 @@ func (f *faults) ready(ctx context.Context, p *proc) error {
 	return p.waitReady(ctx, 90*time.Second)
 }
 
-// natsTarget picks the node a NATS fault kills: the leader of the work stream or the meta
-// leader, as the servers say at this moment, or the planned node.
+// natsTarget picks the node a NATS fault kills: the leader of the work stream, of a work
+// consumer or the meta leader, as the servers say at this moment, or the planned node.
 func (f *faults) natsTarget(ctx context.Context, ft Fault) (*natsNode, string, error) {
 	c := f.r.nats
 	if ft.Kind == FaultNATSNode {
@@ -192,10 +196,15 @@ func (f *faults) natsTarget(ctx context.Context, ft Fault) (*natsNode, string, e
 	var leader, role string
 	err := waitUntil(ctx, 20*time.Second, 200*time.Millisecond, "a leader to kill", func() bool {
 		var err error
-		if ft.Kind == FaultNATSWorkLdr {
+		switch ft.Kind {
+		case FaultNATSWorkLdr:
 			role = "leader of " + f.r.subjects.WorkStream()
 			leader, err = c.streamLeader(ctx, f.r.subjects.WorkStream())
-		} else {
+		case FaultNATSConsumerLdr:
+			consumer := workConsumers[ft.Target%len(workConsumers)]
+			role = "leader of consumer " + consumer + " of " + f.r.subjects.WorkStream()
+			leader, err = c.consumerLeader(ctx, f.r.subjects.WorkStream(), consumer)
+		default:
 			role = "JetStream meta leader"
 			leader, err = c.metaLeader(ctx)
 		}
@@ -209,12 +218,11 @@ func (f *faults) natsTarget(ctx context.Context, ft Fault) (*natsNode, string, e
 		return nil, "SIGKILL the " + role, err
 	}
 	also := ""
-	if ft.Kind == FaultNATSWorkLdr {
-		if m, err := c.metaLeader(ctx); err == nil && m == leader {
-			also = ", also the meta leader"
-		}
-	} else if w, err := c.streamLeader(ctx, f.r.subjects.WorkStream()); err == nil && w == leader {
-		also = ", also the work stream's leader"
+	if m, err := c.metaLeader(ctx); ft.Kind != FaultNATSMetaLdr && err == nil && m == leader {
+		also += ", also the meta leader"
+	}
+	if w, err := c.streamLeader(ctx, f.r.subjects.WorkStream()); ft.Kind != FaultNATSWorkLdr && err == nil && w == leader {
+		also += ", also the work stream's leader"
 	}
 	return n, fmt.Sprintf("SIGKILL nats-%s (%s%s)", n.name, role, also), nil
 }

@@ -58,6 +58,8 @@ const (
 	FaultSink500                           // the webhook sink answers 500 to every request for Down
 	FaultSinkStall                         // the webhook sink answers after the rule's timeout for Down
 	FaultRotatePasswords                   // new webhook password: passwords file rewritten, SIGHUP to consumers
+	FaultStepdownConsumer                  // ask the leader of work consumer Target (workConsumers) to step down
+	FaultNATSConsumerLdr                   // SIGKILL the NATS node leading work consumer Target (workConsumers), restart after Down
 	FaultPartitionNATS                     // partition process Target from every NATS node for Down: freeze, or Cut
 	FaultPartitionCouch                    // partition process Target from CouchDB for Down: freeze, or Cut
 	FaultNATSStoreLoss                     // NATS node Target restarted from a copy of its store taken Lag before its SIGKILL
@@ -67,7 +69,7 @@ const (
 )
 
 var faultNames = [...]string{"kill", "stop", "kill-nats-work-leader", "kill-nats-meta-leader", "kill-nats-node",
-	"restart-couchdb", "sink-500", "sink-stall", "rotate-passwords", "partition-nats", "partition-couchdb",
+	"restart-couchdb", "sink-500", "sink-stall", "rotate-passwords", "stepdown-work-consumer", "kill-nats-consumer-leader", "partition-nats", "partition-couchdb",
 	"nats-store-loss", "nats-store-loss-all", "kill-couchdb-node"}
 
 func (k FaultKind) String() string { return faultNames[k] }
@@ -76,7 +78,7 @@ func (k FaultKind) String() string { return faultNames[k] }
 type Fault struct {
 	At     time.Duration
 	Kind   FaultKind
-	Target int           // product process index (procNames), or NATS node index
+	Target int           // product process index (procNames), NATS node index, or work consumer index (workConsumers)
 	Down   time.Duration // how long the fault lasts
 	Term   bool          // FaultCouchRestart: SIGTERM instead of SIGKILL
 	Cut    bool          // FaultPartitionNATS, FaultPartitionCouch: connections reset instead of frozen
@@ -85,6 +87,10 @@ type Fault struct {
 
 // procNames are the product processes, by index.
 var procNames = []string{"producer-1", "producer-2", "replicator-native", "replicator-couchdb", "onchange-1", "onchange-2"}
+
+// workConsumers are the durable consumers of the work stream, by index: the consumer-leader
+// faults' targets.
+var workConsumers = []string{"onchange", "replicator"}
 
 // Plan is everything a run does on purpose, derived from the Config alone.
 type Plan struct {
@@ -234,6 +240,10 @@ var requiredFaults = []requiredFault{
 	{FaultKillProc, []int{0, 1}}, {FaultKillProc, []int{2}}, {FaultKillProc, []int{3}}, {FaultKillProc, []int{4, 5}},
 	{FaultStopProc, []int{4, 5}}, {FaultNATSWorkLdr, nil}, {FaultNATSMetaLdr, nil}, {FaultCouchRestart, nil},
 	{FaultSink500, nil}, {FaultSinkStall, nil}, {FaultRotatePasswords, nil},
+	// Consumer leader changes, as a rolling upgrade makes them: a stepdown of each work
+	// consumer's leader, and the node leading the onchange consumer killed (the overlap
+	// verdict's case, overlap.go).
+	{FaultStepdownConsumer, []int{0}}, {FaultStepdownConsumer, []int{1}}, {FaultNATSConsumerLdr, []int{0}},
 }
 
 type requiredFault struct {
@@ -269,7 +279,7 @@ func requiredFor(cfg Config) []requiredFault {
 // faultWeights are the odds of each class after the required ones; an opt-in class the config
 // does not turn on has none (weightsFor), so that a plan without them draws exactly as before
 // they existed.
-var faultWeights = [numFaultKinds]int{30, 10, 8, 6, 6, 6, 8, 6, 6, 10, 8, 3, 2, 6}
+var faultWeights = [numFaultKinds]int{30, 10, 8, 6, 6, 6, 8, 6, 6, 6, 5, 10, 8, 3, 2, 6}
 
 // weightsFor is faultWeights with the opt-in classes cfg does not turn on left out.
 func weightsFor(cfg Config) [numFaultKinds]int {
@@ -321,6 +331,9 @@ func planFaults(cfg Config) []Fault {
 			if f.Kind == FaultNATSNode || f.Kind == FaultNATSStoreLoss {
 				f.Target = r.IntN(3)
 			}
+			if f.Kind == FaultStepdownConsumer || f.Kind == FaultNATSConsumerLdr {
+				f.Target = r.IntN(len(workConsumers))
+			}
 		}
 		f.At = at
 		switch f.Kind {
@@ -328,7 +341,7 @@ func planFaults(cfg Config) []Fault {
 			f.Down = time.Duration(r.IntN(4000)) * time.Millisecond
 		case FaultStopProc:
 			f.Down = cfg.AckWait + time.Duration(1000+r.IntN(3000))*time.Millisecond
-		case FaultNATSWorkLdr, FaultNATSMetaLdr, FaultNATSNode:
+		case FaultNATSWorkLdr, FaultNATSMetaLdr, FaultNATSNode, FaultNATSConsumerLdr:
 			f.Down = time.Duration(1000+r.IntN(5000)) * time.Millisecond
 		case FaultCouchRestart:
 			f.Down, f.Term = time.Duration(500+r.IntN(2500))*time.Millisecond, r.IntN(2) == 0
@@ -428,6 +441,8 @@ func (p Plan) Summary() string {
 			name += " " + procNames[f.Target] + map[bool]string{false: " freeze", true: " cut"}[f.Cut]
 		case FaultCouchNode:
 			name += fmt.Sprintf(" %d", f.Target+1)
+		case FaultStepdownConsumer, FaultNATSConsumerLdr:
+			name += " " + workConsumers[f.Target]
 		}
 		faults[name]++
 	}

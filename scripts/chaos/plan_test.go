@@ -33,6 +33,7 @@ func TestPlanCoversEveryFaultClass(t *testing.T) {
 			p := newPlan(cfg)
 			kinds := map[FaultKind]bool{}
 			killed := map[string]bool{}
+			leaderFaults := map[string]bool{} // "<kind> <consumer>"
 			var rotations []time.Duration
 			for _, f := range p.Faults {
 				kinds[f.Kind] = true
@@ -46,6 +47,10 @@ func TestPlanCoversEveryFaultClass(t *testing.T) {
 				if f.Kind == FaultRotatePasswords {
 					rotations = append(rotations, f.At)
 				}
+				if f.Kind == FaultStepdownConsumer || f.Kind == FaultNATSConsumerLdr {
+					require.Less(t, f.Target, len(workConsumers))
+					leaderFaults[f.Kind.String()+" "+workConsumers[f.Target]] = true
+				}
 				assert.True(t, f.At >= 3*time.Second && f.At < cfg.Duration, "fault at %s", f.At)
 			}
 			for _, req := range requiredFor(cfg) {
@@ -55,6 +60,9 @@ func TestPlanCoversEveryFaultClass(t *testing.T) {
 				kinds[FaultNATSStoreLoss] && kinds[FaultNATSStoreLossAll], "seed %d, opt-in %t: %v", seed, optIn, kinds)
 			for _, k := range []string{"producer", "replicator", "onchange"} {
 				assert.True(t, killed[k], "seed %d: no %s killed", seed, k)
+			}
+			for _, k := range []string{"stepdown-work-consumer onchange", "stepdown-work-consumer replicator", "kill-nats-consumer-leader onchange"} {
+				assert.True(t, leaderFaults[k], "seed %d: no %s", seed, k)
 			}
 			for i := 1; i < len(rotations); i++ {
 				assert.GreaterOrEqual(t, rotations[i]-rotations[i-1], 2*(cfg.AckWait+4*time.Second))
@@ -87,6 +95,40 @@ func TestPlanOptInFaultsOffByDefault(t *testing.T) {
 		on := cfg
 		on.Partitions, on.StoreLoss = true, true
 		assert.NotEqual(t, plan.Digest(), newPlan(on).Digest(), "%s run: the opt-in faults change the plan", cfg.Name)
+	}
+}
+
+// The consumer leader faults are in the default fault set, not opt-in: a durable deployment
+// meets them (a rolling upgrade moves leaders). The long run draws them beyond the required
+// ones too, for both work consumers; a stepdown lasts no time, a leader's node is down as long
+// as the other node kills.
+func TestPlanConsumerLeaderFaults(t *testing.T) {
+	t.Parallel()
+	long, err := longConfig("/repo")
+	require.NoError(t, err)
+	long.Seed = 42
+	seen := map[string]int{}
+	for _, f := range newPlan(long).Faults {
+		switch f.Kind {
+		case FaultStepdownConsumer:
+			assert.Zero(t, f.Down)
+		case FaultNATSConsumerLdr:
+			assert.GreaterOrEqual(t, f.Down, time.Second)
+			assert.Less(t, f.Down, 6*time.Second)
+		default:
+			continue
+		}
+		seen[f.Kind.String()+" "+workConsumers[f.Target]]++
+	}
+	for _, k := range []string{"stepdown-work-consumer onchange", "stepdown-work-consumer replicator",
+		"kill-nats-consumer-leader onchange", "kill-nats-consumer-leader replicator"} {
+		assert.Positive(t, seen[k], "long run: no %s in %v", k, seen)
+	}
+	assert.Greater(t, seen["stepdown-work-consumer onchange"]+seen["stepdown-work-consumer replicator"], 2, "long run: only the required stepdowns")
+	assert.NotContains(t, requiredFor(long), FaultPartitionNATS)
+	for _, k := range []FaultKind{FaultStepdownConsumer, FaultNATSConsumerLdr} {
+		assert.Positive(t, weightsFor(long)[k], "%s weighted out of a default plan", k)
+		assert.Less(t, k, FaultPartitionNATS, "%s numbered among the opt-in classes", k)
 	}
 }
 
@@ -124,27 +166,20 @@ func TestPlanOpsFollowDBLifecycle(t *testing.T) {
 	}
 }
 
-// With CHAOS_PARTITIONS=1 and CHAOS_STORE_LOSS=1, the long run partitions every kind of process from NATS and from CouchDB, both ways
-// (freeze and cut), for durations around AckWait, and loses the store of one node and of every
-// node; the required NATS partition of an onchange consumer is a freeze longer than AckWait
-// and the rule's timeout (the lease verdict's case).
+// With CHAOS_PARTITIONS=1 and CHAOS_STORE_LOSS=1, long runs partition every kind of process from
+// NATS and from CouchDB, both ways (freeze and cut), for durations around AckWait, and lose the
+// store of one node and of every node (one of each is required in every run; the other
+// combinations are drawn by weight, so they are checked over five seeds); the required NATS
+// partition of an onchange consumer is a freeze longer than AckWait and the rule's timeout (the
+// lease verdict's case).
 func TestPlanPartitionsAndStoreLoss(t *testing.T) {
 	t.Parallel()
-	cfg, err := longConfig("/repo")
-	require.NoError(t, err)
-	cfg.Seed, cfg.Partitions, cfg.StoreLoss = 42, true, true
 	seen := map[string]bool{}
-	for _, f := range newPlan(cfg).Faults {
-		switch f.Kind {
-		case FaultPartitionNATS, FaultPartitionCouch:
-			kind := strings.SplitN(procNames[f.Target], "-", 2)[0]
-			seen[fmt.Sprintf("%s %s cut=%t", f.Kind, kind, f.Cut)] = true
-			assert.GreaterOrEqual(t, f.Down, cfg.AckWait/2)
-			assert.Less(t, f.Down, 2*cfg.AckWait+hookTimeout+4*time.Second)
-		case FaultNATSStoreLoss, FaultNATSStoreLossAll:
-			seen[f.Kind.String()] = true
-			assert.GreaterOrEqual(t, f.Lag, 2*time.Second)
-		}
+	for _, seed := range []uint64{42, 43, 44, 45, 46} {
+		cfg, err := longConfig("/repo")
+		require.NoError(t, err)
+		cfg.Seed, cfg.Partitions, cfg.StoreLoss = seed, true, true
+		seenPlan(t, cfg, seen)
 	}
 	for _, k := range []FaultKind{FaultPartitionNATS, FaultPartitionCouch} {
 		for _, proc := range []string{"producer", "replicator", "onchange"} {
@@ -168,12 +203,32 @@ func TestPlanPartitionsAndStoreLoss(t *testing.T) {
 	}
 }
 
+// seenPlan adds the partitions and storage losses of cfg's plan to seen ("<kind> <process kind>
+// cut=<cut>", "<kind>"), checking their durations and lags.
+func seenPlan(t *testing.T, cfg Config, seen map[string]bool) {
+	t.Helper()
+	for _, f := range newPlan(cfg).Faults {
+		switch f.Kind {
+		case FaultPartitionNATS, FaultPartitionCouch:
+			kind := strings.SplitN(procNames[f.Target], "-", 2)[0]
+			seen[fmt.Sprintf("%s %s cut=%t", f.Kind, kind, f.Cut)] = true
+			assert.GreaterOrEqual(t, f.Down, cfg.AckWait/2)
+			assert.Less(t, f.Down, 2*cfg.AckWait+hookTimeout+4*time.Second)
+		case FaultNATSStoreLoss, FaultNATSStoreLossAll:
+			seen[f.Kind.String()] = true
+			assert.GreaterOrEqual(t, f.Lag, 2*time.Second)
+		}
+	}
+}
+
 // With CHAOS_COUCHDB_NODE_CMD and a cluster's nodes in CHAOS_COUCHDB_URL, the plan kills CouchDB
 // nodes: node 1 (the processes use it first) among them, never the last node (the run's own
-// requests use it), each down long enough for the processes to move to another node. A node list without the command plans as one
-// server does.
+// requests use it), each down long enough for the processes to move to another node; the kills
+// after the required one (node 1) pick either other node, which over the seeds both get. A node
+// list without the command plans as one server does.
 func TestPlanCouchNodeKill(t *testing.T) {
 	t.Parallel()
+	drawn := map[int]int{} // the targets of the kills after the first, over the seeds
 	for _, seed := range []uint64{1, 2, 3, 42, 4242} {
 		cfg, err := longConfig("/repo")
 		require.NoError(t, err)
@@ -192,14 +247,18 @@ func TestPlanCouchNodeKill(t *testing.T) {
 			}
 			kills++
 			targets[f.Target] = true
+			if kills > 1 {
+				drawn[f.Target]++
+			}
 			assert.Less(t, f.Target, cfg.CouchNodes-1, "seed %d: the last node is killed", seed)
 			assert.GreaterOrEqual(t, f.Down, 5*time.Second)
 			assert.Less(t, f.Down, 25*time.Second)
 		}
 		assert.Positive(t, kills, "seed %d: no node killed", seed)
 		assert.True(t, targets[0], "seed %d: node 1, which the processes use first, never killed", seed)
-		if kills > 3 {
-			assert.Len(t, targets, 2, "seed %d: %d kills, always the same node", seed, kills)
-		}
+	}
+	assert.Len(t, drawn, 2, "the kills after the first: %v", drawn)
+	for node, n := range drawn {
+		assert.GreaterOrEqual(t, 4*n, drawn[0]+drawn[1], "node %d killed %d times of %v", node+1, n, drawn)
 	}
 }
