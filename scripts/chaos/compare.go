@@ -87,6 +87,20 @@ func (v *verdict) compareDeliveries(want [][3]string, delivered map[[3]string]in
 	}
 }
 
+// compareSlowDeliveries checks that every wanted (db, doc, rev) of a db ruleSlow matches (slow)
+// was answered 200 to ruleSlow at least once.
+func (v *verdict) compareSlowDeliveries(want [][3]string, slow func(db string) bool, delivered map[[3]string]int) {
+	for _, k := range want {
+		if !slow(k[0]) {
+			continue
+		}
+		v.SlowExpected++
+		if delivered[k] == 0 {
+			v.SlowMissing = append(v.SlowMissing, strings.Join(k[:], " "))
+		}
+	}
+}
+
 // compareStream checks that the change stream (msgs, in stream order) holds every wanted
 // (db, doc, rev), counts messages stored twice under one message id, and checks the order: per
 // db incarnation, the feed position (feedOrder) of the stored changes never goes back. A

@@ -111,6 +111,9 @@ type verdict struct {
 	HookMissing    []string // (db, doc, final rev) never answered 200
 	HookDuplicates int      // 200 answers beyond the first per (db, doc, rev)
 
+	SlowExpected int      // (db, doc, final rev) of the dbs ruleSlow matches
+	SlowMissing  []string // of them, never answered 200 to ruleSlow
+
 	StreamMsgs, StreamExpected int
 	StreamRereads              int              // times the run read the change stream again from its start (see streamReader)
 	StreamMissing              []string         // (db, doc, final rev) not in the change stream
@@ -132,7 +135,7 @@ type verdict struct {
 // converged reports whether the pipeline has caught up with everything the writer did.
 func (v *verdict) converged() bool {
 	outputs := v.storeLoss || len(v.StreamMissing) == 0 && len(v.MirrorMismatch) == 0
-	return len(v.ReplMismatch) == 0 && len(v.Foreign) == 0 && len(v.HookMissing) == 0 &&
+	return len(v.ReplMismatch) == 0 && len(v.Foreign) == 0 && len(v.HookMissing) == 0 && len(v.SlowMissing) == 0 &&
 		outputs && v.WorkPending == 0 && len(v.Errors) == 0
 }
 
@@ -199,6 +202,7 @@ func (v *verdict) pending(ready bool) string {
 	add("replication mismatches", v.ReplMismatch)
 	add("foreign docs", v.Foreign)
 	add("webhook missing", v.HookMissing)
+	add("block rule missing", v.SlowMissing)
 	add("change stream missing", v.StreamMissing)
 	add("mirror mismatches", v.MirrorMismatch)
 	add("errors", v.Errors)
@@ -246,6 +250,7 @@ func (r *run) check(ctx context.Context) *verdict {
 		}
 	}
 	v.compareDeliveries(want, r.sink.delivered())
+	v.compareSlowDeliveries(want, r.slowDB, r.sink.slowDelivered())
 	if _, err := r.changes.catchUp(ctx); err != nil {
 		v.Errors = append(v.Errors, "read the change stream: "+err.Error())
 	}

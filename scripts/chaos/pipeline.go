@@ -7,6 +7,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
 	"strings"
 	"time"
 )
@@ -15,20 +16,50 @@ import (
 const (
 	ruleReplicate = "chaos_replicate"
 	ruleHook      = "chaos_hook"
+	ruleSlow      = "chaos_slow" // block: true, on the first slowDBs source dbs, answered after slowFor
 	rulePublish   = "chaos_publish"
 	ruleMirror    = "chaos_mirror"
 
 	// mirrorBucket is the KV bucket of ruleMirror's doc-state mirror.
 	mirrorBucket  = "CHAOS_MIRROR"
-	hookTimeout   = 2 * time.Second // timeout_ms of the webhook rule
+	hookTimeout   = 2 * time.Second // timeout_ms of the webhook rules
 	hotFeedsSmall = 4               // SPIEGEL_HOT_FEEDS of producer-2
 	hotFeedIdle   = 5 * time.Second // SPIEGEL_HOT_FEED_IDLE of both producers
+)
+
+// ruleSlow's dbs and answers.
+const (
+	// slowFor is how long the sink takes to answer each request of ruleSlow: less than
+	// hookTimeout, and less than the part of AckWait a lease has left when its holder is
+	// SIGSTOPped (the overlap verdict, overlap.go), yet with a db's backlog of changes sent one
+	// at a time (block: true) its jobs last several AckWaits.
+	slowFor = 800 * time.Millisecond
+	slowDBs = 3 // source dbs 0, 1, 2 have ruleSlow
 )
 
 // Names of the run's dbs; prefix is unique to the run ("chaos_<random>_"), so that a shared
 // CouchDB never sees the run touch a db it did not create.
 func (r *run) spiegelDB() string     { return r.prefix + "spiegel" }
 func (r *run) sourceDB(i int) string { return fmt.Sprintf("%ssrc_%03d", r.prefix, i) }
+
+// slowDB reports whether source db src has ruleSlow.
+func (r *run) slowDB(src string) bool {
+	for i := range min(slowDBs, r.cfg.DBs) {
+		if src == r.sourceDB(i) {
+			return true
+		}
+	}
+	return false
+}
+
+// slowPattern is ruleSlow's db_name: the first slowDBs source dbs.
+func (r *run) slowPattern() string {
+	var names []string
+	for i := range min(slowDBs, r.cfg.DBs) {
+		names = append(names, regexp.QuoteMeta(r.sourceDB(i)))
+	}
+	return "^(" + strings.Join(names, "|") + ")$"
+}
 
 // targetDB is the target of source db src under the replicator rule.
 func (r *run) targetDB(src string) string { return r.prefix + "tgt_" + src }
@@ -99,7 +130,13 @@ func (r *run) install(ctx context.Context) error {
 		ruleReplicate: {"type": "replicator", "db_name": pattern, "source": "$db_name",
 			"target": r.prefix + "tgt_${db_name}", "create_target": true},
 		ruleHook: {"type": "on_change", "db_name": pattern, "method": "POST",
-			"url":        "http://" + hookUser + "@" + r.sink.addr() + "/hook/${db_name}",
+			"url":        "http://" + hookUser + "@" + r.sink.addr() + "/" + hookPath + "/${db_name}",
+			"params":     map[string]any{"change": "$change", "db": "$db_name", "seq": "$seq"},
+			"timeout_ms": hookTimeout.Milliseconds(), "retry": retry},
+		// Long jobs: each change waits for its answer, which takes slowFor, so that jobs run
+		// through consumer leader changes (the overlap verdict's case).
+		ruleSlow: {"type": "on_change", "db_name": r.slowPattern(), "method": "POST", "block": true,
+			"url":        "http://" + hookUser + "@" + r.sink.addr() + "/" + slowPath + "/${db_name}",
 			"params":     map[string]any{"change": "$change", "db": "$db_name", "seq": "$seq"},
 			"timeout_ms": hookTimeout.Milliseconds(), "retry": retry},
 		rulePublish: {"type": "on_change", "db_name": pattern, "subject": "spiegel.changes.${db_name}", "retry": retry},

@@ -28,8 +28,9 @@ type Result struct {
 
 	WriterEnd, LastFault, Converged time.Duration // offsets on the run's clock
 	Verdict                         *verdict
-	Heal                            []classHeal  // time to heal per fault class
-	Lease                           *leaseResult // no side effect after a lease ran out (lease.go)
+	Heal                            []classHeal    // time to heal per fault class
+	Lease                           *leaseResult   // no side effect after a lease ran out (lease.go)
+	Overlap                         *overlapResult // no two instances acting on one db at once (overlap.go)
 	Total                           time.Duration
 
 	Crashes      []string // exits by themselves of processes that were ready: failures
@@ -68,7 +69,7 @@ func (res *Result) Pass() bool {
 	v := res.Verdict
 	return len(res.failures) == 0 && v != nil && v.converged() && len(v.OrderViolations) == 0 &&
 		len(v.unaccounted()) == 0 && len(res.WriterFailed) == 0 && len(res.LogFindings) == 0 && len(res.healFailures()) == 0 &&
-		len(res.leaseFailures()) == 0
+		len(res.leaseFailures()) == 0 && len(res.overlapFailures()) == 0
 }
 
 // replay is the command that runs the same plan again, with the variables that made this run
@@ -212,6 +213,7 @@ func (res *Result) write(w io.Writer) {
 		if n := inRecreated(v.HookMissing); n > 0 {
 			p("             %d of the %d missing are docs of recreated dbs (incarnation > 0)", n, len(v.HookMissing))
 		}
+		p("block rule:  %d (db, doc, final rev) of its %d dbs expected, %d missing", v.SlowExpected, min(slowDBs, res.Cfg.DBs), len(v.SlowMissing))
 		p("changes:     %d messages, %d (db, doc, final rev) expected, %d missing; %d stored duplicates; feed-order violations %d",
 			v.StreamMsgs, v.StreamExpected, len(v.StreamMissing), v.StreamDuplicates, len(v.OrderViolations))
 		if v.StreamRereads > 0 {
@@ -237,6 +239,9 @@ func (res *Result) write(w io.Writer) {
 	if res.Lease != nil {
 		p("leases:      %s", res.Lease)
 	}
+	if res.Overlap != nil {
+		p("overlap:     %s", res.Overlap)
+	}
 	p("processes:   %d started; crashes %d; startup exits %d; all stopped, none left running unless listed below", res.Started, len(res.Crashes), len(res.StartupExits))
 	if len(res.StartupExits) > 0 && !res.Cfg.Strict {
 		p("DEFECT:      %d process(es) exited while starting, on a transient error of a dependency (SPEC §4.8: never exit on a", len(res.StartupExits))
@@ -255,6 +260,7 @@ func (res *Result) write(w io.Writer) {
 		failures = append(failures, list("replication mismatch", v.ReplMismatch)...)
 		failures = append(failures, list("foreign source doc", v.Foreign)...)
 		failures = append(failures, list("webhook missing", v.HookMissing)...)
+		failures = append(failures, list("block rule missing", v.SlowMissing)...)
 		failures = append(failures, list("change stream missing", v.StreamMissing)...)
 		failures = append(failures, list("feed order", v.orderViolations())...)
 		failures = append(failures, list("mirror mismatch", v.MirrorMismatch)...)
@@ -267,6 +273,7 @@ func (res *Result) write(w io.Writer) {
 	failures = append(failures, list("writer op given up", res.WriterFailed)...)
 	failures = append(failures, res.healFailures()...)
 	failures = append(failures, res.leaseFailures()...)
+	failures = append(failures, res.overlapFailures()...)
 	failures = append(failures, res.LogFindings...)
 	for _, f := range failures {
 		p("FAILURE:     %s", f)

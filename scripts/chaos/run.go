@@ -157,12 +157,21 @@ func execute(ctx context.Context, cfg Config, out io.Writer) *Result {
 		}
 		res.StoreLossNote = note
 	}
+	pids := map[string][]int{}
+	for _, p := range r.procs {
+		pids[p.name] = p.allPIDs()
+	}
+	overlap := overlapVerdict(r.sink.allCalls(), pids, res.Faults, r.started, time.Now(), cfg.AckWait)
+	res.Overlap = &overlap
+	oj := r.newJournal("overlap")
+	for _, line := range overlap.Violations {
+		oj.printf("VIOLATION %s", line)
+	}
+	for _, line := range overlap.Excused {
+		oj.printf("excused %s", line)
+	}
 	if cfg.Partitions {
 		// The lease verdict is about partitions; without them it has nothing to check.
-		pids := map[string][]int{}
-		for _, p := range r.procs {
-			pids[p.name] = p.allPIDs()
-		}
 		lease := leaseVerdict(res.Faults, r.sink.allCalls(), pids, r.started, cfg.AckWait, hookTimeout)
 		res.Lease = &lease
 		j := r.newJournal("lease")
@@ -210,7 +219,7 @@ func (r *run) setup(ctx context.Context, res *Result) error {
 		return err
 	}
 	r.logf("NATS: three nodes %s", r.nats.URLs())
-	if r.sink, err = startSink(r.cfg, r.cfg.OutDir, hookTimeout, r.newJournal("sink")); err != nil {
+	if r.sink, err = startSink(r.cfg, r.cfg.OutDir, hookTimeout, slowFor, r.newJournal("sink")); err != nil {
 		return err
 	}
 	res.sink = r.sink

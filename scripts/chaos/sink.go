@@ -13,6 +13,7 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"strings"
 	"sync"
 	"time"
 
@@ -33,12 +34,15 @@ type delivery struct {
 	DB, ID, Rev, Seq string
 }
 
-// sink is the webhook receiver of the on_change rule. It checks Basic auth (user "hook" and
-// the current or previous password of the passwords file: see rotate), records every request,
-// and answers 500 or stalls a fraction of them: always during a fault period (setMode), and
-// outside one for the fraction the config names, decided by a hash of the seed, the change and
-// its attempt number (the same requests fail in a replay). A stalled request is answered after
-// stallFor, longer than the rule's timeout, unless the client gave up first.
+// sink is the webhook receiver of the on_change rules: ruleHook calls /hook/<db>, ruleSlow (block
+// rule of a few dbs) /slow/<db>. It checks Basic auth (user "hook" and the current or previous
+// password of the passwords file: see rotate), records every request (when it arrived and when
+// it was answered, by which instance), and answers 500 or stalls a fraction of them: always
+// during a fault period (setMode), and outside one for the fraction the config names, decided by
+// a hash of the seed, the rule, the change and its attempt number (the same requests fail in a
+// replay). A stalled request is answered after stallFor, longer than the rules' timeout, unless
+// the client gave up first. Every other request of ruleSlow is answered after slowFor (shorter
+// than the timeout), so that its jobs last several AckWaits.
 type sink struct {
 	ln       net.Listener
 	srv      *http.Server
@@ -46,6 +50,7 @@ type sink struct {
 	fail     float64
 	stall    float64
 	stallFor time.Duration
+	slowFor  time.Duration
 	pwFile   string
 	journal  *journal // sink.log: every request and its answer
 
@@ -53,7 +58,8 @@ type sink struct {
 	passwords []string // by generation; the last is current
 	mode      sinkMode
 	attempts  map[string]int
-	ok        map[delivery]int        // 200 answers per change
+	ok        map[delivery]int        // 200 answers per change (ruleHook)
+	slowOK    map[[3]string]int       // 200 answers per (db, doc id, rev) of ruleSlow
 	firstOK   map[[3]string]time.Time // first 200 answer per (db, doc id, rev)
 	status    map[string]int          // answers by kind
 	okByGen   map[int]int             // 200 answers by password generation
@@ -61,25 +67,36 @@ type sink struct {
 	calls     []sinkCall // every request, in arrival order
 }
 
-// sinkCall is one request as it arrived: when, from which instance (X-Spiegel-Instance), for
-// which change. The lease verdict (lease.go) reads them.
+// sinkCall is one request: when it arrived and when the sink answered it (or saw the client
+// give up), from which instance (X-Spiegel-Instance), for which rule (hookPath or slowPath) and
+// change, with its X-Spiegel-Delivery id. The lease verdict (lease.go) and the overlap verdict
+// (overlap.go) read them. End is zero while the request is in progress.
 type sinkCall struct {
-	At          time.Time
+	At, End     time.Time
 	Instance    string
+	Rule        string
+	Delivery    string
 	DB, ID, Rev string
 }
+
+// The sink's paths, one per on_change webhook rule: the rule a call is for.
+const (
+	hookPath = "hook" // ruleHook
+	slowPath = "slow" // ruleSlow
+)
 
 const hookUser = "hook"
 
 // startSink listens on a loopback port and writes the first passwords file into dir.
-func startSink(cfg Config, dir string, ruleTimeout time.Duration, j *journal) (*sink, error) {
+// ruleTimeout is the rules' timeout; slowFor how long ruleSlow's requests take.
+func startSink(cfg Config, dir string, ruleTimeout, slowFor time.Duration, j *journal) (*sink, error) {
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		return nil, err
 	}
-	s := &sink{ln: ln, seed: cfg.Seed, fail: cfg.SinkFail, stall: cfg.SinkStall, stallFor: ruleTimeout + time.Second,
+	s := &sink{ln: ln, seed: cfg.Seed, fail: cfg.SinkFail, stall: cfg.SinkStall, stallFor: ruleTimeout + time.Second, slowFor: slowFor,
 		pwFile: filepath.Join(dir, "passwords.json"), journal: j, attempts: map[string]int{}, ok: map[delivery]int{},
-		status: map[string]int{}, okByGen: map[int]int{}, firstOK: map[[3]string]time.Time{}}
+		status: map[string]int{}, okByGen: map[int]int{}, firstOK: map[[3]string]time.Time{}, slowOK: map[[3]string]int{}}
 	if err := s.rotate(); err != nil {
 		_ = ln.Close()
 		return nil, err
@@ -150,13 +167,22 @@ func (s *sink) serve(w http.ResponseWriter, r *http.Request) {
 	user, pw, _ := r.BasicAuth()
 	var b hookBody
 	decodeErr := json.Unmarshal(body, &b)
+	rule := hookPath
+	if strings.HasPrefix(r.URL.Path, "/"+slowPath+"/") {
+		rule = slowPath
+	}
 
 	s.mu.Lock()
-	call := sinkCall{At: arrived, Instance: r.Header.Get(webhook.InstanceHeader), DB: b.DB, ID: b.Change.ID}
+	call := sinkCall{At: arrived, Instance: r.Header.Get(webhook.InstanceHeader), Rule: rule,
+		Delivery: r.Header.Get(webhook.DeliveryHeader), DB: b.DB, ID: b.Change.ID}
 	if len(b.Change.Changes) > 0 {
 		call.Rev = b.Change.Changes[0].Rev
 	}
+	i := len(s.calls)
 	s.calls = append(s.calls, call)
+	// answered records, with s.mu held, that the request is over: before the answer is
+	// written, so that whatever the client does after it comes later.
+	answered := func() { s.calls[i].End = time.Now() }
 	gen := 0
 	for i := len(s.passwords) - 1; i >= 0 && i >= len(s.passwords)-2; i-- {
 		if user == hookUser && pw == s.passwords[i] {
@@ -166,6 +192,7 @@ func (s *sink) serve(w http.ResponseWriter, r *http.Request) {
 	if gen == 0 {
 		s.journal.printf("401 user=%q", user)
 		s.status["401"]++
+		answered()
 		s.mu.Unlock()
 		w.WriteHeader(http.StatusUnauthorized)
 		return
@@ -176,12 +203,16 @@ func (s *sink) serve(w http.ResponseWriter, r *http.Request) {
 		if len(s.badBodies) < 5 {
 			s.badBodies = append(s.badBodies, string(body[:min(len(body), 300)]))
 		}
+		answered()
 		s.mu.Unlock()
 		w.WriteHeader(http.StatusBadRequest)
 		return
 	}
 	d := delivery{DB: b.DB, ID: b.Change.ID, Rev: b.Change.Changes[0].Rev, Seq: string(b.Seq)}
 	key := d.DB + "\x00" + d.ID + "\x00" + d.Rev
+	if rule == slowPath {
+		key = slowPath + "\x00" + key // its own attempts and draws: ruleHook's stay as they were
+	}
 	s.attempts[key]++
 	mode := s.mode
 	if mode == sinkNormal {
@@ -192,31 +223,48 @@ func (s *sink) serve(w http.ResponseWriter, r *http.Request) {
 			mode = sinkStall
 		}
 	}
-	s.journal.printf("%s %s %s %s seq=%s attempt=%d gen=%d", [...]string{"200", "500", "stall"}[mode], d.DB, d.ID, d.Rev, d.Seq, s.attempts[key], gen)
-	switch mode {
-	case sinkFail:
+	s.journal.printf("%s %s %s %s %s seq=%s attempt=%d gen=%d", [...]string{"200", "500", "stall"}[mode], rule, d.DB, d.ID, d.Rev, d.Seq, s.attempts[key], gen)
+	wait := time.Duration(0)
+	switch {
+	case mode == sinkFail:
 		s.status["500"]++
+		answered()
 		s.mu.Unlock()
 		w.WriteHeader(http.StatusInternalServerError)
 		return
-	case sinkStall:
+	case mode == sinkStall:
 		s.status["stalled"]++
+		wait = s.stallFor
+	case rule == slowPath:
+		wait = s.slowFor
+	}
+	if wait > 0 {
 		s.mu.Unlock()
 		select {
-		case <-time.After(s.stallFor):
+		case <-time.After(wait):
 		case <-r.Context().Done():
-			s.journal.printf("gave up %s %s %s seq=%s", d.DB, d.ID, d.Rev, d.Seq)
+			s.mu.Lock()
+			answered()
+			s.mu.Unlock()
+			s.journal.printf("gave up %s %s %s %s seq=%s", rule, d.DB, d.ID, d.Rev, d.Seq)
 			return // the client gave up: not a delivery
 		}
-		s.journal.printf("200 after stall %s %s %s seq=%s", d.DB, d.ID, d.Rev, d.Seq)
+		if mode == sinkStall {
+			s.journal.printf("200 after stall %s %s %s %s seq=%s", rule, d.DB, d.ID, d.Rev, d.Seq)
+		}
 		s.mu.Lock()
 	}
 	s.status["200"]++
-	s.ok[d]++
-	if k := [3]string{d.DB, d.ID, d.Rev}; s.firstOK[k].IsZero() {
-		s.firstOK[k] = time.Now()
+	if rule == slowPath {
+		s.slowOK[[3]string{d.DB, d.ID, d.Rev}]++
+	} else {
+		s.ok[d]++
+		if k := [3]string{d.DB, d.ID, d.Rev}; s.firstOK[k].IsZero() {
+			s.firstOK[k] = time.Now()
+		}
 	}
 	s.okByGen[gen]++
+	answered()
 	s.mu.Unlock()
 	w.WriteHeader(http.StatusOK)
 }
@@ -242,7 +290,14 @@ func (s *sink) firstDelivered() map[[3]string]time.Time {
 	return maps.Clone(s.firstOK)
 }
 
-// delivered returns the number of 200 answers per (db, doc id, rev), seqs merged.
+// slowDelivered returns the number of ruleSlow's 200 answers per (db, doc id, rev).
+func (s *sink) slowDelivered() map[[3]string]int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return maps.Clone(s.slowOK)
+}
+
+// delivered returns the number of ruleHook's 200 answers per (db, doc id, rev), seqs merged.
 func (s *sink) delivered() map[[3]string]int {
 	s.mu.Lock()
 	defer s.mu.Unlock()
