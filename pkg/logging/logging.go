@@ -3,6 +3,7 @@
 package logging
 
 import (
+	"bytes"
 	"fmt"
 	"io"
 	"net/url"
@@ -24,13 +25,32 @@ func New(level, format string, out io.Writer) (*logrus.Logger, error) {
 	l.SetLevel(lvl)
 	switch strings.ToLower(format) {
 	case "json", "":
-		l.SetFormatter(&logrus.JSONFormatter{})
+		l.SetFormatter(warnName{&logrus.JSONFormatter{}, []byte(`"level":"warning"`), []byte(`"level":"warn"`)})
 	case "text":
-		l.SetFormatter(&logrus.TextFormatter{FullTimestamp: true, DisableColors: true})
+		l.SetFormatter(warnName{&logrus.TextFormatter{FullTimestamp: true, DisableColors: true},
+			[]byte(" level=warning "), []byte(" level=warn ")})
 	default:
 		return nil, fmt.Errorf("log format %q: want json or text", format)
 	}
 	return l, nil
+}
+
+// warnName names the warning level "warn", as SPIEGEL_LOG_LEVEL and the other levels' names
+// (debug, info, error) do; logrus calls it "warning". It rewrites the first occurrence of the
+// level's key and value in a warning entry's output: the formatters write the level before the
+// entry's fields, and rename a field called "level" to "fields.level", so the first is the level.
+type warnName struct {
+	logrus.Formatter
+	logrus, ours []byte
+}
+
+// Format implements logrus.Formatter.
+func (f warnName) Format(e *logrus.Entry) ([]byte, error) {
+	b, err := f.Formatter.Format(e)
+	if err != nil || e.Level != logrus.WarnLevel {
+		return b, err
+	}
+	return bytes.Replace(b, f.logrus, f.ours, 1), nil
 }
 
 // RedactURL returns raw with any password in its user info replaced by "xxxxx". A string that

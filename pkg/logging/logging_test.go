@@ -6,6 +6,7 @@ import (
 	"testing"
 	"unicode"
 
+	"github.com/sirupsen/logrus"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 )
@@ -72,4 +73,31 @@ func isScheme(s string) bool {
 		}
 	}
 	return s != ""
+}
+
+// The warning level is named "warn", as SPIEGEL_LOG_LEVEL calls it, in both formats; the other
+// levels keep their names, and a field called "level" does not change the entry's level.
+func TestLevelNames(t *testing.T) {
+	t.Parallel()
+	cases := []struct {
+		format string
+		log    func(l *logrus.Logger)
+		want   string
+		not    string
+	}{
+		{"json", func(l *logrus.Logger) { l.Warn("w") }, `"level":"warn"`, "warning"},
+		{"text", func(l *logrus.Logger) { l.Warn("w") }, " level=warn ", "warning"},
+		{"json", func(l *logrus.Logger) { l.Error("e") }, `"level":"error"`, "warn"},
+		{"text", func(l *logrus.Logger) { l.Info("i") }, " level=info ", "warn"},
+		{"json", func(l *logrus.Logger) { l.WithField("level", "warning").Warn("w") }, `"fields.level":"warning"`, `"level":"warning"`},
+		{"text", func(l *logrus.Logger) { l.WithField("level", "x").Warn("w") }, "level=warn msg=w fields.level=x", "level=warning"},
+	}
+	for _, c := range cases {
+		var buf bytes.Buffer
+		l, err := New("debug", c.format, &buf)
+		require.NoError(t, err)
+		c.log(l)
+		assert.Contains(t, buf.String(), c.want, c.format)
+		assert.NotContains(t, buf.String(), c.not, c.format)
+	}
 }
