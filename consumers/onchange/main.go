@@ -24,13 +24,24 @@ with per-(rule, db) checkpoints.
 
 Usage:
   onchange                 run the consumer (configuration from the environment below)
-  onchange healthcheck     exit 0 when this onchange's /healthz answers (the container health check) [URL]`
+  onchange healthcheck     exit 0 when this onchange's /healthz answers [URL]
+                           (the container health check)
+  onchange version         the version, commit, commit time, dirty flag, Go version [--json]
+
+Flags: --help, --help-all (the advanced variables too), --version. An unknown flag or command
+exits 2; unknown SPIEGEL_* variables are warned about at start.`
 
 func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
 	var cfg config.OnChange
-	code := consumer.Main(ctx, "onchange", usage, os.Args[1:], os.Stdout, os.Stderr, &cfg,
-		func(ctx context.Context, log *logrus.Logger) error { return run(ctx, &cfg, log) })
+	code, done := config.ConsumerFront("onchange", usage, os.Args[1:], &cfg, os.Stdout, os.Stderr)
+	if !done {
+		code = consumer.Main(ctx, "onchange", usage, os.Args[1:], os.Stdout, os.Stderr, &cfg,
+			func(ctx context.Context, log *logrus.Logger) error {
+				config.LogStart(log, "onchange", &cfg, os.Environ())
+				return run(ctx, &cfg, log)
+			})
+	}
 	stop()
 	os.Exit(code)
 }

@@ -23,13 +23,24 @@ const usage = `replicator — Spiegel for NATS: replicate each changed db with i
 
 Usage:
   replicator               run the consumer (configuration from the environment below)
-  replicator healthcheck   exit 0 when this replicator's /healthz answers (the container health check) [URL]`
+  replicator healthcheck   exit 0 when this replicator's /healthz answers [URL]
+                           (the container health check)
+  replicator version       the version, commit, commit time, dirty flag, Go version [--json]
+
+Flags: --help, --help-all (the advanced variables too), --version. An unknown flag or command
+exits 2; unknown SPIEGEL_* variables are warned about at start.`
 
 func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
 	var cfg config.Replicator
-	code := consumer.Main(ctx, "replicator", usage, os.Args[1:], os.Stdout, os.Stderr, &cfg,
-		func(ctx context.Context, log *logrus.Logger) error { return run(ctx, &cfg, log) })
+	code, done := config.ConsumerFront("replicator", usage, os.Args[1:], &cfg, os.Stdout, os.Stderr)
+	if !done {
+		code = consumer.Main(ctx, "replicator", usage, os.Args[1:], os.Stdout, os.Stderr, &cfg,
+			func(ctx context.Context, log *logrus.Logger) error {
+				config.LogStart(log, "replicator", &cfg, os.Environ())
+				return run(ctx, &cfg, log)
+			})
+	}
 	stop()
 	os.Exit(code)
 }

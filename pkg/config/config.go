@@ -17,12 +17,12 @@ var Version = "dev"
 
 // CouchDB says how to reach the watched server and where the rules live.
 type CouchDB struct {
-	CouchDBURL         string        `envconfig:"SPIEGEL_COUCHDB_URL" required:"true" desc:"the watched CouchDB, with admin credentials (http://user:password@host:5984); the nodes of one cluster may be listed, comma-separated: the first is used until it cannot be reached, then the next"`
-	DBName             string        `envconfig:"SPIEGEL_DB_NAME" default:"spiegel" desc:"the spiegel db: rules and checkpoints"`
-	CouchDBCAFile      string        `envconfig:"SPIEGEL_COUCHDB_CA_FILE" desc:"PEM file of CAs to trust for an https CouchDB (default: system roots)"`
-	CouchDBInsecureTLS bool          `envconfig:"SPIEGEL_COUCHDB_INSECURE_SKIP_VERIFY" default:"false" desc:"skip TLS certificate verification of CouchDB (testing only)"`
-	CouchDBTimeout     time.Duration `envconfig:"SPIEGEL_COUCHDB_TIMEOUT" default:"30s" desc:"timeout of one CouchDB request (feeds excepted)"`
-	CouchDBMaxConns    MaxConns      `envconfig:"SPIEGEL_COUCHDB_MAX_CONNECTIONS" default:"auto" desc:"most connections one process opens to a CouchDB host for requests; more requests at once wait for one. Continuous feeds come on top. auto: half of SPIEGEL_CONCURRENCY, at least 4 (the producer, whose requests are few at a time: no cap); 0: no cap"`
+	CouchDBURL         string        `envconfig:"SPIEGEL_COUCHDB_URL" required:"true" desc:"the watched CouchDB, with admin credentials (http://user:password@host:5984); the nodes of one cluster may be listed, comma-separated: the first is used until it cannot be reached, then the next" group:"CouchDB"`
+	DBName             string        `envconfig:"SPIEGEL_DB_NAME" default:"spiegel" desc:"the spiegel db: rules and checkpoints" group:"CouchDB"`
+	CouchDBCAFile      string        `envconfig:"SPIEGEL_COUCHDB_CA_FILE" desc:"PEM file of CAs to trust for an https CouchDB (default: system roots)" group:"CouchDB"`
+	CouchDBInsecureTLS bool          `envconfig:"SPIEGEL_COUCHDB_INSECURE_SKIP_VERIFY" default:"false" desc:"skip TLS certificate verification of CouchDB (testing only)" group:"CouchDB" advanced:"true"`
+	CouchDBTimeout     time.Duration `envconfig:"SPIEGEL_COUCHDB_TIMEOUT" default:"30s" desc:"timeout of one CouchDB request (feeds excepted)" group:"CouchDB" advanced:"true"`
+	CouchDBMaxConns    MaxConns      `envconfig:"SPIEGEL_COUCHDB_MAX_CONNECTIONS" default:"auto" desc:"most connections one process opens to a CouchDB host for requests; more requests at once wait for one. Continuous feeds come on top. auto: half of SPIEGEL_CONCURRENCY, at least 4 (the producer, whose requests are few at a time: no cap); 0: no cap" group:"CouchDB" advanced:"true"`
 }
 
 // MaxConns is SPIEGEL_COUCHDB_MAX_CONNECTIONS: a number, or "auto" (AutoConns).
@@ -62,24 +62,24 @@ func (m MaxConns) Or(auto int) int {
 
 // NATS says how to reach NATS and how the JetStream topology is named.
 type NATS struct {
-	NATSURL          string        `envconfig:"SPIEGEL_NATS_URL" default:"nats://127.0.0.1:4222" desc:"NATS server URL(s), comma-separated"`
-	SubjectPrefix    string        `envconfig:"SPIEGEL_SUBJECT_PREFIX" default:"spiegel" desc:"subject prefix; stream names derive from it (SPIEGEL_WORK, ...)"`
-	NATSCredsFile    string        `envconfig:"SPIEGEL_NATS_CREDS_FILE" desc:"NATS credentials (JWT) file"`
-	NATSNKeySeedFile string        `envconfig:"SPIEGEL_NATS_NKEY_SEED_FILE" desc:"NATS nkey seed file"`
-	NATSUser         string        `envconfig:"SPIEGEL_NATS_USER" desc:"NATS user"`
-	NATSPassword     string        `envconfig:"SPIEGEL_NATS_PASSWORD" desc:"NATS password (never logged)"`
-	NATSToken        string        `envconfig:"SPIEGEL_NATS_TOKEN" desc:"NATS token (never logged)"`
-	NATSCAFile       string        `envconfig:"SPIEGEL_NATS_CA_FILE" desc:"PEM file of CAs to trust for NATS TLS"`
-	NATSCertFile     string        `envconfig:"SPIEGEL_NATS_CERT_FILE" desc:"client certificate for NATS TLS"`
-	NATSKeyFile      string        `envconfig:"SPIEGEL_NATS_KEY_FILE" desc:"client key for NATS TLS"`
-	StreamReplicas   int           `envconfig:"SPIEGEL_STREAM_REPLICAS" default:"1" desc:"replicas of the streams install creates and of the mirror buckets onchange creates (3 on a NATS cluster)"`
-	AckWait          time.Duration `envconfig:"SPIEGEL_ACK_WAIT" default:"60s" desc:"JetStream AckWait for work jobs: a dead worker's job is redelivered after it"`
+	NATSURL          string        `envconfig:"SPIEGEL_NATS_URL" default:"nats://127.0.0.1:4222" desc:"NATS server URL(s), comma-separated" group:"NATS"`
+	SubjectPrefix    string        `envconfig:"SPIEGEL_SUBJECT_PREFIX" default:"spiegel" desc:"subject prefix; stream names derive from it (SPIEGEL_WORK, ...)" group:"NATS"`
+	NATSCredsFile    string        `envconfig:"SPIEGEL_NATS_CREDS_FILE" desc:"NATS credentials (JWT) file" group:"NATS"`
+	NATSNKeySeedFile string        `envconfig:"SPIEGEL_NATS_NKEY_SEED_FILE" desc:"NATS nkey seed file" group:"NATS"`
+	NATSUser         string        `envconfig:"SPIEGEL_NATS_USER" desc:"NATS user" group:"NATS"`
+	NATSPassword     string        `envconfig:"SPIEGEL_NATS_PASSWORD" desc:"NATS password (never logged)" group:"NATS" secret:"true"`
+	NATSToken        string        `envconfig:"SPIEGEL_NATS_TOKEN" desc:"NATS token (never logged)" group:"NATS" secret:"true"`
+	NATSCAFile       string        `envconfig:"SPIEGEL_NATS_CA_FILE" desc:"PEM file of CAs to trust for NATS TLS" group:"NATS"`
+	NATSCertFile     string        `envconfig:"SPIEGEL_NATS_CERT_FILE" desc:"client certificate for NATS TLS" group:"NATS"`
+	NATSKeyFile      string        `envconfig:"SPIEGEL_NATS_KEY_FILE" desc:"client key for NATS TLS" group:"NATS"`
+	StreamReplicas   int           `envconfig:"SPIEGEL_STREAM_REPLICAS" default:"1" desc:"replicas of the streams install creates and of the mirror buckets onchange creates (3 on a NATS cluster)" group:"NATS"`
+	AckWait          time.Duration `envconfig:"SPIEGEL_ACK_WAIT" default:"60s" desc:"JetStream AckWait for work jobs: a dead worker's job is redelivered after it" group:"Jobs"`
 }
 
 // Log configures logging.
 type Log struct {
-	LogLevel  string `envconfig:"SPIEGEL_LOG_LEVEL" default:"info" desc:"debug|info|warn|error"`
-	LogFormat string `envconfig:"SPIEGEL_LOG_FORMAT" default:"json" desc:"json|text"`
+	LogLevel  string `envconfig:"SPIEGEL_LOG_LEVEL" default:"info" desc:"debug|info|warn|error" group:"Logging"`
+	LogFormat string `envconfig:"SPIEGEL_LOG_FORMAT" default:"json" desc:"json|text" group:"Logging"`
 }
 
 // Producer is the configuration of the producer binary and its admin commands.
@@ -87,21 +87,21 @@ type Producer struct {
 	CouchDB
 	NATS
 	Log
-	HTTPAddr             string        `envconfig:"SPIEGEL_HTTP_ADDR" default:":8080" desc:"health and metrics listener (empty: off)"`
-	Source               string        `envconfig:"SPIEGEL_SOURCE" default:"auto" desc:"feed source: auto|db_updates|global_changes|poll"`
-	Start                string        `envconfig:"SPIEGEL_START" default:"beginning" desc:"beginning|now, alike: a producer with no saved position starts its feed at the server's current position, not at the history's beginning, and once the feed runs every rule's catch-up enqueues each db it matches, so nothing written before is missed"`
-	FeedHeartbeat        time.Duration `envconfig:"SPIEGEL_FEED_HEARTBEAT" default:"10s" desc:"heartbeat asked of continuous feeds; no byte for twice this reopens the feed"`
-	PollInterval         time.Duration `envconfig:"SPIEGEL_POLL_INTERVAL" default:"2s" desc:"how often the poll source lists dbs and their update_seq"`
-	SweepInterval        time.Duration `envconfig:"SPIEGEL_SWEEP_INTERVAL" default:"10m" desc:"reconciliation sweep period, the first at start: enqueues every matched db not recorded done at its update_seq, reading the dbs' infos 100 at a time, at most 2 requests a second, spread over up to a tenth of the period (at most 1m) (0: off)"`
-	PositionSaveInterval time.Duration `envconfig:"SPIEGEL_POSITION_SAVE_INTERVAL" default:"2s" desc:"how often the feed position is saved"`
-	MaxInflight          int           `envconfig:"SPIEGEL_PUBLISH_MAX_INFLIGHT" default:"4096" desc:"job publishes awaiting JetStream's ack at once"`
-	HotFeeds             int           `envconfig:"SPIEGEL_HOT_FEEDS" default:"32" desc:"most continuous _changes feeds kept open on busy dbs, whose jobs are published the moment they change (0: off)"`
-	HotFeedIdle          time.Duration `envconfig:"SPIEGEL_HOT_FEED_IDLE" default:"20s" desc:"a db whose db-updates events come three in a row (up to eight while feeds do not pay), each within this long of the one before, earns a hot feed; a hot feed without a change for this long is closed"`
-	ShutdownGrace        time.Duration `envconfig:"SPIEGEL_SHUTDOWN_GRACE" default:"10s" desc:"time allowed on SIGTERM to flush publishes and save the position"`
-	AdminTimeout         time.Duration `envconfig:"SPIEGEL_ADMIN_TIMEOUT" default:"15s" desc:"how long admin commands wait for CouchDB and NATS before giving up (also --timeout)"`
-	ChangesMaxAge        time.Duration `envconfig:"SPIEGEL_CHANGES_MAX_AGE" default:"168h" desc:"how long the change stream (SPIEGEL_CHANGES) that install creates keeps a change (0: forever); an existing stream keeps its own until install --update"`
-	DeadLetterMaxAge     time.Duration `envconfig:"SPIEGEL_DEADLETTER_MAX_AGE" default:"720h" desc:"how long the dead-letter stream that install creates keeps a record (0: forever); an existing stream keeps its own until install --update"`
-	MaxAckPending        int           `envconfig:"SPIEGEL_MAX_ACK_PENDING" default:"1000" desc:"jobs a work consumer that install creates hands out and has not had acknowledged, per group (all its processes together); an existing consumer keeps its own until install --update"`
+	HTTPAddr             string        `envconfig:"SPIEGEL_HTTP_ADDR" default:":8080" desc:"health and metrics listener (empty: off)" group:"Process"`
+	Source               string        `envconfig:"SPIEGEL_SOURCE" default:"auto" desc:"feed source: auto|db_updates|global_changes|poll" group:"Feed"`
+	Start                string        `envconfig:"SPIEGEL_START" default:"beginning" desc:"beginning|now, where a producer with no saved position starts; both now act the same: at the server's current position, and once the feed runs every rule's catch-up enqueues each db it matches, so nothing written before is missed" group:"Feed"`
+	FeedHeartbeat        time.Duration `envconfig:"SPIEGEL_FEED_HEARTBEAT" default:"10s" desc:"heartbeat asked of continuous feeds; no byte for twice this reopens the feed" group:"Feed" advanced:"true"`
+	PollInterval         time.Duration `envconfig:"SPIEGEL_POLL_INTERVAL" default:"2s" desc:"how often the poll source lists dbs and their update_seq" group:"Feed" advanced:"true"`
+	SweepInterval        time.Duration `envconfig:"SPIEGEL_SWEEP_INTERVAL" default:"10m" desc:"reconciliation sweep period, the first at start: enqueues every matched db not recorded done at its update_seq, reading the dbs' infos 100 at a time, at most 2 requests a second, spread over up to a tenth of the period (at most 1m) (0: off)" group:"Feed" advanced:"true"`
+	PositionSaveInterval time.Duration `envconfig:"SPIEGEL_POSITION_SAVE_INTERVAL" default:"2s" desc:"how often the feed position is saved" group:"Feed" advanced:"true"`
+	MaxInflight          int           `envconfig:"SPIEGEL_PUBLISH_MAX_INFLIGHT" default:"4096" desc:"job publishes awaiting JetStream's ack at once" group:"Feed" advanced:"true"`
+	HotFeeds             int           `envconfig:"SPIEGEL_HOT_FEEDS" default:"32" desc:"most continuous _changes feeds kept open on busy dbs, whose jobs are published the moment they change (0: off)" group:"Feed" advanced:"true"`
+	HotFeedIdle          time.Duration `envconfig:"SPIEGEL_HOT_FEED_IDLE" default:"20s" desc:"a db whose db-updates events come three in a row (up to eight while feeds do not pay), each within this long of the one before, earns a hot feed; a hot feed without a change for this long is closed" group:"Feed" advanced:"true"`
+	ShutdownGrace        time.Duration `envconfig:"SPIEGEL_SHUTDOWN_GRACE" default:"10s" desc:"time allowed on SIGTERM to flush publishes and save the position" group:"Process" advanced:"true"`
+	AdminTimeout         time.Duration `envconfig:"SPIEGEL_ADMIN_TIMEOUT" default:"15s" desc:"how long admin commands wait for CouchDB and NATS before giving up (also --timeout)" group:"Admin commands"`
+	ChangesMaxAge        time.Duration `envconfig:"SPIEGEL_CHANGES_MAX_AGE" default:"168h" desc:"how long the change stream (SPIEGEL_CHANGES) that install creates keeps a change (0: forever); an existing stream keeps its own until install --update" group:"Install"`
+	DeadLetterMaxAge     time.Duration `envconfig:"SPIEGEL_DEADLETTER_MAX_AGE" default:"720h" desc:"how long the dead-letter stream that install creates keeps a record (0: forever); an existing stream keeps its own until install --update" group:"Install"`
+	MaxAckPending        int           `envconfig:"SPIEGEL_MAX_ACK_PENDING" default:"1000" desc:"jobs a work consumer that install creates hands out and has not had acknowledged, per group (all its processes together); an existing consumer keeps its own until install --update" group:"Install" advanced:"true"`
 }
 
 // Validate checks what envconfig cannot.

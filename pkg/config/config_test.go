@@ -113,7 +113,7 @@ func TestLoadParsesValues(t *testing.T) {
 func TestOnChangeSecuritySettings(t *testing.T) {
 	t.Setenv("SPIEGEL_COUCHDB_URL", "http://127.0.0.1:5984")
 	t.Setenv("SPIEGEL_WEBHOOK_ALLOWED_HOSTS", "127.0.0.1,10.0.0.0/8,fd00::/8,*.example")
-	t.Setenv("SPIEGEL_WEBHOOK_SIGNATURE_SECRET", "hmac_new, hmac_old")
+	t.Setenv("SPIEGEL_WEBHOOK_SIGNATURE_SECRET_NAMES", "hmac_new, hmac_old")
 	t.Setenv("SPIEGEL_PUBLISH_ALLOWED_SUBJECTS", "orders.>,audit.*.changes")
 	var o OnChange
 	require.NoError(t, Load(&o))

@@ -14,11 +14,11 @@ type Consumer struct {
 	CouchDB
 	NATS
 	Log
-	Concurrency   int           `envconfig:"SPIEGEL_CONCURRENCY" default:"20" desc:"jobs one consumer process runs at once"`
-	PasswordsFile string        `envconfig:"SPIEGEL_PASSWORDS_FILE" desc:"JSON passwords file {\"host\": {\"user\": \"password\"}}; reloaded on SIGHUP"`
-	ShutdownGrace time.Duration `envconfig:"SPIEGEL_SHUTDOWN_GRACE" default:"20s" desc:"on SIGTERM, how long running jobs may take to finish before they are handed back"`
-	RetryInitial  time.Duration `envconfig:"SPIEGEL_RETRY_INITIAL" default:"1s" desc:"first redelivery delay of a job that failed transiently"`
-	RetryMax      time.Duration `envconfig:"SPIEGEL_RETRY_MAX" default:"5m" desc:"cap of the redelivery delay of a job that keeps failing"`
+	Concurrency   int           `envconfig:"SPIEGEL_CONCURRENCY" default:"20" desc:"jobs one consumer process runs at once" group:"Jobs"`
+	PasswordsFile string        `envconfig:"SPIEGEL_PASSWORDS_FILE" desc:"JSON passwords file {\"host\": {\"user\": \"password\"}}; reloaded on SIGHUP" group:"Process"`
+	ShutdownGrace time.Duration `envconfig:"SPIEGEL_SHUTDOWN_GRACE" default:"20s" desc:"on SIGTERM, how long running jobs may take to finish before they are handed back" group:"Process" advanced:"true"`
+	RetryInitial  time.Duration `envconfig:"SPIEGEL_RETRY_INITIAL" default:"1s" desc:"first redelivery delay of a job that failed transiently" group:"Jobs" advanced:"true"`
+	RetryMax      time.Duration `envconfig:"SPIEGEL_RETRY_MAX" default:"5m" desc:"cap of the redelivery delay of a job that keeps failing" group:"Jobs" advanced:"true"`
 }
 
 func (c *Consumer) validate() error {
@@ -43,9 +43,9 @@ func (c *Consumer) validate() error {
 // Replicator is the configuration of the replicator binary.
 type Replicator struct {
 	Consumer
-	HTTPAddr           string        `envconfig:"SPIEGEL_HTTP_ADDR" default:":8081" desc:"health and metrics listener (empty: off)"`
-	ReplicationTimeout time.Duration `envconfig:"SPIEGEL_REPLICATION_TIMEOUT" default:"10m" desc:"longest one replication of one rule may run"`
-	Engine             string        `envconfig:"SPIEGEL_REPLICATION_ENGINE" default:"native" desc:"engine of rules that name none: native (the replicator runs the replication protocol) or couchdb (POST /_replicate)"`
+	HTTPAddr           string        `envconfig:"SPIEGEL_HTTP_ADDR" default:":8081" desc:"health and metrics listener (empty: off)" group:"Process"`
+	ReplicationTimeout time.Duration `envconfig:"SPIEGEL_REPLICATION_TIMEOUT" default:"10m" desc:"longest one replication of one rule may run" group:"Replication"`
+	Engine             string        `envconfig:"SPIEGEL_REPLICATION_ENGINE" default:"native" desc:"engine of rules that name none: native (the replicator runs the replication protocol) or couchdb (POST /_replicate)" group:"Replication"`
 }
 
 // Validate checks what envconfig cannot.
@@ -60,13 +60,13 @@ func (c *Replicator) Validate() error {
 // OnChange is the configuration of the onchange binary.
 type OnChange struct {
 	Consumer
-	HTTPAddr           string        `envconfig:"SPIEGEL_HTTP_ADDR" default:":8082" desc:"health and metrics listener (empty: off)"`
-	BatchSize          int           `envconfig:"SPIEGEL_CHANGES_BATCH" default:"100" desc:"changes read per _changes request"`
-	RequestConcurrency int           `envconfig:"SPIEGEL_REQUEST_CONCURRENCY" default:"10" desc:"requests in flight at once for one rule and db when block is false"`
-	WebhookTimeout     time.Duration `envconfig:"SPIEGEL_WEBHOOK_TIMEOUT" default:"30s" desc:"timeout of one webhook request (a rule's timeout wins)"`
-	AllowedHosts       []string      `envconfig:"SPIEGEL_WEBHOOK_ALLOWED_HOSTS" desc:"comma-separated hosts (api.example, api.example:8443, *.example, 127.0.0.1) and CIDR ranges (10.0.0.0/8) webhooks may call; a named host at any address, any host whose address dialled is in a range. Empty: any host, but never at a loopback, private, link-local, CGNAT or other non-public address"`
-	SignatureSecrets   []string      `envconfig:"SPIEGEL_WEBHOOK_SIGNATURE_SECRET" desc:"comma-separated names of secrets in the passwords file (new first, then the old one while rotating); when set, every request carries X-Spiegel-Signature: v1=<HMAC-SHA256 of timestamp, method, path?query, delivery id and body> per secret"`
-	AllowedSubjects    []string      `envconfig:"SPIEGEL_PUBLISH_ALLOWED_SUBJECTS" desc:"comma-separated subject filters (wildcards * and >) subject rules may publish to; empty: any subject but NATS' $ subjects, _INBOX.> and the service's own <prefix>.> other than <prefix>.changes.> (those are refused in any case)"`
+	HTTPAddr           string        `envconfig:"SPIEGEL_HTTP_ADDR" default:":8082" desc:"health and metrics listener (empty: off)" group:"Process"`
+	BatchSize          int           `envconfig:"SPIEGEL_CHANGES_BATCH" default:"100" desc:"changes read per _changes request" group:"Jobs" advanced:"true"`
+	RequestConcurrency int           `envconfig:"SPIEGEL_REQUEST_CONCURRENCY" default:"10" desc:"requests in flight at once for one rule and db when block is false" group:"Webhooks and subjects" advanced:"true"`
+	WebhookTimeout     time.Duration `envconfig:"SPIEGEL_WEBHOOK_TIMEOUT" default:"30s" desc:"timeout of one webhook request (a rule's timeout wins)" group:"Webhooks and subjects"`
+	AllowedHosts       []string      `envconfig:"SPIEGEL_WEBHOOK_ALLOWED_HOSTS" desc:"comma-separated hosts (api.example, api.example:8443, *.example, 127.0.0.1) and CIDR ranges (10.0.0.0/8) webhooks may call; a named host at any address, any host whose address dialled is in a range. Empty: any host, but never at a loopback, private, link-local, CGNAT or other non-public address" group:"Webhooks and subjects"`
+	SignatureSecrets   []string      `envconfig:"SPIEGEL_WEBHOOK_SIGNATURE_SECRET_NAMES" desc:"comma-separated names (not values) of secrets in the passwords file, new first, then the old one while rotating; when set, every request carries X-Spiegel-Signature: v1=<HMAC-SHA256 of timestamp, method, path?query, delivery id and body> per secret (formerly SPIEGEL_WEBHOOK_SIGNATURE_SECRET, still read)" group:"Webhooks and subjects"`
+	AllowedSubjects    []string      `envconfig:"SPIEGEL_PUBLISH_ALLOWED_SUBJECTS" desc:"comma-separated subject filters (wildcards * and >) subject rules may publish to; empty: any subject but NATS' $ subjects, _INBOX.> and the service's own <prefix>.> other than <prefix>.changes.> (those are refused in any case)" group:"Webhooks and subjects"`
 }
 
 // Validate checks what envconfig cannot.
@@ -90,7 +90,7 @@ func (c *OnChange) Validate() error {
 	}
 	for _, name := range c.SignatureSecrets {
 		if strings.TrimSpace(name) == "" {
-			errs = append(errs, errors.New("SPIEGEL_WEBHOOK_SIGNATURE_SECRET: empty secret name in the list"))
+			errs = append(errs, errors.New("SPIEGEL_WEBHOOK_SIGNATURE_SECRET_NAMES: empty secret name in the list"))
 		}
 	}
 	for _, f := range c.AllowedSubjects {

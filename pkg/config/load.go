@@ -15,7 +15,8 @@ import (
 // envconfig would fall back to the bare tag (COUCHDB_URL, LOG_LEVEL, ...) and let unrelated
 // variables of the environment configure the service by accident. A variable that does not
 // parse gives an error naming it and its value (no setting that fails to parse is a secret);
-// comma-separated lists are trimmed of spaces and empty items.
+// comma-separated lists are trimmed of spaces and empty items. A renamed variable is read from
+// its old name when the new one is unset (deprecatedVars).
 func process(spec any) error {
 	err := envconfig.Process("", spec)
 	var pe *envconfig.ParseError
@@ -26,6 +27,9 @@ func process(spec any) error {
 		if key, ok := strings.CutPrefix(err.Error(), "required key "); ok {
 			return fmt.Errorf("%s is required", strings.TrimSuffix(key, " missing value"))
 		}
+		return err
+	}
+	if err := readDeprecated(spec); err != nil {
 		return err
 	}
 	trimLists(reflect.ValueOf(spec).Elem())
