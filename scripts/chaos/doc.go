@@ -12,7 +12,7 @@
 // Rules: a pattern replicator rule from every source db to its own target db (create_target), an
 // on_change webhook rule (POST with $change, $db_name, $seq; password from the passwords file),
 // a second one with "block": true on the first three source dbs, whose requests the sink answers
-// only after 800ms (each change waits for its answer, so a db's backlog makes jobs that last
+// only after 500ms (each change waits for its answer, so a db's backlog makes jobs that last
 // several AckWaits and run through the faults), and an on_change subject rule publishing to
 // SPIEGEL_CHANGES.
 //

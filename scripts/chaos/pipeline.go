@@ -33,7 +33,7 @@ const (
 	// hookTimeout, and less than the part of AckWait a lease has left when its holder is
 	// SIGSTOPped (the overlap verdict, overlap.go), yet with a db's backlog of changes sent one
 	// at a time (block: true) its jobs last several AckWaits.
-	slowFor = 800 * time.Millisecond
+	slowFor = 500 * time.Millisecond
 	slowDBs = 3 // source dbs 0, 1, 2 have ruleSlow
 )
 
