@@ -344,7 +344,7 @@ func (h *handler) act(ctx context.Context, db string, rule *rules.OnChange, a *a
 	if !worker.Held(ctx) { // paused past AckWait: another instance may be acting on this db
 		return stateFailed, 0, worker.ErrLeaseLost
 	}
-	key := func() string { return bookKey(rule.ID(), db, a.c.Seq, a.key) } // built only when the book is used
+	key := func() string { return bookKey(rule.ID(), db, a.c.ID, a.c.rev()) } // built only when the book is used
 	var done int
 	var wait time.Duration
 	var booked bool

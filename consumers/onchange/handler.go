@@ -324,12 +324,11 @@ func (h *handler) runRule(ctx context.Context, db string, rule *rules.OnChange, 
 		// that runs the rule next goes on with their backoff; a rule that stopped at one saves
 		// even without progress.
 		retries := h.book.of(rule.ID(), db)
-		if next != since || b.retryIn > 0 && !slices.EqualFunc(retries, cps.cp.Retries, sameRetry) {
+		if next != since || b.retryIn > 0 && !slices.EqualFunc(retries, cps.retries(), sameRetry) {
 			if !worker.Held(ctx) {
 				return finish(ruleResult{err: worker.ErrLeaseLost})
 			}
-			cps.cp.Retries = retries
-			if err := cps.save(ctx, next, h.streamPoint(ctx, db, rule), max(b.done, 1)); err != nil {
+			if err := cps.save(ctx, next, h.streamPoint(ctx, db, rule), retries, max(b.done, 1)); err != nil {
 				return finish(ruleResult{err: err})
 			}
 			since = next
@@ -348,7 +347,7 @@ func (h *handler) runRule(ctx context.Context, db string, rule *rules.OnChange, 
 
 // sameRetry reports whether a and b are the same deferred request at the same attempt.
 func sameRetry(a, b checkpoint.Retry) bool {
-	return a.Seq == b.Seq && a.Key == b.Key && a.Attempts == b.Attempts
+	return a.Doc == b.Doc && a.Rev == b.Rev && a.Attempts == b.Attempts
 }
 
 // verified is the outcome of a checkpoint's verification: the checkpoint as Verify left it.
@@ -395,7 +394,7 @@ func (h *handler) caughtUp(ctx context.Context, cps *checkpointWriter, end strin
 		return ruleResult{err: worker.ErrLeaseLost}
 	}
 	cps.cp.EndReplay()
-	if err := cps.save(ctx, cps.stored, nil, 0); err != nil {
+	if err := cps.save(ctx, cps.stored, nil, nil, 0); err != nil {
 		return ruleResult{err: err}
 	}
 	log.WithField("replay", id).Info("replay reached the end of the feed")
@@ -421,19 +420,30 @@ type checkpointWriter struct {
 
 // save waits for the previous write (returning its error) and starts writing seq, after acted
 // more changes, with stream as the checkpoint's stream point unless it is nil.
-func (w *checkpointWriter) save(ctx context.Context, seq string, stream *checkpoint.StreamPoint, acted int) error {
+func (w *checkpointWriter) save(ctx context.Context, seq string, stream *checkpoint.StreamPoint, retries []checkpoint.Retry, acted int) error {
 	if err := w.wait(); err != nil {
 		return err
 	}
 	if stream != nil {
 		w.cp.Stream = *stream
 	}
+	w.cp.Retries = retries
 	w.cp.Acted(acted)
 	done := make(chan error, 1)
 	w.inFlight, w.inFlightSeq = done, seq
-	go func() { done <- w.store.Save(ctx, &w.cp, seq) }()
+	save := w.store.Save
+	if len(retries) > 0 {
+		// Deferred requests go into the _local doc at once too: a run that reads the doc rather
+		// than the cache still goes on with their backoff. Deferrals are rare.
+		save = w.store.SaveNow
+	}
+	go func() { done <- save(ctx, &w.cp, seq) }()
 	return nil
 }
+
+// retries returns the deferred requests of the checkpoint as last saved (or loaded). Only save
+// changes them, after the write before it is done; a write under way only reads them.
+func (w *checkpointWriter) retries() []checkpoint.Retry { return w.cp.Retries }
 
 // wait waits for the write under way, if any.
 func (w *checkpointWriter) wait() error {

@@ -39,9 +39,11 @@ func newRetryBook() *retryBook {
 	return &retryBook{entries: map[string]retryEntry{}, now: time.Now}
 }
 
-// bookKey identifies one request of one change of one rule in one db.
-func bookKey(rule, db, seq, requestKey string) string {
-	return rule + "\x00" + db + "\x00" + seq + "\x00" + requestKey
+// bookKey identifies the request of one change of one rule in one db: the change by its doc and
+// winning revision, not by its seq, which CouchDB 3 may send as another string when the feed is
+// read from another point, nor by the request's body, which may carry that seq ($seq, $change).
+func bookKey(rule, db, docID, rev string) string {
+	return rule + "\x00" + db + "\x00" + docID + "\x00" + rev
 }
 
 // get returns the attempts made so far and how long until the next one is due (≤ 0: now);
@@ -96,10 +98,10 @@ func (b *retryBook) of(rule, db string) []checkpoint.Retry {
 		if !ok {
 			continue
 		}
-		seq, key, _ := strings.Cut(rest, "\x00")
-		out = append(out, checkpoint.Retry{Seq: seq, Key: key, Attempts: e.attempts, NotBefore: e.notBefore.UTC()})
+		doc, rev, _ := strings.Cut(rest, "\x00")
+		out = append(out, checkpoint.Retry{Doc: doc, Rev: rev, Attempts: e.attempts, NotBefore: e.notBefore.UTC()})
 	}
-	slices.SortFunc(out, func(a, b checkpoint.Retry) int { return cmp.Or(cmp.Compare(a.Seq, b.Seq), cmp.Compare(a.Key, b.Key)) })
+	slices.SortFunc(out, func(a, b checkpoint.Retry) int { return cmp.Or(cmp.Compare(a.Doc, b.Doc), cmp.Compare(a.Rev, b.Rev)) })
 	return out
 }
 
@@ -114,7 +116,7 @@ func (b *retryBook) seed(rule, db string, rs []checkpoint.Retry) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	for _, r := range rs {
-		k := bookKey(rule, db, r.Seq, r.Key)
+		k := bookKey(rule, db, r.Doc, r.Rev)
 		if e, ok := b.entries[k]; ok && e.attempts >= r.Attempts {
 			continue
 		}

@@ -132,11 +132,11 @@ type StreamPoint struct {
 	Start string `json:"start,omitempty"`
 }
 
-// Retry is a deferred request of a rule in a db: the change (its feed seq) and the request (its
-// key), the attempts made so far and when the next is due.
+// Retry is a deferred request of a rule in a db: the change's doc and winning revision, the
+// attempts made so far and when the next is due.
 type Retry struct {
-	Seq       string    `json:"seq"`
-	Key       string    `json:"key"`
+	Doc       string    `json:"doc"`
+	Rev       string    `json:"rev"`
 	Attempts  int       `json:"attempts"`
 	NotBefore time.Time `json:"not_before"`
 }
