@@ -175,9 +175,12 @@ func TestSweepHealsALostRuleCatchUp(t *testing.T) {
 	e.waitSweeps(t, 2)
 	require.Empty(t, e.Pending(t), "settled: no job")
 
+	before := e.position(t).RulesSeq
 	e.putRule(t, "rep2", map[string]any{"type": "replicator", "source": db, "target": db + "_other"})
-	e.waitJob(t, rep, db, 20*time.Second)
-	require.Equal(t, events.ReasonRule, e.jobReason(t, rep, db), "the new rule's catch-up job")
+	e.waitJob(t, rep, db, 20*time.Second) // the catch-up's, or a sweep's that saw the new rule first
+	// The rules' position moves past a rule only once its catch-up's publishes are acknowledged.
+	require.Eventually(t, func() bool { return e.position(t).RulesSeq != before }, 20*time.Second, 20*time.Millisecond,
+		"the new rule's catch-up is done")
 	e.Purge(t) // lost
 	e.waitJob(t, rep, db, 20*time.Second)
 	assert.Equal(t, events.ReasonSweep, e.jobReason(t, rep, db), "the sweep enqueued the db again for the new rule")
