@@ -55,5 +55,5 @@
 // repeats the schedule, not every interleaving.
 //
 // Run it: TestChaosShort (fixed seed, about a minute) runs in the test command; the long run is
-// `make chaos SEED=42 DURATION=30m` (TestChaosLong with CHAOS_LONG=1). See README "Chaos suite".
+// `make chaos SEED=42 DURATION=30m` (TestChaosLong with CHAOS_LONG=1). See scripts/README.md, "Chaos suite".
 package chaos
