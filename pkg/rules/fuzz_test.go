@@ -30,6 +30,7 @@ func FuzzParse(f *testing.F) {
 	f.Add("x", []byte(`{"type":"replicator","source":"http://u:p@h/db","target":"b"}`))
 	f.Add("x", []byte(`{"type":"on_change","subject":"a.${db_name}","retry":{"limit":3},"if":{"a":null}}`))
 	f.Add("x", []byte(`{"type":"on_change","url":"http://h/x","selector":{"a":{"$elemMatch":{"$gt":1}}}}`))
+	f.Add("x", []byte(`{"type":"on_change","url":"http://h/x","signing":"standard"}`))
 	f.Fuzz(func(t *testing.T, id string, raw []byte) {
 		r, err := Parse(id, raw)
 		if err != nil {
@@ -61,7 +62,7 @@ func FuzzParse(f *testing.F) {
 		case *OnChange:
 			x.MatchDoc(map[string]any{"a": 1.0})
 			doc := map[string]any{"type": KindOnChange, "method": x.Method, "params": x.Params, "block": x.Block,
-				"debounce": x.Debounce, "follow_redirects": x.FollowRedirects, "since": x.Since, "disabled": x.Disabled, "timeout_ms": x.Timeout.Milliseconds()}
+				"debounce": x.Debounce, "follow_redirects": x.FollowRedirects, "since": x.Since, "signing": x.Signing, "disabled": x.Disabled, "timeout_ms": x.Timeout.Milliseconds()}
 			if x.Timeout.Milliseconds() == 0 {
 				doc["timeout_ms"] = float64(x.Timeout) / float64(time.Millisecond)
 			}
@@ -75,7 +76,8 @@ func FuzzParse(f *testing.F) {
 			}
 			again = mustReparse(t, x.ID(), doc)
 			y := again.(*OnChange)
-			if y.URL != x.URL || y.Subject != x.Subject || y.Method != x.Method || y.Since != x.Since || y.FollowRedirects != x.FollowRedirects {
+			if y.URL != x.URL || y.Subject != x.Subject || y.Method != x.Method || y.Since != x.Since || y.FollowRedirects != x.FollowRedirects ||
+				y.Signing != x.Signing {
 				t.Fatalf("on_change changed on re-parse: %+v vs %+v", x, y)
 			}
 		}

@@ -18,6 +18,19 @@ const (
 	SinceNow       = "now"
 )
 
+// How an on_change rule's webhook requests are signed (the "signing" field), with the secrets
+// the operator configures (SPIEGEL_WEBHOOK_SIGNATURE_SECRET_NAMES; see package webhook).
+const (
+	// SigningV1 (the default) sends X-Spiegel-Timestamp, X-Spiegel-Delivery and
+	// X-Spiegel-Signature: v1=<hex> (package webhook/signature).
+	SigningV1 = "v1"
+	// SigningStandard sends the Standard Webhooks headers webhook-id, webhook-timestamp and
+	// webhook-signature: v1,<base64> (https://www.standardwebhooks.com/).
+	SigningStandard = "standard"
+	// SigningBoth sends both header sets.
+	SigningBoth = "both"
+)
+
 // DefaultTimeout is the per-request timeout of an on_change rule without "timeout_ms".
 const DefaultTimeout = 30 * time.Second
 
@@ -56,6 +69,9 @@ type OnChange struct {
 	// default DefaultTimeout.
 	Timeout time.Duration
 	Retry   RetryPolicy // field "retry"; see RetryPolicy
+	// Signing, field "signing", is how the webhook requests are signed: SigningV1 (default),
+	// SigningStandard or SigningBoth. Subject and mirror rules ignore it.
+	Signing string
 }
 
 // ID returns the doc id.
@@ -207,6 +223,9 @@ func parseOnChange(f fields, p Policy) (*OnChange, error) {
 	default:
 		return nil, f.errorf("since", "must be %q or %q", SinceBeginning, SinceNow)
 	}
+	if r.Signing, err = parseSigning(f); err != nil {
+		return nil, err
+	}
 	if r.Timeout, err = f.millis("timeout_ms", DefaultTimeout); err != nil {
 		return nil, err
 	}
@@ -217,6 +236,22 @@ func parseOnChange(f fields, p Policy) (*OnChange, error) {
 		return nil, err
 	}
 	return r, nil
+}
+
+// parseSigning reads "signing": absent, null or "" gives SigningV1.
+func parseSigning(f fields) (string, error) {
+	s, err := f.str("signing")
+	if err != nil {
+		return "", err
+	}
+	switch s {
+	case "":
+		return SigningV1, nil
+	case SigningV1, SigningStandard, SigningBoth:
+		return s, nil
+	default:
+		return "", f.errorf("signing", "must be %q, %q or %q", SigningV1, SigningStandard, SigningBoth)
+	}
 }
 
 func parseIf(f fields) (map[string]*regexp.Regexp, error) {

@@ -126,6 +126,7 @@ func TestParseOnChange(t *testing.T) {
 	assert.Equal(t, DefaultRetryPolicy(), oc.Retry)
 	assert.Equal(t, map[string]string{"X-Token": "..."}, oc.Headers)
 	assert.False(t, oc.FollowRedirects, "redirects are not followed unless the rule says so")
+	assert.Equal(t, SigningV1, oc.Signing, "requests are signed the v1 way unless the rule says otherwise")
 	require.Contains(t, oc.If, "archived")
 	assert.Nil(t, oc.If["archived"])
 	assert.True(t, oc.MatchesDB("user_1"))
@@ -144,6 +145,17 @@ func TestParseOnChange(t *testing.T) {
 	r, err = Parse("oc3", []byte(`{"type":"on_change","url":"http://h/x","follow_redirects":true}`))
 	require.NoError(t, err)
 	assert.True(t, r.(*OnChange).FollowRedirects)
+
+	for _, signing := range []string{SigningV1, SigningStandard, SigningBoth} {
+		r, err = Parse("oc-"+signing, []byte(`{"type":"on_change","url":"http://h/x","signing":"`+signing+`"}`))
+		require.NoError(t, err)
+		assert.Equal(t, signing, r.(*OnChange).Signing)
+	}
+	for _, unset := range []string{`null`, `""`} {
+		r, err = Parse("oc-unset", []byte(`{"type":"on_change","url":"http://h/x","signing":`+unset+`}`))
+		require.NoError(t, err)
+		assert.Equal(t, SigningV1, r.(*OnChange).Signing, "signing %s", unset)
+	}
 
 	r, err = Parse("oc4", []byte(`{"type":"on_change","db_name":"^orders","mirror":"ORDERS_STATE"}`))
 	require.NoError(t, err)
@@ -263,6 +275,9 @@ func TestParseInvalid(t *testing.T) {
 		{"retry unknown key", `{"type":"on_change","url":"http://h/x","retry":{"tries":5}}`, "retry.tries", "unknown key"},
 		{"block not bool", `{"type":"on_change","url":"http://h/x","block":"true"}`, "block", "true or false"},
 		{"follow_redirects not bool", `{"type":"on_change","url":"http://h/x","follow_redirects":1}`, "follow_redirects", "true or false"},
+		{"unknown signing", `{"type":"on_change","url":"http://h/x","signing":"hmac-sha256"}`, "signing", `must be "v1", "standard" or "both"`},
+		{"signing in capitals", `{"type":"on_change","url":"http://h/x","signing":"BOTH"}`, "signing", `must be "v1", "standard" or "both"`},
+		{"signing not string", `{"type":"on_change","url":"http://h/x","signing":true}`, "signing", "must be a string"},
 		{"subject into the work queue", `{"type":"on_change","subject":"spiegel.work.onchange.x"}`, "subject", "service's own subjects"},
 		{"subject into JetStream's API", `{"type":"on_change","subject":"$JS.API.STREAM.PURGE.SPIEGEL_WORK"}`, "subject", "NATS system subject"},
 	}

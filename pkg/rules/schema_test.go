@@ -105,9 +105,12 @@ func TestSchemaAcceptsWhatTheParserAccepts(t *testing.T) {
 		"every on_change field": `{"type":"on_change","db_name":null,"if":{"a":"^x$","b":null},"selector":{"n":{"$gt":1}},
 			"url":"HTTPS://bob@api.example:8443/h/${db_name}?x=1","subject":"","mirror":null,"method":"Patch",
 			"params":{"n":1.5,"deep":[{"x":"$change"}]},"headers":{"X-Token":"t","Content-Type":"application/json"},
-			"block":true,"debounce":null,"follow_redirects":false,"since":"now","disabled":null,"timeout_ms":2500,
+			"block":true,"debounce":null,"follow_redirects":false,"since":"now","signing":"both","disabled":null,"timeout_ms":2500,
 			"retry":{"backoff":"linear","delay_ms":10,"max_delay_ms":null,"multiplier":1,"limit":0}}`,
 		"mirror":             `{"type":"on_change","mirror":"my_docs-1","since":""}`,
+		"standard signing":   `{"type":"on_change","url":"https://h/x","signing":"standard"}`,
+		"v1 signing":         `{"type":"on_change","url":"https://h/x","signing":"v1"}`,
+		"default signing":    `{"type":"on_change","url":"https://h/x","signing":null}`,
 		"subject with dots":  `{"type":"on_change","subject":"orders.$change.id.${db_name}","method":""}`,
 		"native replicator":  `{"type":"replicator","source":"http://h:5984/a%2Fb/","target":"b","engine":"native","dirty_after_milliseconds":null}`,
 		"port and @ in path": `{"type":"replicator","source":"https://h:8080/p@x","target":"b","continuous":true,"_deleted_at":"x"}`,
@@ -190,6 +193,11 @@ func TestSchemaRejectsFieldsTheParserRejects(t *testing.T) {
 		{"block", `{"type":"on_change","url":"http://h/x","block":"true"}`},
 		{"debounce", `{"type":"on_change","url":"http://h/x","debounce":0}`},
 		{"follow_redirects", `{"type":"on_change","url":"http://h/x","follow_redirects":1}`},
+		{"signing", `{"type":"on_change","url":"http://h/x","signing":"hmac"}`},
+		{"signing", `{"type":"on_change","url":"http://h/x","signing":"V1"}`},
+		{"signing", `{"type":"on_change","url":"http://h/x","signing":"Standard"}`},
+		{"signing", `{"type":"on_change","url":"http://h/x","signing":1}`},
+		{"signing", `{"type":"on_change","url":"http://h/x","signing":["v1","standard"]}`},
 	}
 	for _, tt := range tests {
 		t.Run(tt.field+" "+tt.doc, func(t *testing.T) {
@@ -231,8 +239,8 @@ func TestSchemaNeverRefusesWhatTheParserAccepts(t *testing.T) {
 	}
 	fieldNames := []string{"source", "target", "db_name", "disabled", "dirty_after_milliseconds", "engine", "url",
 		"subject", "mirror", "method", "headers", "if", "selector", "since", "timeout_ms", "retry", "block", "debounce",
-		"follow_redirects", "params", "filter", "source_proxy", "continuous"}
-	values := []string{`null`, `""`, `" "`, `"x"`, `"POST"`, `"poſt"`, `"now"`, `"native"`, `"http://h/db"`,
+		"follow_redirects", "signing", "params", "filter", "source_proxy", "continuous"}
+	values := []string{`null`, `""`, `" "`, `"x"`, `"POST"`, `"poſt"`, `"now"`, `"v1"`, `"standard"`, `"both"`, `"native"`, `"http://h/db"`,
 		`"http://u:p@h/db"`, `"http://u:p/x@h/db"`, `"https://h:8080/p@x"`, `"HTTP://h/x"`, `"ftp://h/x"`, `"http://h"`,
 		`"a.b"`, `"a..b"`, `"$JS.x"`, `"_INBOX.x"`, `"_INBOX${db_name}.x"`, `"${db_name}"`, `"a.${change.id}"`, `"docs"`,
 		`"my.docs"`, `"^u"`, `"("`, `0`, `-1`, `1.5`, `3`, `1e13`, `true`, `false`, `[]`, `{}`, `{"a":"b"}`,
