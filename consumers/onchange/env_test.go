@@ -66,22 +66,34 @@ func newEnv(t testing.TB, ackWait time.Duration) *env {
 // for rules to be loaded.
 func (e *env) start(t testing.TB) *consumer.App {
 	t.Helper()
+	app, _ := e.startStoppable(t)
+	return app
+}
+
+// startStoppable runs an onchange consumer in-process until stop is called or the test ends;
+// stop waits for it.
+func (e *env) startStoppable(t testing.TB) (app *consumer.App, stop func()) {
+	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	cfg := e.cfg
 	app, err := open(ctx, &cfg, e.Logger())
 	require.NoError(t, err)
 	done := make(chan error, 1)
 	go func() { done <- app.Run(ctx, cfg.HTTPAddr, newHandler(app.Deps, &cfg).handle) }()
-	t.Cleanup(func() {
-		cancel()
-		select {
-		case err := <-done:
-			require.NoError(t, err)
-		case <-time.After(30 * time.Second):
-			t.Error("onchange did not stop within 30s")
-		}
-	})
-	return app
+	var once sync.Once
+	stop = func() {
+		once.Do(func() {
+			cancel()
+			select {
+			case err := <-done:
+				require.NoError(t, err)
+			case <-time.After(30 * time.Second):
+				t.Error("onchange did not stop within 30s")
+			}
+		})
+	}
+	t.Cleanup(stop)
+	return app, stop
 }
 
 // putRule writes an on_change rule doc (type added) and returns its rev.

@@ -1,7 +1,6 @@
 package main
 
 import (
-	"context"
 	"net/http"
 	"net/http/httptest"
 	"sync/atomic"
@@ -11,33 +10,6 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 )
-
-// startStoppable runs an onchange consumer in-process and returns a stop that waits for it.
-func (e *env) startStoppable(t *testing.T) (stop func()) {
-	t.Helper()
-	ctx, cancel := context.WithCancel(context.Background())
-	cfg := e.cfg
-	app, err := open(ctx, &cfg, e.Logger())
-	require.NoError(t, err)
-	done := make(chan error, 1)
-	go func() { done <- app.Run(ctx, cfg.HTTPAddr, newHandler(app.Deps, &cfg).handle) }()
-	stopped := false
-	stop = func() {
-		if stopped {
-			return
-		}
-		stopped = true
-		cancel()
-		select {
-		case err := <-done:
-			require.NoError(t, err)
-		case <-time.After(30 * time.Second):
-			t.Error("onchange did not stop within 30s")
-		}
-	}
-	t.Cleanup(stop)
-	return stop
-}
 
 // TestDeferredRequestGoesOnInAnotherInstance: a webhook request fails and is deferred to a retry
 // due in 12 s; the instance that ran it stops, and another runs the job. The request's attempt
@@ -53,7 +25,7 @@ func TestDeferredRequestGoesOnInAnotherInstance(t *testing.T) {
 		w.WriteHeader(http.StatusServiceUnavailable)
 	}))
 	t.Cleanup(sink.Close)
-	stopA := e.startStoppable(t)
+	_, stopA := e.startStoppable(t)
 	db := e.Couch.NewDB(t, e.Prefix)
 	e.putRule(t, "hook", map[string]any{"db_name": only(db), "url": sink.URL + "/x", "method": "POST",
 		"retry": map[string]any{"backoff": "linear", "delay_ms": 12000, "limit": 1}})
