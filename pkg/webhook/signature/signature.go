@@ -18,6 +18,10 @@
 // accepts a request when any value matches any secret it knows. Verify also refuses timestamps
 // further than a tolerance from its clock, so that a captured request cannot be replayed later;
 // within the tolerance, receivers that must not act twice deduplicate by delivery id.
+//
+// A rule may ask for the Standard Webhooks scheme instead of this one, or for both (its
+// "signing" field): SignStandard makes the webhook-signature header of that scheme, which any
+// Standard Webhooks library verifies (see standard.go).
 package signature
 
 import (
