@@ -2,7 +2,6 @@ package main
 
 import (
 	"context"
-	"encoding/json"
 	"flag"
 	"fmt"
 	"regexp"
@@ -38,15 +37,45 @@ func enqueueDBs(ctx context.Context, d *producer.Conns, match func(db string) []
 	return admin.EnqueueDBs(ctx, d, match, reason, &pr.Progress, func(final bool) { pr.print(cio, final) })
 }
 
-// runResync enqueues a job for every db that a rule (and --db) matches.
-func runResync(ctx context.Context, cfg *config.Producer, log *logrus.Logger, cio cmdIO) error {
+const resyncHelp = `Enqueue a job for every db that a rule matches (and REGEX, an RE2 regex, when given), with a
+progress display on stderr. Jobs already pending are deduplicated. --json: the counts at the end,
+{"scanned", "enqueued", "already_pending"}.`
+
+const statusHelp = `Rules loaded and rejected (with reasons), pending and in-flight jobs per group, dead letters,
+and the producer's saved position; then the running producers and consumers (the answers of
+their NATS services); then every rule (or only ID): kind, pattern, engine, enabled, dbs matched,
+for on_change rules the dbs behind their checkpoint and the oldest unprocessed change's age, and
+the consumers' last run, result, failures in the last hour and dead letters.
+--check: print one line and exit with a code, for scripts and probes:
+  0  healthy
+  1  the status could not be gathered (CouchDB or NATS not reachable, not installed)
+  2  a bad command line
+  3  unhealthy: no producer answers or its feed is not running, a process reports an error in
+     the last hour, a rule is rejected, or a gap in a rule's output or a loss of the changes
+     stream is reported; the line names each reason`
+
+type resyncOpts struct {
+	db   *regexp.Regexp
+	json bool
+}
+
+func resyncFlags(fs *flag.FlagSet) (*string, *bool) {
+	return fs.String("db", "", "only dbs matching this `REGEX` (RE2)"), fs.Bool("json", false, "print the counts as JSON")
+}
+
+func parseResync(args []string) (*resyncOpts, error) {
 	fs := flag.NewFlagSet("resync", flag.ContinueOnError)
-	fs.SetOutput(cio.stderr)
-	dbRE := fs.String("db", "", "only dbs matching this RE2 regex")
-	if err := fs.Parse(cio.args); err != nil {
-		return usageError{err}
+	dbRE, asJSON := resyncFlags(fs)
+	if err := parseFlags(fs, args, false); err != nil {
+		return nil, err
 	}
 	re, err := dbFlagRegexp(*dbRE)
+	return &resyncOpts{db: re, json: *asJSON}, err
+}
+
+// runResync enqueues a job for every db that a rule (and --db) matches.
+func runResync(ctx context.Context, cfg *config.Producer, log *logrus.Logger, cio cmdIO) error {
+	o, err := parseResync(cio.args)
 	if err != nil {
 		return err
 	}
@@ -56,37 +85,60 @@ func runResync(ctx context.Context, cfg *config.Producer, log *logrus.Logger, ci
 	}
 	defer func() { _ = d.NC.Drain() }()
 	var pr progress
-	return enqueueDBs(ctx, d, func(db string) []events.Group {
-		if db == cfg.DBName || producer.IsSystemDB(db) || re != nil && !re.MatchString(db) {
+	err = enqueueDBs(ctx, d, func(db string) []events.Group {
+		if db == cfg.DBName || producer.IsSystemDB(db) || o.db != nil && !o.db.MatchString(db) {
 			return nil
 		}
 		return set.Groups(db).Groups()
 	}, events.ReasonResync, &pr, cio)
+	if err != nil || !o.json {
+		return err
+	}
+	return printJSON(cio.stdout, map[string]int64{"scanned": pr.Scanned.Load(), "enqueued": pr.Enqueued.Load(),
+		"already_pending": pr.Deduped.Load()})
+}
+
+type statusOpts struct {
+	json, check bool
+	rule        string
+}
+
+func statusFlags(fs *flag.FlagSet) *statusOpts {
+	o := &statusOpts{}
+	fs.BoolVar(&o.json, "json", false, "print JSON")
+	fs.StringVar(&o.rule, "rule", "", "only this rule's status (`ID`)")
+	fs.BoolVar(&o.check, "check", false, "print one line and exit 0 when healthy, 3 when not (see above)")
+	return o
+}
+
+func parseStatus(args []string) (*statusOpts, error) {
+	fs := flag.NewFlagSet("status", flag.ContinueOnError)
+	o := statusFlags(fs)
+	return o, parseFlags(fs, args, false)
 }
 
 // runStatus reports rules, jobs and the producer's position, then the running processes and
-// every rule's status (see admin.RuleStatus). It prints nothing secret.
+// every rule's status (see admin.RuleStatus). It prints nothing secret. With --check it prints
+// one line and returns an unhealthyError when the installation is not healthy (checkHealth).
 func runStatus(ctx context.Context, cfg *config.Producer, log *logrus.Logger, cio cmdIO) error {
-	fs := flag.NewFlagSet("status", flag.ContinueOnError)
-	fs.SetOutput(cio.stderr)
-	asJSON := fs.Bool("json", false, "print JSON")
-	ruleID := fs.String("rule", "", "only this rule's status")
-	if err := fs.Parse(cio.args); err != nil {
-		return usageError{err}
+	o, err := parseStatus(cio.args)
+	if err != nil {
+		return err
 	}
 	d, set, err := admin.Open(ctx, cfg, discardLogger(), 16, events.Groups...)
 	if err != nil {
 		return err
 	}
 	defer d.NC.Close()
-	rep, err := admin.Status(ctx, d, set, *ruleID)
+	rep, err := admin.Status(ctx, d, set, o.rule)
 	if err != nil {
 		return err
 	}
-	if *asJSON {
-		enc := json.NewEncoder(cio.stdout)
-		enc.SetIndent("", "  ")
-		return enc.Encode(rep)
+	if o.check {
+		return reportHealth(cio.stdout, rep, o.json, time.Now())
+	}
+	if o.json {
+		return printJSON(cio.stdout, rep)
 	}
 	w := tabwriter.NewWriter(cio.stdout, 2, 4, 2, ' ', 0)
 	fmt.Fprintf(w, "rules\treplicator %d, on_change %d, disabled %d, rejected %d\n",

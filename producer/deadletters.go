@@ -22,45 +22,85 @@ import (
 	"github.com/spiegel-nats/spiegel/pkg/events"
 )
 
-// runDeadLetters is `producer deadletters list|retry|purge [filters]`.
-func runDeadLetters(ctx context.Context, cfg *config.Producer, log *logrus.Logger, cio cmdIO) error {
-	if len(cio.args) == 0 || strings.HasPrefix(cio.args[0], "-") {
-		return usageError{errors.New("want a subcommand: list, retry or purge")}
+const deadLettersHelp = `list: the dead-letter records that match, newest first (50 unless --limit; --before ID shows
+  the next page): id, time, group, rule, db, seq, doc id, status, attempts, error.
+retry: re-drive them, then delete them. An on_change record resumes its rule in its db from just
+  before the failed change (the checkpoint moves back only if it is past that point; later
+  changes are dispatched again too); a replicator record enqueues its db. Records whose rule or
+  db is gone are kept, with the reason. Asks for confirmation unless --yes.
+purge: delete them. Asks for confirmation unless --yes.
+--json: list prints an array of records; retry {"redriven", "kept", "plans": [{"group", "rule",
+"db", "records", "kept"}]}; purge {"deleted"}.`
+
+// deadLetterOpts are the flags of one `producer deadletters` run.
+type deadLetterOpts struct {
+	sub    string
+	filter admin.Filter
+	json   bool
+	yes    bool
+}
+
+type deadLetterFlagValues struct {
+	group, rule, db, since *string
+	before                 *uint64
+	limit                  *int
+	json, yes              *bool
+}
+
+// deadLetterFlags defines the flags of subcommand sub (list's --limit defaults to 50).
+func deadLetterFlags(fs *flag.FlagSet, sub string) deadLetterFlagValues {
+	return deadLetterFlagValues{
+		group:  fs.String("group", "", "only records of this `GROUP`: replicate or onchange"),
+		rule:   fs.String("rule", "", "only records of this rule `ID`"),
+		db:     fs.String("db", "", "only records of dbs matching this `REGEX` (RE2)"),
+		since:  fs.String("since", "", "only records at most this `AGE` old (e.g. 90m, 24h, 7d)"),
+		before: fs.Uint64("before", 0, "only records with a smaller `ID` (the next page of list)"),
+		limit:  fs.Int("limit", map[string]int{"list": 50}[sub], "at most `N` records, newest first (0: all; list: 50)"),
+		json:   fs.Bool("json", false, "print JSON"),
+		yes:    fs.Bool("yes", false, "do not ask for confirmation (retry, purge)"),
 	}
-	sub, args := cio.args[0], cio.args[1:]
+}
+
+// parseDeadLetters parses `deadletters SUBCOMMAND [flags]` without I/O.
+func parseDeadLetters(args []string) (*deadLetterOpts, error) {
+	if len(args) == 0 || strings.HasPrefix(args[0], "-") {
+		return nil, usageError{errors.New("want a subcommand: list, retry or purge")}
+	}
+	sub, args := args[0], args[1:]
 	if sub != "list" && sub != "retry" && sub != "purge" {
-		return usageError{fmt.Errorf("unknown subcommand %q: want list, retry or purge", sub)}
+		return nil, usageError{fmt.Errorf("unknown subcommand %s: want list, retry or purge", sub)}
 	}
 	fs := flag.NewFlagSet("deadletters "+sub, flag.ContinueOnError)
-	fs.SetOutput(cio.stderr)
-	group := fs.String("group", "", "only records of this group: replicate or onchange")
-	rule := fs.String("rule", "", "only records of this rule id")
-	dbRE := fs.String("db", "", "only records of dbs matching this RE2 regex")
-	since := fs.String("since", "", "only records at most this old (e.g. 90m, 24h, 7d)")
-	before := fs.Uint64("before", 0, "only records with a smaller id (the next page of list)")
-	limit := fs.Int("limit", map[string]int{"list": 50}[sub], "at most this many records, newest first (0: all)")
-	asJSON := fs.Bool("json", false, "print JSON")
-	yes := fs.Bool("yes", false, "do not ask for confirmation")
-	if err := fs.Parse(args); err != nil {
-		return usageError{err}
+	v := deadLetterFlags(fs, sub)
+	if err := parseFlags(fs, args, false); err != nil {
+		return nil, err
 	}
-	if fs.NArg() > 0 {
-		return usageError{fmt.Errorf("unexpected arguments %q", fs.Args())}
-	}
-	f := admin.Filter{Group: events.Group(*group), Rule: *rule, Before: *before, Limit: *limit}
+	o := &deadLetterOpts{sub: sub, json: *v.json, yes: *v.yes,
+		filter: admin.Filter{Group: events.Group(*v.group), Rule: *v.rule, Before: *v.before, Limit: *v.limit}}
+	f := &o.filter
 	if f.Group != "" && !slices.Contains(events.Groups, f.Group) {
-		return usageError{fmt.Errorf("--group %q: unknown group, want replicate or onchange", *group)}
+		return nil, usageError{fmt.Errorf("--group %q: unknown group, want replicate or onchange", *v.group)}
 	}
 	if f.Limit < 0 {
-		return usageError{fmt.Errorf("--limit %d: want 0 (all) or more", f.Limit)}
+		return nil, usageError{fmt.Errorf("--limit %d: want 0 (all) or more", f.Limit)}
 	}
 	var err error
-	if f.DB, err = dbFlagRegexp(*dbRE); err != nil {
+	if f.DB, err = dbFlagRegexp(*v.db); err != nil {
+		return nil, err
+	}
+	if f.Since, err = parseAge(*v.since); err != nil {
+		return nil, usageError{fmt.Errorf("--since %q: %w", *v.since, err)}
+	}
+	return o, nil
+}
+
+// runDeadLetters is `producer deadletters list|retry|purge [filters]`.
+func runDeadLetters(ctx context.Context, cfg *config.Producer, log *logrus.Logger, cio cmdIO) error {
+	o, err := parseDeadLetters(cio.args)
+	if err != nil {
 		return err
 	}
-	if f.Since, err = parseAge(*since); err != nil {
-		return usageError{fmt.Errorf("--since %q: %w", *since, err)}
-	}
+	sub, f := o.sub, o.filter
 	d, set, err := admin.Open(ctx, cfg, discardLogger(), 16, events.Groups...)
 	if err != nil {
 		return err
@@ -71,7 +111,7 @@ func runDeadLetters(ctx context.Context, cfg *config.Producer, log *logrus.Logge
 		return fmt.Errorf("open the dead-letter stream %s: %w", d.Topo.Subjects.DeadLetterStream(), err)
 	}
 	if sub == "list" {
-		return listDeadLetters(ctx, cio, stream, d.Topo.Subjects, f, *asJSON)
+		return listDeadLetters(ctx, cio, stream, d.Topo.Subjects, f, o.json)
 	}
 	var recs []admin.Record
 	if err := admin.EachDeadLetter(ctx, stream, d.Topo.Subjects, f, func(r admin.Record) bool {
@@ -84,13 +124,16 @@ func runDeadLetters(ctx context.Context, cfg *config.Producer, log *logrus.Logge
 		return errors.New("no dead letter matches the filters: nothing to " + sub)
 	}
 	if sub == "purge" {
-		if !*yes && !confirm(cio, fmt.Sprintf("This deletes %d dead letters.", len(recs))) {
+		if !o.yes && !confirm(cio, fmt.Sprintf("This deletes %d dead letters.", len(recs))) {
 			return usageError{errors.New("not confirmed; nothing was deleted (use --yes to skip the question)")}
 		}
 		for _, r := range recs {
 			if err := admin.DeleteRecord(ctx, stream, r.ID); err != nil {
 				return err
 			}
+		}
+		if o.json {
+			return printJSON(cio.stdout, map[string]int{"deleted": len(recs)})
 		}
 		fmt.Fprintf(cio.stdout, "deleted %d dead letters\n", len(recs))
 		return nil
@@ -100,14 +143,27 @@ func runDeadLetters(ctx context.Context, cfg *config.Producer, log *logrus.Logge
 		return err
 	}
 	plans := admin.PlanRedrives(recs, set)
-	if !*yes && !confirm(cio, describePlans(plans)) {
+	if !o.yes && !confirm(cio, describePlans(plans)) {
 		return usageError{errors.New("not confirmed; nothing was re-driven (use --yes to skip the question)")}
 	}
-	redriven, kept, err := rd.Run(ctx, plans, func(p *admin.Redrive) { fmt.Fprintln(cio.stdout, describe(p, true)) })
+	done := []redriveJSON{}
+	redriven, kept, err := rd.Run(ctx, plans, func(p *admin.Redrive) {
+		if o.json {
+			done = append(done, redriveJSON{Group: string(p.Group), Rule: p.Rule, DB: p.DB, Records: len(p.Recs), Since: p.Since, Kept: p.Skip})
+		} else {
+			fmt.Fprintln(cio.stdout, describe(p, true))
+		}
+	})
 	if err != nil {
 		return err
 	}
-	fmt.Fprintf(cio.stdout, "re-drove and deleted %d dead letters; kept %d\n", redriven, kept)
+	if o.json {
+		if err := printJSON(cio.stdout, map[string]any{"redriven": redriven, "kept": kept, "plans": done}); err != nil {
+			return err
+		}
+	} else {
+		fmt.Fprintf(cio.stdout, "re-drove and deleted %d dead letters; kept %d\n", redriven, kept)
+	}
 	if redriven == 0 {
 		return errors.New("no dead letter could be re-driven (see the reasons above)")
 	}
@@ -269,4 +325,15 @@ func describe(p *admin.Redrive, done bool) string {
 	default:
 		return what + "enqueue the db"
 	}
+}
+
+// redriveJSON is one plan of `deadletters retry --json`: what became of the records of one
+// group, rule and db.
+type redriveJSON struct {
+	Group   string `json:"group"`
+	Rule    string `json:"rule,omitempty"`
+	DB      string `json:"db"`
+	Records int    `json:"records"`
+	Since   string `json:"resumed_from,omitempty"`
+	Kept    string `json:"kept,omitempty"`
 }

@@ -6,6 +6,7 @@ package main
 import (
 	"context"
 	"errors"
+	"flag"
 	"fmt"
 	"io"
 	"os"
@@ -27,19 +28,24 @@ import (
 const usage = `producer — Spiegel for NATS: CouchDB db updates → deduplicated JetStream jobs
 
 Usage:
-  producer                 run the producer (tail db updates, publish jobs)
-  producer install         create the spiegel db, its validation, _global_changes, streams and consumers
-                           that are missing; print how existing ones differ [--update: apply that]
-  producer uninstall       remove streams and consumers (and the spiegel db unless --keep-db); asks first unless --yes
-  producer resync          enqueue a job for every db a rule matches [--db REGEX]
-  producer replay          dispatch an on_change rule's history again: --rule ID [--db REGEX] [--since SEQ] [--id ID] [--wait D]
-  producer deadletters     list, retry or purge dead letters: list|retry|purge [--group G] [--rule ID] [--db REGEX] [--since AGE]
-  producer status          rules, jobs, position, running processes, per-rule state [--rule ID] [--json]
-  producer rules           rules as code: list | get ID | apply FILE... [--dry-run] | delete ID | validate FILE... [--json]
-  producer healthcheck     exit 0 when this producer's /healthz answers (the container health check) [URL]
+  producer               run the producer (tail db updates, publish jobs)
+  producer install       create the spiegel db, its validation, _global_changes, streams and
+                         consumers that are missing; print how existing ones differ [--update]
+  producer uninstall     remove streams and consumers (and the spiegel db unless --keep-db)
+  producer resync        enqueue a job for every db a rule matches [--db REGEX]
+  producer replay        dispatch an on_change rule's history again: --rule ID [--db REGEX]
+                         [--since SEQ] [--id ID] [--wait D]
+  producer deadletters   list, retry or purge dead letters: list|retry|purge [filters]
+  producer status        rules, jobs, position, processes, per-rule state [--rule ID] [--check]
+  producer rules         rules as code: list | get ID | apply FILE... | delete ID | validate FILE...
+  producer healthcheck   exit 0 when this producer's /healthz answers (the container health check)
+  producer version       the version, commit, commit time, dirty flag and Go version [--json]
+  producer help COMMAND  the help of a command: its flags and the variables it reads
 
-Every command accepts --help and --version. The admin commands wait at most --timeout (default
-15s, SPIEGEL_ADMIN_TIMEOUT) for CouchDB and NATS, then exit 1 naming each problem.`
+Every command accepts --help (--help-all: with the advanced variables) and --version; the admin
+commands that report something accept --json. They wait at most --timeout (default 15s,
+SPIEGEL_ADMIN_TIMEOUT) for CouchDB and NATS, then exit 1 naming each problem. An unknown flag or
+command exits 2; unknown SPIEGEL_* variables are warned about.`
 
 func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
@@ -48,15 +54,29 @@ func main() {
 	os.Exit(code)
 }
 
-// realMain runs one command and returns the process exit code.
+// realMain runs one command and returns the process exit code: 0 done, 1 failed, 2 a bad
+// command line or configuration, exitUnhealthy for `status --check` on an unhealthy installation.
 func realMain(ctx context.Context, args []string, stdin io.Reader, stdout, stderr io.Writer) int {
 	cmd := ""
 	if len(args) > 0 && len(args[0]) > 0 && args[0][0] != '-' {
 		cmd, args = args[0], args[1:]
 	}
 	var cfg config.Producer
-	if cmd == "healthcheck" {
+	switch cmd {
+	case "healthcheck":
 		return health.ProbeCommand(ctx, "producer", args, config.HTTPAddr(&cfg), stdout, stderr)
+	case "help":
+		return helpCommand(args, stdout, stderr)
+	case "version":
+		return versionCommand(args, stdout, stderr)
+	}
+	run, ok := commands[cmd]
+	if !ok {
+		fmt.Fprintf(stderr, "producer: %s (see producer --help)\n", config.UnknownArg(cmd))
+		return 2
+	}
+	if code, done := helpOrVersion(cmd, args, stdout); done {
+		return code
 	}
 	var timeout time.Duration
 	var err error
@@ -72,19 +92,8 @@ func realMain(ctx context.Context, args []string, stdin io.Reader, stdout, stder
 			return code
 		}
 	}
-	for _, a := range args {
-		switch a {
-		case "--help", "-h", "-help":
-			printHelp(stdout, cmd, &cfg)
-			return 0
-		case "--version", "-version":
-			fmt.Fprintln(stdout, "producer", config.Version)
-			return 0
-		}
-	}
-	run, ok := commands[cmd]
-	if !ok {
-		fmt.Fprintf(stderr, "producer: unknown command %q\n\n%s\n", cmd, usage)
+	if err := checkArgs(cmd, args); err != nil {
+		fmt.Fprintf(stderr, "%s: %v (see %s --help)\n", strings.TrimSpace("producer "+cmd), err, strings.TrimSpace("producer "+cmd))
 		return 2
 	}
 	if err := config.Load(&cfg); err != nil {
@@ -102,7 +111,15 @@ func realMain(ctx context.Context, args []string, stdin io.Reader, stdout, stder
 		fmt.Fprintf(stderr, "producer: %v\n", err)
 		return 2
 	}
+	if cmd != "" { // the producer itself logs them in its start-up line
+		config.WarnEnv(log, "producer", &cfg, os.Environ())
+	}
 	err = run(ctx, &cfg, log, cmdIO{args: args, stdin: stdin, stdout: stdout, stderr: stderr})
+	return exitCode(cmd, err, log, stderr)
+}
+
+// exitCode prints what the person who ran cmd must know of err and returns the exit code.
+func exitCode(cmd string, err error, log *logrus.Logger, stderr io.Writer) int {
 	if err == nil {
 		return 0
 	}
@@ -110,6 +127,10 @@ func realMain(ctx context.Context, args []string, stdin io.Reader, stdout, stder
 	if errors.As(err, &uerr) {
 		fmt.Fprintf(stderr, "producer %s: %v\n", cmd, err)
 		return 2
+	}
+	var unhealthy unhealthyError
+	if errors.As(err, &unhealthy) {
+		return exitUnhealthy // status --check printed the reasons
 	}
 	msg := logging.RedactText(err.Error())
 	if errors.Is(err, natsjs.ErrNotInstalled) {
@@ -133,6 +154,62 @@ func realMain(ctx context.Context, args []string, stdin io.Reader, stdout, stder
 	}
 	fmt.Fprintf(stderr, "producer %s: %s\n", cmd, msg)
 	return 1
+}
+
+// helpOrVersion answers --help, --help-all and --version anywhere among the arguments of cmd
+// (rules answers its subcommands' help itself).
+func helpOrVersion(cmd string, args []string, stdout io.Writer) (code int, done bool) {
+	for _, a := range args {
+		switch {
+		case config.IsHelpAll(a):
+			printHelp(stdout, cmd, true)
+			return 0, true
+		case config.IsHelp(a) && cmd != "rules":
+			printHelp(stdout, cmd, false)
+			return 0, true
+		case config.IsVersion(a):
+			config.PrintVersion(stdout, "producer", false)
+			return 0, true
+		}
+	}
+	return 0, false
+}
+
+// helpCommand is `producer help [COMMAND]`.
+func helpCommand(args []string, stdout, stderr io.Writer) int {
+	switch {
+	case len(args) == 0:
+		printHelp(stdout, "", false)
+		return 0
+	case len(args) > 1:
+		fmt.Fprintf(stderr, "producer help: want one command, got %q\n", args)
+		return 2
+	case args[0] == "rules":
+		printRulesHelp(stdout, "")
+		return 0
+	}
+	if _, ok := cliCommands[args[0]]; !ok {
+		fmt.Fprintf(stderr, "producer help: %s (see producer --help)\n", config.UnknownArg(args[0]))
+		return 2
+	}
+	printHelp(stdout, args[0], false)
+	return 0
+}
+
+// versionCommand is `producer version [--json]`.
+func versionCommand(args []string, stdout, stderr io.Writer) int {
+	fs := flag.NewFlagSet("version", flag.ContinueOnError)
+	asJSON := fs.Bool("json", false, "print JSON")
+	if err := parseFlags(fs, args, false); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			fmt.Fprintln(stdout, "producer version [--json] — the version, commit, commit time, dirty flag and Go version")
+			return 0
+		}
+		fmt.Fprintf(stderr, "producer version: %v\n", err)
+		return 2
+	}
+	config.PrintVersion(stdout, "producer", *asJSON)
+	return 0
 }
 
 // timeoutFlag takes the admin commands' --timeout DURATION (or --timeout=DURATION) out of args.
@@ -171,8 +248,9 @@ type command func(ctx context.Context, cfg *config.Producer, log *logrus.Logger,
 var commands = map[string]command{
 	"": func(ctx context.Context, cfg *config.Producer, log *logrus.Logger, io cmdIO) error {
 		if len(io.args) > 0 {
-			return usageError{fmt.Errorf("unexpected arguments %q", io.args)}
+			return usageError{errors.New(config.UnknownArg(io.args[0]))}
 		}
+		config.LogStart(log, "producer", cfg, os.Environ())
 		return producer.Run(ctx, cfg, log)
 	},
 	"install":   runInstall,
@@ -188,55 +266,22 @@ var commands = map[string]command{
 // usageError marks a bad command line (exit code 2).
 type usageError struct{ error }
 
-var commandHelp = map[string]string{
-	"install": `producer install [--update] — create what Spiegel needs and is missing (idempotent; safe to run
-  twice or concurrently): the spiegel db with admin-only security and a validate_doc_update that
-  rejects invalid rule docs, _global_changes on CouchDB 2/3 when missing, the JetStream streams
-  (work, wakeups, dead letters, changes), the key-value buckets and the durable consumers
-  "replicator" and "onchange". What exists is left as it is: install prints each setting in which
-  an existing stream, bucket or consumer differs from what it would create (e.g. a max_age set
-  with nats stream edit), and keeps it.
-  --update  apply those differences (UpdateStream, UpdateConsumer) and print each one changed;
-            what JetStream cannot change in place (storage, a work queue's retention, a
-            consumer's ack or deliver policy) is reported and kept.
-  SPIEGEL_CHANGES_MAX_AGE, SPIEGEL_DEADLETTER_MAX_AGE and SPIEGEL_MAX_ACK_PENDING set what it creates.`,
-	"uninstall": `producer uninstall [--yes] [--keep-db] — delete the streams and consumers and the spiegel db
-  (rules and checkpoints). Asks for confirmation on the terminal unless --yes. --keep-db keeps the
-  spiegel db and its rules.`,
-	"resync": `producer resync [--db REGEX] — enqueue a job for every db that a rule matches (and REGEX, an
-  RE2 regex, when given), with a progress display. Jobs already pending are deduplicated.`,
-	"replay": `producer replay --rule ID [--db REGEX] [--since SEQ] [--id ID] [--wait DURATION] — reset the
-  checkpoints of the on_change rule ID (in the dbs it matches, optionally only those matching REGEX)
-  to the beginning or to SEQ, and enqueue those dbs, so the rule's history is dispatched again. A
-  subject rule publishes it again under the replay's id (printed; --id to resume or repeat a replay
-  without storing any change twice): message id replay/<id>/<db>/<doc id>/<rev>, header
-  Spiegel-Replay: <id>. The command then waits (--wait, default 10m; 0: no wait) until every db's
-  replay reached the end of its feed and prints per db how many changes it re-dispatched; it exits
-  1 when a db is not done in time.`,
-	"deadletters": `producer deadletters list|retry|purge [--group G] [--rule ID] [--db REGEX] [--since AGE]
-      [--before ID] [--limit N] [--json] [--yes]
-  list: the dead-letter records that match, newest first (50 unless --limit; --before ID shows the
-    next page): id, time, group, rule, db, seq, doc id, status, attempts, error.
-  retry: re-drive them, then delete them. An on_change record resumes its rule in its db from just
-    before the failed change (the checkpoint moves back only if it is past that point; later
-    changes are dispatched again too); a replicator record enqueues its db. Records whose rule
-    or db is gone are kept, with the reason. Asks for confirmation unless --yes.
-  purge: delete them. Asks for confirmation unless --yes.
-  --group is replicate or onchange; --db an RE2 regex; --since an age such as 90m, 24h or 7d.`,
-	"status": `producer status [--rule ID] [--json] — rules loaded and rejected (with reasons), pending and
-  in-flight jobs per group, dead letters, and the producer's saved position; then the running
-  producers and consumers (the answers of their NATS services); then every rule (or only ID):
-  kind, pattern, engine, enabled, dbs matched, for on_change rules the dbs behind their checkpoint
-  and the oldest unprocessed change's age, and the consumers' last run, result, failures in the
-  last hour and dead letters.`,
-}
-
-func printHelp(w io.Writer, cmd string, cfg *config.Producer) {
-	text := usage
-	if h, ok := commandHelp[cmd]; ok {
-		text = h
+// printHelp prints the help of cmd: the producer's usage and variables ("" or an unknown cmd),
+// rules' own, or an admin command's flags and variables; all adds the advanced variables.
+func printHelp(w io.Writer, cmd string, all bool) {
+	if cmd == "rules" {
+		printRulesHelp(w, "")
+		return
 	}
-	config.PrintHelp(w, text, cfg)
+	if c, ok := cliCommands[cmd]; ok {
+		printCommandHelp(w, cmd, c, all)
+		return
+	}
+	if all {
+		config.PrintHelpAll(w, usage, &config.Producer{})
+		return
+	}
+	config.PrintHelp(w, usage, &config.Producer{})
 }
 
 // isTerminal reports whether w is a terminal: admin commands then speak text, not JSON.

@@ -38,6 +38,66 @@ func newReplayID(now time.Time) string {
 	return now.UTC().Format("20060102T150405Z") + "-" + hex.EncodeToString(b)
 }
 
+const replayHelp = `Reset the checkpoints of the on_change rule ID (in the dbs it matches, optionally only those
+matching REGEX) to the beginning or to SEQ, and enqueue those dbs, so the rule's history is
+dispatched again. A subject rule publishes it again under the replay's id (printed; --id to
+resume or repeat a replay without storing any change twice): message id
+replay/<id>/<db>/<doc id>/<rev>, header Spiegel-Replay: <id>. The command then waits (--wait,
+default 10m; 0: no wait) until every db's replay reached the end of its feed and prints per db
+how many changes it re-dispatched; it exits 1 when a db is not done in time. --json: {"id",
+"rule", "dbs": [{"db", "state", "redispatched"}], "total"} ("redispatched" and "total" for a
+subject rule only).`
+
+type replayOpts struct {
+	rule, since, id string
+	db              *regexp.Regexp
+	wait            time.Duration
+	resumed, json   bool
+}
+
+type replayFlagValues struct {
+	rule, db, since, id *string
+	wait                *time.Duration
+	json                *bool
+}
+
+func replayFlags(fs *flag.FlagSet) replayFlagValues {
+	return replayFlagValues{
+		rule:  fs.String("rule", "", "the on_change rule to replay (`ID`, required)"),
+		db:    fs.String("db", "", "only dbs matching this `REGEX` (RE2)"),
+		since: fs.String("since", "", "restart from this `SEQ` instead of the beginning"),
+		id: fs.String("id", "", "the replay's `ID` (letters, digits, - and _); again to resume or repeat a replay "+
+			"without duplicates (default: a new one)"),
+		wait: fs.Duration("wait", defaultReplayWait, "how long to wait for the consumers to finish the replay and "+
+			"count what it re-dispatched (0: do not wait)"),
+		json: fs.Bool("json", false, "print the result as JSON"),
+	}
+}
+
+// parseReplay parses replay's command line; it makes up a new replay id unless --id is given.
+func parseReplay(args []string) (*replayOpts, error) {
+	fs := flag.NewFlagSet("replay", flag.ContinueOnError)
+	f := replayFlags(fs)
+	if err := parseFlags(fs, args, false); err != nil {
+		return nil, err
+	}
+	o := &replayOpts{rule: *f.rule, since: *f.since, id: *f.id, wait: *f.wait, json: *f.json, resumed: *f.id != ""}
+	if o.rule == "" {
+		return nil, usageError{errors.New("--rule is required")}
+	}
+	if !o.resumed {
+		o.id = newReplayID(time.Now())
+	} else if !replayIDPattern.MatchString(o.id) {
+		return nil, usageError{fmt.Errorf("--id %q: use 1 to 64 letters, digits, '-' or '_'", o.id)}
+	}
+	if o.wait < 0 {
+		return nil, usageError{fmt.Errorf("--wait %s: must not be negative", o.wait)}
+	}
+	var err error
+	o.db, err = dbFlagRegexp(*f.db)
+	return o, err
+}
+
 // runReplay dispatches an on_change rule's history again: it resets the rule's checkpoints (in the
 // dbs it matches, and --db) to the beginning or --since, marked with the replay's id, and
 // enqueues those dbs; the onchange consumers then act on the changes again. A subject rule
@@ -50,29 +110,7 @@ func newReplayID(now time.Time) string {
 // any of its changes twice (within the stream's duplicate window); two replays with different
 // ids each store their copy.
 func runReplay(ctx context.Context, cfg *config.Producer, log *logrus.Logger, cio cmdIO) error {
-	fs := flag.NewFlagSet("replay", flag.ContinueOnError)
-	fs.SetOutput(cio.stderr)
-	ruleID := fs.String("rule", "", "the on_change rule to replay (required)")
-	dbRE := fs.String("db", "", "only dbs matching this RE2 regex")
-	since := fs.String("since", "", "restart from this seq instead of the beginning")
-	id := fs.String("id", "", "the replay's id (letters, digits, - and _); again to resume or repeat a replay without duplicates (default: a new one)")
-	wait := fs.Duration("wait", defaultReplayWait, "how long to wait for the consumers to finish the replay and count what it re-dispatched (0: do not wait)")
-	if err := fs.Parse(cio.args); err != nil {
-		return usageError{err}
-	}
-	if *ruleID == "" {
-		return usageError{errors.New("--rule is required")}
-	}
-	resumed := *id != ""
-	if !resumed {
-		*id = newReplayID(time.Now())
-	} else if !replayIDPattern.MatchString(*id) {
-		return usageError{fmt.Errorf("--id %q: use 1 to 64 letters, digits, '-' or '_'", *id)}
-	}
-	if *wait < 0 {
-		return usageError{fmt.Errorf("--wait %s: must not be negative", *wait)}
-	}
-	re, err := dbFlagRegexp(*dbRE)
+	o, err := parseReplay(cio.args)
 	if err != nil {
 		return err
 	}
@@ -81,34 +119,34 @@ func runReplay(ctx context.Context, cfg *config.Producer, log *logrus.Logger, ci
 		return err
 	}
 	defer func() { _ = d.NC.Drain() }()
-	r, ok := set.Rule(*ruleID)
+	r, ok := set.Rule(o.rule)
 	oc, isOnChange := r.(*rules.OnChange)
 	if !ok || !isOnChange {
-		return fmt.Errorf("replay: no valid on_change rule %q in %s", *ruleID, cfg.DBName)
+		return fmt.Errorf("replay: no valid on_change rule %q in %s", o.rule, cfg.DBName)
 	}
 	kv, err := natsjs.OnChangeBucket(ctx, d.JS, d.Topo)
 	if err != nil {
 		return err
 	}
 	store := checkpoint.NewOnChangeStore(d.Couch, kv)
-	store.ReplayID = *id
+	store.ReplayID = o.id
 
 	var counter *admin.ReplayCounter
-	if oc.Subject != "" && *wait > 0 {
-		if counter, err = admin.NewReplayCounter(ctx, d.JS, oc, *id, resumed); err != nil {
+	if oc.Subject != "" && o.wait > 0 {
+		if counter, err = admin.NewReplayCounter(ctx, d.JS, oc, o.id, o.resumed); err != nil {
 			return err
 		}
 	}
-	fmt.Fprintf(cio.stderr, "replay %s of rule %s (again with --id %s to resume it without duplicates)\n", *id, oc.ID(), *id)
+	fmt.Fprintf(cio.stderr, "replay %s of rule %s (again with --id %s to resume it without duplicates)\n", o.id, oc.ID(), o.id)
 
 	var mu sync.Mutex
 	var dbs, failed []string
 	var pr progress
 	err = enqueueDBs(ctx, d, func(db string) []events.Group {
-		if db == cfg.DBName || producer.IsSystemDB(db) || !oc.MatchesDB(db) || re != nil && !re.MatchString(db) {
+		if db == cfg.DBName || producer.IsSystemDB(db) || !oc.MatchesDB(db) || o.db != nil && !o.db.MatchString(db) {
 			return nil
 		}
-		if err := admin.ResetForReplay(ctx, store, oc.ID(), db, *since); err != nil {
+		if err := admin.ResetForReplay(ctx, store, oc.ID(), db, o.since); err != nil {
 			log.WithFields(logrus.Fields{"rule": oc.ID(), "db": db}).WithError(err).Warn("reset checkpoint")
 			mu.Lock()
 			failed = append(failed, db)
@@ -122,13 +160,16 @@ func runReplay(ctx context.Context, cfg *config.Producer, log *logrus.Logger, ci
 	}, events.ReasonResync, &pr, cio)
 	if err == nil && len(failed) > 0 {
 		err = fmt.Errorf("replay %s: the checkpoint of %d dbs could not be reset (see the log), e.g. %s; run it again with --id %s",
-			*id, len(failed), failed[0], *id)
+			o.id, len(failed), failed[0], o.id)
 	}
-	if err != nil || *wait == 0 {
+	if err != nil || o.wait == 0 {
+		if err == nil && o.json {
+			return printJSON(cio.stdout, map[string]any{"id": o.id, "rule": oc.ID(), "dbs_enqueued": len(dbs)})
+		}
 		return err
 	}
 	sort.Strings(dbs)
-	states := admin.WaitReplay(ctx, store, oc.ID(), *id, dbs, *wait, func(done, total int) {
+	states := admin.WaitReplay(ctx, store, oc.ID(), o.id, dbs, o.wait, func(done, total int) {
 		fmt.Fprintf(cio.stderr, "replay: %d of %d dbs done\n", done, total)
 	})
 	var counts map[string]int
@@ -137,7 +178,10 @@ func runReplay(ctx context.Context, cfg *config.Producer, log *logrus.Logger, ci
 			return err
 		}
 	}
-	return printReplay(cio, *id, dbs, states, counts, counter != nil, *wait)
+	if o.json {
+		return printReplayJSON(cio, o.id, oc.ID(), dbs, states, counts, counter != nil, o.wait)
+	}
+	return printReplay(cio, o.id, dbs, states, counts, counter != nil, o.wait)
 }
 
 // printReplay prints each db's state and, for a subject rule, how many changes the replay stored;
@@ -161,6 +205,43 @@ func printReplay(cio cmdIO, id string, dbs []string, states map[string]string, c
 		fmt.Fprintf(w, "total\t%d dbs\t%d\n", len(dbs), total)
 	}
 	if err := w.Flush(); err != nil {
+		return err
+	}
+	if running > 0 {
+		return fmt.Errorf("replay %s: %d of %d dbs not done within --wait %s (the consumers go on; run it again with --id %s to wait and count again)",
+			id, running, len(dbs), wait, id)
+	}
+	return nil
+}
+
+// replayDB is one db of `replay --json`.
+type replayDB struct {
+	DB           string `json:"db"`
+	State        string `json:"state"`
+	Redispatched *int   `json:"redispatched,omitempty"`
+}
+
+// printReplayJSON is printReplay's --json form.
+func printReplayJSON(cio cmdIO, id, rule string, dbs []string, states map[string]string, counts map[string]int, counted bool, wait time.Duration) error {
+	rows := make([]replayDB, 0, len(dbs))
+	total, running := 0, 0
+	for _, db := range dbs {
+		row := replayDB{DB: db, State: states[db]}
+		if counted {
+			n := counts[db]
+			row.Redispatched = &n
+			total += n
+		}
+		if states[db] == admin.ReplayRunning {
+			running++
+		}
+		rows = append(rows, row)
+	}
+	out := map[string]any{"id": id, "rule": rule, "dbs": rows}
+	if counted {
+		out["total"] = total
+	}
+	if err := printJSON(cio.stdout, out); err != nil {
 		return err
 	}
 	if running > 0 {
