@@ -6,18 +6,7 @@ import (
 	"reflect"
 	"slices"
 	"strings"
-
-	"github.com/kelseyhightower/envconfig"
 )
-
-// deprecatedVar is a variable renamed: the old name is still read, with a warning at start.
-type deprecatedVar struct{ Old, New string }
-
-// deprecatedVars are the renamed variables. SPIEGEL_WEBHOOK_SIGNATURE_SECRET holds the names of
-// secrets, not a secret: its new name says so.
-var deprecatedVars = []deprecatedVar{
-	{Old: "SPIEGEL_WEBHOOK_SIGNATURE_SECRET", New: "SPIEGEL_WEBHOOK_SIGNATURE_SECRET_NAMES"},
-}
 
 // toolVars are SPIEGEL_* variables that configure no binary but the tests, benchmarks and
 // deployments around them; toolPrefixes are their families. Neither is warned about.
@@ -26,26 +15,24 @@ var (
 	toolPrefixes = []string{"SPIEGEL_TEST_", "SPIEGEL_BENCH_", "SPIEGEL_SCALE_", "SPIEGEL_DEMO_", "SPIEGEL_RUN_"}
 )
 
-// readDeprecated fills the fields of spec whose variable is unset from the variable's old name,
-// when that is set: envconfig parses it as it would the new one.
-func readDeprecated(spec any) error {
-	for _, d := range deprecatedVars {
-		old, set := os.LookupEnv(d.Old)
-		if _, has := os.LookupEnv(d.New); !set || has {
+// readDeprecated sets each field of spec whose variable is unset from the field of its old name
+// (a Var with Deprecated), when that is set.
+func readDeprecated(spec any) {
+	v := reflect.ValueOf(spec).Elem()
+	for _, old := range Vars(spec) {
+		if old.Deprecated == "" {
 			continue
 		}
-		f, ok := fieldOf(reflect.ValueOf(spec).Elem(), d.New)
-		if !ok {
+		_, oldSet := os.LookupEnv(old.Name)
+		if _, newSet := os.LookupEnv(old.Deprecated); !oldSet || newSet {
 			continue
 		}
-		holder := reflect.New(reflect.StructOf([]reflect.StructField{{
-			Name: "V", Type: f.Type(), Tag: reflect.StructTag(`envconfig:"` + d.Old + `"`)}}))
-		if err := envconfig.Process("", holder.Interface()); err != nil {
-			return fmt.Errorf("%s=%q: %w", d.Old, old, err)
+		from, ok1 := fieldOf(v, old.Name)
+		to, ok2 := fieldOf(v, old.Deprecated)
+		if ok1 && ok2 && from.Type() == to.Type() {
+			to.Set(from)
 		}
-		f.Set(holder.Elem().Field(0))
 	}
-	return nil
 }
 
 // fieldOf finds the field of struct v (embedded structs included) read from variable name.
@@ -88,25 +75,28 @@ func (w EnvWarning) String() string {
 // as a suggestion, and for each deprecated name set. The variables of the other binaries, and
 // those of the tests and deployments, are known: they are not warned about.
 func CheckEnv(spec any, environ []string) []EnvWarning {
-	known := map[string]bool{}
+	known := map[string]string{} // name → its new name when deprecated
 	for _, s := range []any{&Producer{}, &Replicator{}, &OnChange{}} {
 		for _, v := range Vars(s) {
-			known[v.Name] = true
+			known[v.Name] = v.Deprecated
 		}
 	}
 	var own []string
 	for _, v := range Vars(spec) {
-		own = append(own, v.Name)
+		if v.Deprecated == "" {
+			own = append(own, v.Name)
+		}
 	}
 	var out []EnvWarning
 	for _, kv := range environ {
 		name, _, _ := strings.Cut(kv, "=")
-		if !strings.HasPrefix(name, "SPIEGEL_") || known[name] || slices.Contains(toolVars, name) ||
-			slices.ContainsFunc(toolPrefixes, func(p string) bool { return strings.HasPrefix(name, p) }) {
+		newName, isKnown := known[name]
+		if newName != "" {
+			out = append(out, EnvWarning{Name: name, NewName: newName})
 			continue
 		}
-		if i := slices.IndexFunc(deprecatedVars, func(d deprecatedVar) bool { return d.Old == name }); i >= 0 {
-			out = append(out, EnvWarning{Name: name, NewName: deprecatedVars[i].New})
+		if !strings.HasPrefix(name, "SPIEGEL_") || isKnown || slices.Contains(toolVars, name) ||
+			slices.ContainsFunc(toolPrefixes, func(p string) bool { return strings.HasPrefix(name, p) }) {
 			continue
 		}
 		out = append(out, EnvWarning{Name: name, Suggestion: nearest(name, own)})

@@ -20,6 +20,9 @@ type Var struct {
 	Advanced bool
 	// Secret marks a value that is never printed or logged.
 	Secret bool
+	// Deprecated, when set, is the variable's new name: the old one is still read when the new
+	// one is unset, with a warning at start; help leaves it out.
+	Deprecated string
 }
 
 // groupOrder is the order in which help and the reference list the groups of variables.
@@ -34,18 +37,19 @@ func Vars(spec any) []Var {
 	var buf bytes.Buffer
 	const tmpl = `{{range .}}{{usage_key .}}` + "\x1f" + `{{usage_type .}}` + "\x1f" + `{{usage_default .}}` + "\x1f" +
 		`{{usage_description .}}` + "\x1f" + `{{usage_required .}}` + "\x1f" + `{{.Tags.Get "group"}}` + "\x1f" +
-		`{{.Tags.Get "advanced"}}` + "\x1f" + `{{.Tags.Get "secret"}}` + "\x1e" + `{{end}}`
+		`{{.Tags.Get "advanced"}}` + "\x1f" + `{{.Tags.Get "secret"}}` + "\x1f" + `{{.Tags.Get "deprecated"}}` + "\x1e" +
+		`{{end}}`
 	if err := envconfig.Usagef("", spec, &buf, tmpl); err != nil {
 		return nil
 	}
 	var out []Var
 	for _, rec := range strings.Split(buf.String(), "\x1e") {
 		f := strings.Split(rec, "\x1f")
-		if len(f) != 8 {
+		if len(f) != 9 {
 			continue
 		}
 		out = append(out, Var{Name: f[0], Type: f[1], Default: f[2], Description: f[3], Required: f[4] == "true",
-			Group: f[5], Advanced: f[6] == "true", Secret: f[7] == "true"})
+			Group: f[5], Advanced: f[6] == "true", Secret: f[7] == "true", Deprecated: f[8]})
 	}
 	return out
 }
@@ -76,7 +80,7 @@ func printHelp(w io.Writer, usage string, spec any, all bool) {
 	fmt.Fprintln(w)
 	hidden := 0
 	for _, v := range Vars(spec) {
-		if v.Advanced && !all {
+		if v.Advanced && !all && v.Deprecated == "" {
 			hidden++
 		}
 	}
@@ -87,12 +91,12 @@ func printHelp(w io.Writer, usage string, spec any, all bool) {
 	}
 }
 
-// PrintVars writes the variables of spec that keep selects, under their group headings: the
-// name and default on one line, then the description wrapped at HelpWidth.
+// PrintVars writes the variables of spec that keep selects (deprecated names aside), under their
+// group headings: the name and default on one line, then the description wrapped at HelpWidth.
 func PrintVars(w io.Writer, spec any, keep func(Var) bool) {
 	group := "\x00"
 	for _, v := range byGroup(spec) {
-		if !keep(v) {
+		if v.Deprecated != "" || !keep(v) {
 			continue
 		}
 		if v.Group != group {
@@ -152,6 +156,9 @@ func Markdown(spec any) string {
 	var b strings.Builder
 	group := "\x00"
 	for _, v := range byGroup(spec) {
+		if v.Deprecated != "" {
+			continue
+		}
 		if v.Group != group {
 			if group != "\x00" {
 				b.WriteString("\n")
@@ -183,11 +190,19 @@ func Reference() string {
 	b.WriteString(Markdown(&Replicator{}))
 	b.WriteString("\n#### onchange\n\n")
 	b.WriteString(Markdown(&OnChange{}))
-	if len(deprecatedVars) > 0 {
+	var old []Var
+	for _, spec := range []any{&Producer{}, &Replicator{}, &OnChange{}} {
+		for _, v := range Vars(spec) {
+			if v.Deprecated != "" && !slices.ContainsFunc(old, func(o Var) bool { return o.Name == v.Name }) {
+				old = append(old, v)
+			}
+		}
+	}
+	if len(old) > 0 {
 		b.WriteString("\n#### deprecated names\n\nStill read, with a warning at start; the new name wins when both are set.\n\n")
 		b.WriteString("| old name | new name |\n| --- | --- |\n")
-		for _, d := range deprecatedVars {
-			fmt.Fprintf(&b, "| `%s` | `%s` |\n", d.Old, d.New)
+		for _, v := range old {
+			fmt.Fprintf(&b, "| `%s` | `%s` |\n", v.Name, v.Deprecated)
 		}
 	}
 	return b.String()

@@ -16,7 +16,7 @@ import (
 // variables of the environment configure the service by accident. A variable that does not
 // parse gives an error naming it and its value (no setting that fails to parse is a secret);
 // comma-separated lists are trimmed of spaces and empty items. A renamed variable is read from
-// its old name when the new one is unset (deprecatedVars).
+// its old name when the new one is unset (a Var's Deprecated).
 func process(spec any) error {
 	err := envconfig.Process("", spec)
 	var pe *envconfig.ParseError
@@ -29,9 +29,7 @@ func process(spec any) error {
 		}
 		return err
 	}
-	if err := readDeprecated(spec); err != nil {
-		return err
-	}
+	readDeprecated(spec)
 	trimLists(reflect.ValueOf(spec).Elem())
 	return nil
 }

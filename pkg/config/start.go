@@ -22,7 +22,7 @@ func Effective(spec any) map[string]string {
 	v := reflect.ValueOf(spec).Elem()
 	for _, vr := range Vars(spec) {
 		f, ok := fieldOf(v, vr.Name)
-		if !ok {
+		if !ok || vr.Deprecated != "" {
 			continue
 		}
 		s := valueString(f)
