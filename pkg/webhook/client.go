@@ -10,7 +10,6 @@ import (
 	"net/http"
 	"net/url"
 	"os"
-	"strconv"
 	"strings"
 	"time"
 
@@ -23,6 +22,10 @@ const (
 	TimestampHeader = signature.TimestampHeader
 	DeliveryHeader  = signature.DeliveryHeader
 	SignatureHeader = signature.SignatureHeader
+
+	StandardIDHeader        = signature.StandardIDHeader
+	StandardTimestampHeader = signature.StandardTimestampHeader
+	StandardSignatureHeader = signature.StandardSignatureHeader
 )
 
 // DefaultTimeout bounds one attempt when neither the request nor the Config names a timeout.
@@ -63,8 +66,11 @@ type Config struct {
 	// Passwords injects the password of the URL's user (may be nil).
 	Passwords Passwords
 	// SignatureSecrets names secrets of Passwords; when set every request is signed with each
-	// (several while a secret is rotated) and a missing secret fails the attempt (a request is
-	// never sent unsigned).
+	// (several while a secret is rotated), in the scheme or schemes its rule asks for, and a
+	// missing secret fails the attempt (a request is never sent unsigned). The v1 scheme keys
+	// its HMAC with the secret's bytes as written; the Standard Webhooks scheme with the
+	// base64-decoded part of a secret written "whsec_<base64>", else with its bytes as written
+	// (signature.StandardKey), so one secret serves both.
 	SignatureSecrets []string
 	// Metrics records each attempt (may be nil).
 	Metrics Recorder
@@ -162,9 +168,12 @@ func StatusOf(err error) int {
 // answer, a transport failure, a timeout, ctx ending, or, Permanent, a URL that does not parse,
 // a host the allow-list refuses or an address the address check refuses (ErrHostNotAllowed,
 // ErrAddressNotAllowed). The password of the URL's user is injected here and never leaves this
-// function. Every attempt carries X-Spiegel-Timestamp (now), X-Spiegel-Delivery (req.Delivery,
-// the same for every attempt), X-Spiegel-Instance (Config.Instance, when set) and, with
-// signature secrets, X-Spiegel-Signature.
+// function. Every attempt carries X-Spiegel-Instance (Config.Instance, when set) and the headers
+// of req.Signing: for rules.SigningV1 (or ""), X-Spiegel-Timestamp (now), X-Spiegel-Delivery
+// (req.Delivery, the same for every attempt) and, with signature secrets, X-Spiegel-Signature;
+// for rules.SigningStandard, webhook-timestamp, webhook-id (the same values) and, with
+// signature secrets, webhook-signature; for rules.SigningBoth, all six. A whsec_ secret that is
+// not base64 fails a standard-signed attempt (the error names the secret, never its value).
 func (c *Client) Send(ctx context.Context, req Request) (int, error) {
 	safeURL := logging.RedactURL(req.URL)
 	fail := func(status int, permanent bool, cause error, format string, args ...any) (int, error) {
@@ -187,9 +196,13 @@ func (c *Client) Send(ctx context.Context, req Request) (int, error) {
 			password, _ = fu.User.Password()
 		}
 	}
-	secrets, err := c.secrets()
+	s, err := c.signer(req)
 	if err != nil {
-		return fail(0, false, nil, "%v", err)
+		var cause error
+		if errors.Is(err, signature.ErrStandardSecret) {
+			cause = signature.ErrStandardSecret
+		}
+		return fail(0, false, cause, "%v", err)
 	}
 	timeout := req.Timeout
 	if timeout <= 0 {
@@ -210,7 +223,6 @@ func (c *Client) Send(ctx context.Context, req Request) (int, error) {
 	if c.cfg.Instance != "" {
 		hreq.Header.Set(InstanceHeader, c.cfg.Instance)
 	}
-	s := &signer{secrets: secrets, ts: c.now().Unix(), delivery: req.delivery(), body: req.Body}
 	s.sign(hreq, req.Body)
 
 	hc := &http.Client{Transport: c.tr, CheckRedirect: c.redirectPolicy(req, s)}
@@ -249,47 +261,14 @@ func (c *Client) Send(ctx context.Context, req Request) (int, error) {
 	return fail(resp.StatusCode, false, nil, "%s", resp.Status)
 }
 
-// secrets returns the signature secrets' values, in the configured order.
-func (c *Client) secrets() ([][]byte, error) {
-	var out [][]byte
-	for _, name := range c.cfg.SignatureSecrets {
-		secret, ok := "", false
-		if c.cfg.Passwords != nil {
-			secret, ok = c.cfg.Passwords.Secret(name)
-		}
-		if !ok || secret == "" {
-			return nil, fmt.Errorf("signature secret %q is not in the passwords file", name)
-		}
-		out = append(out, []byte(secret))
-	}
-	return out, nil
-}
-
-// signer sets the timestamp, delivery and signature headers of one attempt and its redirects.
-type signer struct {
-	secrets  [][]byte
-	ts       int64
-	delivery string
-	body     []byte
-}
-
-// sign sets the headers of r, whose body is body, signing r's method and request target.
-func (s *signer) sign(r *http.Request, body []byte) {
-	r.Header.Set(TimestampHeader, strconv.FormatInt(s.ts, 10))
-	r.Header.Set(DeliveryHeader, s.delivery)
-	r.Header.Del(SignatureHeader)
-	if len(s.secrets) > 0 {
-		r.Header.Set(SignatureHeader, signature.Sign(s.secrets, s.ts, r.Method, r.URL.RequestURI(), s.delivery, body))
-	}
-}
-
 // redirectPolicy is the CheckRedirect of one attempt of req. Redirects are followed only when
 // the rule asks (req.FollowRedirects), at most maxRedirects, only to hosts the allow-list allows
 // (the address check applies to every connection anyway). Once the chain leaves the first
 // request's origin (scheme, host and port), the rule's headers, the URL's credentials, cookies
-// and the signature are dropped: only User-Agent, Content-Type, the timestamp and the delivery id
-// go on (a signature does not bind the host, so another host must not get one it could replay).
-// Within the origin the request is signed again for its new method and target.
+// and the signatures are dropped: only User-Agent, Content-Type, the timestamps and the delivery
+// ids go on (neither scheme's signature binds the host, so another host must not get one it
+// could replay). Within the origin the request is signed again for its new method, target and
+// body.
 func (c *Client) redirectPolicy(req Request, s *signer) func(*http.Request, []*http.Request) error {
 	return func(next *http.Request, via []*http.Request) error {
 		if !req.FollowRedirects {
@@ -321,7 +300,7 @@ func (c *Client) redirectPolicy(req Request, s *signer) func(*http.Request, []*h
 		}
 		next.Header = h
 		next.URL.User = nil
-		(&signer{ts: s.ts, delivery: s.delivery}).sign(next, body)
+		(&signer{v1: s.v1, standard: s.standard, ts: s.ts, delivery: s.delivery}).sign(next, body)
 		return nil
 	}
 }

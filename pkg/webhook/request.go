@@ -1,7 +1,8 @@
 // Package webhook sends the HTTP requests of on_change rules (SPEC §2.2, §2.3, §5.3). Build turns
 // a rule and the values of one change into a Request; a Client sends it with the password of the
 // URL's user injected at send time, a timestamp, a delivery id and an optional HMAC signature
-// over the whole request (package signature), the host allow-list and the address check on
+// (package signature: the v1 scheme over the whole request, the Standard Webhooks scheme over id,
+// timestamp and body, or both, as the rule's "signing" says), the host allow-list and the address check on
 // every connection (closed by default to non-public addresses), a timeout and the rule's redirect
 // policy, and classifies the answer; Deliver retries it with the rule's backoff.
 //
@@ -49,6 +50,9 @@ type Request struct {
 	// FollowRedirects is the rule's "follow_redirects": a 3xx answer is followed (to allowed
 	// hosts only) instead of being a failure.
 	FollowRedirects bool
+	// Signing is the rule's "signing": which header sets every attempt carries (see
+	// Client.Send): rules.SigningV1 ("" means it too), rules.SigningStandard or rules.SigningBoth.
+	Signing string
 }
 
 // ErrBadRequest marks a request that cannot be built or sent as written (its URL does not parse,
@@ -62,7 +66,7 @@ var ErrBadRequest = errors.New("webhook: bad request")
 // applies, so SPIEGEL_WEBHOOK_TIMEOUT is honoured for rules that name none). Errors wrap
 // ErrBadRequest.
 func Build(rule *rules.OnChange, vars rules.Vars) (Request, error) {
-	req := Request{Method: rule.Method, Header: http.Header{}, FollowRedirects: rule.FollowRedirects}
+	req := Request{Method: rule.Method, Header: http.Header{}, FollowRedirects: rule.FollowRedirects, Signing: rule.Signing}
 	if req.Method == "" {
 		req.Method = http.MethodGet
 	}
