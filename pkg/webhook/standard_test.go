@@ -1,6 +1,8 @@
 package webhook
 
 import (
+	"crypto/hmac"
+	"crypto/sha256"
 	"encoding/base64"
 	"io"
 	"net"
@@ -8,6 +10,8 @@ import (
 	"net/http/httptest"
 	"os"
 	"path/filepath"
+	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -99,6 +103,23 @@ func verifiers(t *testing.T) (newer, older, stranger *standardwebhooks.Webhook) 
 	return newer, older, stranger
 }
 
+// readmeVerify is the receiver of consumers/onchange/README.md ("Standard Webhooks"), written
+// from the spec with the standard library only: the tests check that it agrees with the official
+// library, so that the example stays right.
+func readmeVerify(h http.Header, body, key []byte) bool {
+	ts := h.Get("webhook-timestamp")
+	sec, err := strconv.ParseInt(ts, 10, 64)
+	if err != nil || time.Since(time.Unix(sec, 0)).Abs() > 5*time.Minute {
+		return false // too old (a replay) or a wrong clock
+	}
+	m := hmac.New(sha256.New, key)
+	m.Write([]byte(h.Get("webhook-id") + "." + ts + "." + string(body)))
+	want := "v1," + base64.StdEncoding.EncodeToString(m.Sum(nil))
+	return slices.ContainsFunc(strings.Fields(h.Get("webhook-signature")), func(sig string) bool {
+		return hmac.Equal([]byte(sig), []byte(want))
+	})
+}
+
 func TestBuildCopiesSigning(t *testing.T) {
 	t.Parallel()
 	for _, signing := range []string{rules.SigningV1, rules.SigningStandard, rules.SigningBoth} {
@@ -167,10 +188,14 @@ func TestStandardSigning(t *testing.T) {
 			assert.Regexp(t, `^v1,\S+ v1,\S+$`, r.header.Get(StandardSignatureHeader), "one signature per secret")
 			assert.NoError(t, newer.Verify(r.body, r.header), "the new secret, decoded from whsec_")
 			assert.NoError(t, older.Verify(r.body, r.header), "the old secret, as its bytes")
+			assert.True(t, readmeVerify(r.header, r.body, stdNewKey), "the README's receiver, new secret")
+			assert.True(t, readmeVerify(r.header, r.body, []byte(stdOldSecret)), "the README's receiver, old secret")
+			assert.False(t, readmeVerify(r.header, r.body, []byte(stdNewSecret)), "a whsec_ secret is not the key as written")
 			assert.ErrorIs(t, stranger.Verify(r.body, r.header), standardwebhooks.ErrNoMatchingSignature)
 			altered := []byte(strings.Replace(string(r.body), "doc/1", "doc/2", 1))
 			require.NotEqual(t, r.body, altered)
 			assert.ErrorIs(t, newer.Verify(altered, r.header), standardwebhooks.ErrNoMatchingSignature)
+			assert.False(t, readmeVerify(r.header, altered, stdNewKey))
 			if tt.v1 {
 				assert.Equal(t, r.header.Get(TimestampHeader), r.header.Get(StandardTimestampHeader), "one timestamp for both schemes")
 			}
@@ -215,6 +240,7 @@ func TestStandardTimestamp(t *testing.T) {
 		assert.Equal(t, req.Delivery, r.header.Get(StandardIDHeader), "attempt %d", i)
 		assert.ErrorIs(t, newer.Verify(r.body, r.header), standardwebhooks.ErrMessageTooOld, "attempt %d", i)
 		assert.NoError(t, newer.VerifyIgnoringTimestamp(r.body, r.header), "attempt %d: only the timestamp is wrong", i)
+		assert.False(t, readmeVerify(r.header, r.body, stdNewKey), "attempt %d: the README's receiver refuses it too", i)
 	}
 
 	other, err := Build(rule, vars("db1", map[string]any{"_id": "b", "_rev": "1-b"}))
