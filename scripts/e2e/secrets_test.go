@@ -132,7 +132,7 @@ func TestSecretsNeverShown(t *testing.T) {
 	consumerVars := slices.Concat(common, []string{"SPIEGEL_PASSWORDS_FILE=" + pwFile, "SPIEGEL_RETRY_INITIAL=200ms", "SPIEGEL_RETRY_MAX=2s"})
 	replicatorEnv := baseEnv(consumerVars...)
 	// onchange logs in text format, so that both formats' quoting is checked.
-	onchangeEnv := baseEnv(append(consumerVars, "SPIEGEL_WEBHOOK_SIGNATURE_SECRET=webhook_hmac", "SPIEGEL_LOG_FORMAT=text")...)
+	onchangeEnv := baseEnv(append(consumerVars, "SPIEGEL_WEBHOOK_SIGNATURE_SECRET_NAMES=webhook_hmac", "SPIEGEL_LOG_FORMAT=text")...)
 	with := func(env []string, extra ...string) []string { return append(slices.Clone(env), extra...) }
 
 	// Invalid rule docs holding a password, written before install so that no
