@@ -250,16 +250,8 @@ func (h *handler) runRule(ctx context.Context, db string, rule *rules.OnChange, 
 			return finish(ruleResult{})
 		}
 		rule = cur
-		if rule.Subject != "" {
-			usable, err := h.publisher.check(ctx, db, rule, h.dead, log)
-			if err != nil || !usable {
-				return finish(ruleResult{err: err, outcome: status.ResultFailed, why: errNoStream})
-			}
-		}
-		if rule.Mirror != "" {
-			if _, err := h.mirrors.bucket(ctx, rule.Mirror); err != nil {
-				return finish(ruleResult{err: fmt.Errorf("rule %s: %w", rule.ID(), err)})
-			}
+		if r, ok := h.outputReady(ctx, db, rule, log); !ok {
+			return finish(r)
 		}
 		if pending == nil || readFrom != since { // no page read ahead, or one that starts elsewhere
 			readFrom, pending = since, pages.page(since)
@@ -281,15 +273,9 @@ func (h *handler) runRule(ctx context.Context, db string, rule *rules.OnChange, 
 			}
 			replay = replayOf(cps.cp)
 		}
-		if !streamChecked && rule.Mirror != "" {
+		if !streamChecked {
 			streamChecked = true
-			if err := h.checkMirror(ctx, db, rule, cps, log); err != nil {
-				return finish(ruleResult{err: fmt.Errorf("rule %s: %w", rule.ID(), err)})
-			}
-		}
-		if !streamChecked && rule.Subject != "" {
-			streamChecked = true
-			from, err := h.checkStream(ctx, db, rule, cps, since, log)
+			from, err := h.checkOutput(ctx, db, rule, cps, since, log)
 			if err != nil {
 				return finish(ruleResult{err: fmt.Errorf("rule %s: %w", rule.ID(), err)})
 			}
@@ -313,26 +299,11 @@ func (h *handler) runRule(ctx context.Context, db string, rule *rules.OnChange, 
 			readFrom, pending = page.LastSeq, pages.page(page.LastSeq)
 		}
 		b := h.processBatch(ctx, db, rule, since, replay, page.Results, log)
-		next := since
-		switch {
-		case b.done == len(page.Results) && page.LastSeq != "":
-			next = page.LastSeq
-		case b.done > 0:
-			next = page.Results[b.done-1].Seq
+		next := pageEnd(since, page, b.done)
+		if err := h.saveAfterPage(ctx, db, rule, cps, since, next, b); err != nil {
+			return finish(ruleResult{err: err})
 		}
-		// The requests still waiting for a retry go with the checkpoint, so that the instance
-		// that runs the rule next goes on with their backoff; a rule that stopped at one saves
-		// even without progress.
-		retries := h.book.of(rule.ID(), db)
-		if next != since || b.retryIn > 0 && !slices.EqualFunc(retries, cps.retries(), sameRetry) {
-			if !worker.Held(ctx) {
-				return finish(ruleResult{err: worker.ErrLeaseLost})
-			}
-			if err := cps.save(ctx, next, h.streamPoint(ctx, db, rule), retries, max(b.done, 1)); err != nil {
-				return finish(ruleResult{err: err})
-			}
-			since = next
-		}
+		since = next
 		if b.err != nil || b.retryIn > 0 {
 			return finish(ruleResult{err: b.err, retryIn: b.retryIn, deferErr: b.deferErr})
 		}
@@ -343,6 +314,64 @@ func (h *handler) runRule(ctx context.Context, db string, rule *rules.OnChange, 
 			return finish(h.caughtUp(ctx, cps, next, log))
 		}
 	}
+}
+
+// outputReady checks that rule can act in db: a subject rule's subject is captured by a stream
+// (publisher.check), a mirror rule's bucket opens. ok false: the run ends with r.
+func (h *handler) outputReady(ctx context.Context, db string, rule *rules.OnChange, log logrus.FieldLogger) (r ruleResult, ok bool) {
+	if rule.Subject != "" {
+		usable, err := h.publisher.check(ctx, db, rule, h.dead, log)
+		if err != nil || !usable {
+			return ruleResult{err: err, outcome: status.ResultFailed, why: errNoStream}, false
+		}
+	}
+	if rule.Mirror != "" {
+		if _, err := h.mirrors.bucket(ctx, rule.Mirror); err != nil {
+			return ruleResult{err: fmt.Errorf("rule %s: %w", rule.ID(), err)}, false
+		}
+	}
+	return ruleResult{}, true
+}
+
+// checkOutput is a job's first look, per rule, at what the rule keeps for readers, before it
+// writes anything there: a mirror rule's bucket (checkMirror), a subject rule's stream
+// (checkStream). It returns the seq the rule goes on from (since, unless our changes stream
+// lost the latest changes the rule stored).
+func (h *handler) checkOutput(ctx context.Context, db string, rule *rules.OnChange, cps *checkpointWriter, since string, log logrus.FieldLogger) (string, error) {
+	switch {
+	case rule.Mirror != "":
+		return since, h.checkMirror(ctx, db, rule, cps, log)
+	case rule.Subject != "":
+		return h.checkStream(ctx, db, rule, cps, since, log)
+	}
+	return since, nil
+}
+
+// pageEnd returns where the checkpoint goes after a page of which the first done changes were
+// acted on: the page's last_seq when all were, the last acted-on change's seq, or since.
+func pageEnd(since string, page couch.ChangesPage, done int) string {
+	switch {
+	case done == len(page.Results) && page.LastSeq != "":
+		return page.LastSeq
+	case done > 0:
+		return page.Results[done-1].Seq
+	}
+	return since
+}
+
+// saveAfterPage starts writing the checkpoint at next after a page (b) moved the rule from
+// since. The requests still waiting for a retry go with it, so that the instance that runs the
+// rule next goes on with their backoff: a rule that stopped at one saves even without progress.
+// Nothing is written once the job's lease is lost.
+func (h *handler) saveAfterPage(ctx context.Context, db string, rule *rules.OnChange, cps *checkpointWriter, since, next string, b batchResult) error {
+	retries := h.book.of(rule.ID(), db)
+	if next == since && (b.retryIn <= 0 || slices.EqualFunc(retries, cps.retries(), sameRetry)) {
+		return nil
+	}
+	if !worker.Held(ctx) {
+		return worker.ErrLeaseLost
+	}
+	return cps.save(ctx, next, h.streamPoint(ctx, db, rule), retries, max(b.done, 1))
 }
 
 // sameRetry reports whether a and b are the same deferred request at the same attempt.
