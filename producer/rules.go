@@ -113,12 +113,15 @@ func parseRules(args []string) (string, rulesSub, *rulesOpts, error) {
 		if len(args) > 0 && isHelpFlag(args[0]) {
 			return "", rulesSub{}, nil, flag.ErrHelp
 		}
+		if len(args) > 0 {
+			return "", rulesSub{}, nil, usageError{fmt.Errorf("%s; want a subcommand: list, get, apply, delete or validate (see producer rules --help)", config.UnknownArg(args[0]))}
+		}
 		return "", rulesSub{}, nil, usageError{errors.New("want a subcommand: list, get, apply, delete or validate (see producer rules --help)")}
 	}
 	name := args[0]
 	sub, ok := rulesSubs[name]
 	if !ok {
-		return "", rulesSub{}, nil, usageError{fmt.Errorf("unknown subcommand %q: want list, get, apply, delete or validate", name)}
+		return "", rulesSub{}, nil, usageError{fmt.Errorf("unknown command %q: want list, get, apply, delete or validate", name)}
 	}
 	o := &rulesOpts{}
 	fs := rulesFlagSet(name, sub, o)
@@ -128,7 +131,7 @@ func parseRules(args []string) (string, rulesSub, *rulesOpts, error) {
 			if errors.Is(err, flag.ErrHelp) {
 				return name, sub, nil, err
 			}
-			return name, sub, nil, usageError{fmt.Errorf("%s: %w (see producer rules %s --help)", name, err, name)}
+			return name, sub, nil, usageError{fmt.Errorf("%s: %w (see producer rules %s --help)", name, flagError(err), name)}
 		}
 		left := fs.Args()
 		if len(left) == 0 {

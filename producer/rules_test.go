@@ -295,10 +295,11 @@ func TestRulesCommandLine(t *testing.T) {
 		want string
 	}{
 		{[]string{"rules"}, "want a subcommand"},
-		{[]string{"rules", "sync"}, `unknown subcommand "sync"`},
-		{[]string{"rules", "list", "--color"}, "flag provided but not defined: -color"},
-		{[]string{"rules", "apply", "--force", "x.json"}, "flag provided but not defined: -force"},
-		{[]string{"rules", "validate", "--dry-run", "x.json"}, "flag provided but not defined: -dry-run"},
+		{[]string{"rules", "--bogus"}, "unknown flag --bogus"},
+		{[]string{"rules", "sync"}, `unknown command "sync"`},
+		{[]string{"rules", "list", "--color"}, "unknown flag --color"},
+		{[]string{"rules", "apply", "--force", "x.json"}, "unknown flag --force"},
+		{[]string{"rules", "validate", "--dry-run", "x.json"}, "unknown flag --dry-run"},
 		{[]string{"rules", "apply"}, "want one or more rule files"},
 		{[]string{"rules", "get"}, "want one rule id"},
 		{[]string{"rules", "list", "extra"}, `unexpected arguments ["extra"]`},
