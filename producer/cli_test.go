@@ -49,7 +49,7 @@ func TestCommandLine(t *testing.T) {
 		{[]string{"status", "--check=maybe"}, 2, "", "invalid boolean value", ""},
 		{[]string{"status", "--timeout"}, 2, "", "--timeout needs a duration", ""},
 		{[]string{"deadletters"}, 2, "", "want a subcommand", ""},
-		{[]string{"deadletters", "frob"}, 2, "", "unknown subcommand frob", ""},
+		{[]string{"deadletters", "frob"}, 2, "", `unknown command "frob"`, ""},
 		{[]string{"deadletters", "list", "--group", "x"}, 2, "", `--group "x"`, ""},
 		{[]string{"deadletters", "purge", "--bogus"}, 2, "", "unknown flag --bogus", ""},
 		{[]string{"help", "frob"}, 2, "", "unknown command frob", ""},

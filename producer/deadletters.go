@@ -68,7 +68,7 @@ func parseDeadLetters(args []string) (*deadLetterOpts, error) {
 	}
 	sub, args := args[0], args[1:]
 	if sub != "list" && sub != "retry" && sub != "purge" {
-		return nil, usageError{fmt.Errorf("unknown subcommand %s: want list, retry or purge", sub)}
+		return nil, usageError{fmt.Errorf("unknown command %q: want list, retry or purge", sub)}
 	}
 	fs := flag.NewFlagSet("deadletters "+sub, flag.ContinueOnError)
 	v := deadLetterFlags(fs, sub)

@@ -208,7 +208,7 @@ func TestDeadLettersListRetryPurge(t *testing.T) {
 	assert.Contains(t, admin(2, "", "deadletters", "list", "--group", "replicator"), `--group "replicator": unknown group, want replicate or onchange`)
 	assert.Contains(t, admin(2, "", "deadletters", "list", "--db", "("), `--db "("`)
 	assert.Contains(t, admin(2, "", "deadletters", "list", "--since", "yesterday"), `--since "yesterday"`)
-	assert.Contains(t, admin(2, "", "deadletters", "redo"), `unknown subcommand "redo"`)
+	assert.Contains(t, admin(2, "", "deadletters", "redo"), `unknown command "redo"`)
 	assert.Contains(t, admin(1, "", "deadletters", "retry", "--rule", "nope", "--yes"), "no dead letter matches")
 	assert.Contains(t, admin(2, "no\n", "deadletters", "retry", "--group", "onchange"), "not confirmed; nothing was re-driven")
 	// (the refused replication's jobs may add records of their own meanwhile)
