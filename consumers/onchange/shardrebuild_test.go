@@ -41,7 +41,7 @@ import (
 //	                               start, {node} the node's position in the list (1-based);
 //	                               both must wait until done (start: until GET /_up answers)
 //
-// e.g. SPIEGEL_TEST_COUCHDB_NODE_CMD='/work/couchdb-cluster/node.sh {action} {node}'.
+// e.g. SPIEGEL_TEST_COUCHDB_NODE_CMD='/path/to/cluster/node.sh {action} {node}'.
 const (
 	clusterEnv = "SPIEGEL_TEST_COUCHDB_CLUSTER"
 	nodeCmdEnv = "SPIEGEL_TEST_COUCHDB_NODE_CMD"

@@ -199,7 +199,7 @@ func TestEarlierReleaseCheckpointAdoptsTheIdentity(t *testing.T) {
 // leaves the db as it was but makes its feed name new shard files in its seqs. Whether a db was
 // created again is decided by its identity doc alone, never by the seqs: a checkpoint that moves
 // from a seq of one set of files to a seq naming other files is verified and loaded as it is.
-// The two seqs are recorded from CouchDB 3.3.3 (/work/shared/fixtures/couchdb-3.3): the last_seq
+// The two seqs are recorded from CouchDB 3.3.3 (../shared/fixtures/couchdb-3.3): the last_seq
 // of fx_src's _changes (changes-normal.http) and a seq of the _db_updates feed
 // (db-updates-normal.http), another db's, whose files are others.
 func TestRebuiltShardCopyDoesNotStartOver(t *testing.T) {
