@@ -4,7 +4,7 @@ VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
 LDFLAGS := -s -w -X github.com/spiegel-nats/spiegel/pkg/config.Version=$(VERSION)
 BIN := bin
 
-.PHONY: all build run test bench bench-e2e bench-scale fuzz vet clean chaos
+.PHONY: all build run test bench bench-e2e bench-scale bench-streams fuzz vet clean chaos
 
 all: build
 
@@ -29,6 +29,13 @@ bench-e2e:
 # bench-scale/scale.md with its charts.
 bench-scale:
 	@scripts/bench-scale.sh
+
+# Change streams against a hand-written loop (BenchmarkStreams in scripts/e2e): per workload of
+# BENCH_STREAMS_WORKLOADS (default 1x100000,1x20000,100x500: dbs x docs) and NATS topology of
+# BENCH_STREAMS_TOPOLOGIES (r1,r3), a _changes → PublishMsgAsync loop, a subject rule and a
+# mirror rule through the real binaries: bench-streams/report.md.
+bench-streams:
+	@scripts/bench-streams.sh
 
 # The long chaos run (scripts/chaos): SEED (default: drawn and printed) and DURATION of writes
 # and faults. It runs against its own PouchDB Server on disk, or the CouchDB at COUCHDB_URL or
