@@ -87,9 +87,9 @@ func ensureStreamsDBs(b *testing.B, cs *couchtest.Server, w streamsWorkload) str
 		loaded++
 	}
 	if loaded == 0 {
-		return fmt.Sprintf("%d dbs of %d docs reused", reused, w.docs)
+		return fmt.Sprintf("%s reused", w)
 	}
-	return fmt.Sprintf("%d dbs of %d docs loaded in %.1f s, %d reused", loaded, w.docs, time.Since(start).Seconds(), reused)
+	return fmt.Sprintf("%s loaded in %.1f s (%d of its %d dbs; the others reused)", w, time.Since(start).Seconds(), loaded, w.dbs)
 }
 
 // streamsDBHolds reports whether db exists and holds exactly docs docs, none deleted, the first

@@ -178,7 +178,8 @@ func (rep *streamsReport) markdown() string {
 		"- Streams: file storage, the topology's replicas, 24 h duplicate window, atomic publishes allowed (as install's SPIEGEL_CHANGES). " +
 		"Each rule runs on a fresh spiegel db, subject prefix and rule id (no checkpoint carries over), removed afterwards with `producer uninstall`.\n")
 	sb.WriteString("\n## Times and CPU\n\n")
-	sb.WriteString("CPU seconds while the variant was timed: this process (the NATS servers, and the loop or the poller), the pipeline's processes, and CouchDB when BENCH_SERVER_PID names it.\n\n")
+	sb.WriteString("CPU seconds while the variant was timed: this process (the NATS servers, and the loop or the poller), the pipeline's processes, and CouchDB when BENCH_SERVER_PID names it " +
+		"(what every client of the server cost it meanwhile, other work on a shared server included).\n\n")
 	sb.WriteString("| workload | NATS | variant | time | docs/s | CPU: this process | onchange | producer | CouchDB |\n|---|---|---|---|---|---|---|---|---|\n")
 	for _, r := range rep.rows {
 		for _, v := range []*streamsVariant{r.loop1, r.subject, r.mirror, r.loop2} {
