@@ -191,8 +191,9 @@ func (h *handler) processBatch(ctx context.Context, db string, rule *rules.OnCha
 // fence.go). When the subject's stream takes atomic pages (see takesAtomicPages), the page goes as
 // one atomic batch: the stream stores all of it, in order, or nothing. Otherwise, or when the
 // batch was refused for anything but the fence (a change the stream has already, a change too
-// large, a lost answer), the page is published one change at a time, each sent only once the
-// stream confirmed the one before it; a publish that fails (a stream leader election, a NATS
+// large, a lost answer), a fenced page goes in pipelined windows (see publishWindow), each of
+// which the stream stores a prefix of, and the change a window stopped at, like every change of
+// an unfenced page, is published alone, sent only once the stream confirmed the one before it; a publish that fails (a stream leader election, a NATS
 // restart, a partition) is retried with the rule's retry policy before anything after it is sent
 // (dead letter at its limit, as for webhooks). So the stream never stores a change after one that
 // follows it in the feed. A publish whose answer was lost and that is sent again is deduplicated
@@ -250,6 +251,10 @@ func (h *handler) publishBatch(ctx context.Context, db string, rule *rules.OnCha
 			res.done, res.err = i, err
 			return res
 		}
+		if n := h.publishWindow(ctx, db, rule, acts[i:], f); n > 0 {
+			i += n - 1 // the loop's i++ moves past the window
+			continue
+		}
 		if f != nil && a.msg != nil {
 			a.try = h.publisher.attemptFenced(*a.msg, f, rule.Timeout)
 		}
@@ -265,6 +270,53 @@ func (h *handler) publishBatch(ctx context.Context, db string, rule *rules.OnCha
 	}
 	res.done = len(acts)
 	return res
+}
+
+// publishWindow publishes the head of acts as one pipelined window under f (see
+// changePublisher.publishWindow), when the job's last publish to the subject was stored and the
+// head holds at least minWindow changes, up to the first that could not be encoded. It returns
+// how many actions of the head are done (those whose changes the stream stored, and the changes
+// the rule skips among them); 0: the next change goes alone.
+func (h *handler) publishWindow(ctx context.Context, db string, rule *rules.OnChange, acts []*action, f *fence) int {
+	size := h.publisher.windowSize(f)
+	if size < minWindow {
+		return 0
+	}
+	var msgs []changeMsg
+	var at []int // the index in acts of each of msgs
+	stop := len(acts)
+	for i, a := range acts {
+		if a == nil {
+			continue
+		}
+		if len(msgs) == size || a.msg == nil || h.booked(db, rule, a) {
+			// a change that could not be encoded goes alone (its action says why), as does one
+			// whose retry the book holds
+			stop = i
+			break
+		}
+		msgs, at = append(msgs, *a.msg), append(at, i)
+	}
+	if len(msgs) < minWindow {
+		return 0
+	}
+	switch n := h.publisher.publishWindow(ctx, msgs, f, rule.Timeout); {
+	case n == 0:
+		return 0
+	case n == len(msgs):
+		return stop // the changes the rule skips up to the next that goes alone are done too
+	default:
+		return at[n-1] + 1
+	}
+}
+
+// booked reports whether the retry book holds a's change for rule in db.
+func (h *handler) booked(db string, rule *rules.OnChange, a *action) bool {
+	if h.book.empty() {
+		return false
+	}
+	_, _, found := h.book.get(bookKey(rule.ID(), db, a.c.ID, a.c.rev()))
+	return found
 }
 
 // publishAtomic publishes the head of acts, up to the first change that could not be encoded, as

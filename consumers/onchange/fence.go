@@ -77,6 +77,13 @@ type fence struct {
 	began bool
 	base  uint64
 	start string
+	// alone: the next change is published alone, not in a window (see publishWindow): the last
+	// window stopped before its end, and no change was stored alone since.
+	alone bool
+	// follows: the job's last window on the subject was stored whole (see publishWindow).
+	follows bool
+	// window is how many changes the next window may hold (0: maxWindow).
+	window int
 }
 
 // point returns the stream point of message seq with the fence's beginning.
@@ -351,6 +358,7 @@ func (p *changePublisher) attemptFenced(m changeMsg, f *fence, timeout time.Dura
 			f.last = ack.Sequence
 			f.pos++
 			f.stored = max(f.stored, ack.Sequence)
+			f.alone, f.follows = false, false
 		case ack.Sequence > max(f.last, f.stored):
 			// Stored after the job read the subject: its own attempt whose answer was lost, most
 			// likely. The stream deduplicates by message id across its subjects, so the message
@@ -493,4 +501,151 @@ func (h *handler) streamPoint(ctx context.Context, db string, rule *rules.OnChan
 	}
 	pt := f.point(subject, max(f.last, f.stored))
 	return &pt
+}
+
+// Pipelined windows.
+//
+// One change at a time, each sent once the stream confirmed the one before it, costs a round trip
+// per change. A window costs one for many: its first change is published alone, under the fence
+// as any publish, and once the stream stored it (not as a duplicate) at sequence S, the window's
+// next changes are sent at once, in feed order, the k-th after the first expecting S+k-1 as the
+// stream's last sequence and the message id of the change before it as the stream's last message
+// id. So the stream stores each of them only right after the change before it, at the sequence
+// the job expects: it stores a prefix of the window, and nothing after a change it did not store.
+// A publish refused or lost in the middle (a leader election, a NATS restart, a change too large)
+// stops the window there; the change is published again alone, with the rule's retry policy and
+// dead letters, before another window follows it. A late message of a holder that lost the job is
+// refused as before: the window's first by the fence, a later one because anything stored since
+// moved the stream's last sequence.
+//
+// Both expectations are the stream's, not the subject's: a process sends each window — its
+// first change's round trip and the rest — whole, one window per stream at a time (sendLock), so
+// that its jobs' windows never cut into one another. A message of another process stored in the
+// middle of a window stops the window (a refusal, not a fault), and the windows after it are
+// smaller (fence.window) until one is stored whole.
+
+// Bounds of a window (fence.window).
+const (
+	minWindow = 2
+	maxWindow = 1000
+)
+
+// asyncPublisher is the part of jetstream.JetStream that windows use; a publisher without it
+// publishes one change at a time.
+type asyncPublisher interface {
+	PublishMsgAsync(msg *nats.Msg, opts ...jetstream.PublishOpt) (jetstream.PubAckFuture, error)
+}
+
+// windowSize returns how many changes f's next window may hold (0: no window: the next change
+// goes alone).
+func (p *changePublisher) windowSize(f *fence) int {
+	if _, ok := p.js.(asyncPublisher); !ok || f == nil || f.alone {
+		return 0
+	}
+	if f.window == 0 {
+		return maxWindow
+	}
+	return f.window
+}
+
+// sendLock returns the lock held while a window is sent to stream.
+func (p *changePublisher) sendLock(stream string) *sync.Mutex {
+	p.sendMu.Lock()
+	defer p.sendMu.Unlock()
+	if p.sending == nil {
+		p.sending, p.lastSent = map[string]*sync.Mutex{}, map[string]*fence{}
+	}
+	mu := p.sending[stream]
+	if mu == nil {
+		mu = &sync.Mutex{}
+		p.sending[stream] = mu
+	}
+	return mu
+}
+
+// publishWindow publishes msgs (at least minWindow changes of one subject, in feed order) as one
+// window under f (see above; the caller holds f.mu) and returns how many of them the stream
+// stored: always a prefix of msgs. f moves past them. Nothing is returned as an error: the caller
+// publishes the first change not stored alone, where the rule's retry policy, dead letters and
+// the fence's answers apply.
+func (p *changePublisher) publishWindow(ctx context.Context, msgs []changeMsg, f *fence, timeout time.Duration) int {
+	if len(msgs) < minWindow || !worker.Held(ctx) {
+		return 0
+	}
+	stream, err := p.streamOf(ctx, msgs[0].subject)
+	if err != nil {
+		return 0
+	}
+	ctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	w := p.windowSize(f)
+	mu := p.sendLock(stream)
+	mu.Lock()
+	from := 0 // the first change sent without waiting
+	if !f.follows || p.lastSent[stream] != f {
+		// Another job of the process sent to the stream since this one's last window, or that
+		// window stopped early: the stream's last sequence is not known. The first change goes
+		// first, under the fence, and tells it.
+		first := msgs[0].nats()
+		first.Header.Set(events.PositionHeader, strconv.FormatUint(f.pos+1, 10))
+		first.Header.Set(events.PreviousHeader, strconv.FormatUint(f.last, 10))
+		ack, err := p.js.PublishMsg(ctx, first, jetstream.WithExpectLastSequencePerSubject(f.last))
+		if err != nil || ack.Duplicate {
+			mu.Unlock()
+			f.alone, f.follows = true, false // sent again alone, where its answer counts
+			return 0
+		}
+		f.last, f.pos, f.stored = ack.Sequence, f.pos+1, max(f.stored, ack.Sequence)
+		from = 1
+	}
+	// Each change expects the one before it as the stream's last message: its sequence, the
+	// stream's last one when the window's first change was not sent first (this job's last
+	// window, stored whole, was the last thing the process sent to the stream), and its id.
+	base := f.last // the stream's last sequence before msgs[from]
+	futures := make([]jetstream.PubAckFuture, 0, len(msgs)-from)
+	for k := from; k < len(msgs); k++ {
+		prev := base + uint64(k-from)
+		msg := msgs[k].nats()
+		msg.Header.Set(events.PositionHeader, strconv.FormatUint(f.pos+uint64(k-from)+1, 10))
+		msg.Header.Set(events.PreviousHeader, strconv.FormatUint(prev, 10))
+		msg.Header.Set(jetstream.ExpectedLastSeqHeader, strconv.FormatUint(prev, 10))
+		if k > 0 {
+			msg.Header.Set(jetstream.ExpectedLastMsgIDHeader, msgs[k-1].id)
+		}
+		// No retry by the client: a publish sent again after the ones behind it is refused anyway.
+		fut, err := p.js.(asyncPublisher).PublishMsgAsync(msg, jetstream.WithRetryAttempts(0))
+		if err != nil {
+			break
+		}
+		futures = append(futures, fut)
+	}
+	p.lastSent[stream] = f
+	mu.Unlock()
+
+	// The last change the stream stored: each one before it was stored too, right before the next.
+	stored := 0
+wait:
+	for i, fut := range futures {
+		select {
+		case a := <-fut.Ok():
+			if !a.Duplicate && a.Sequence == base+uint64(i)+1 {
+				stored = i + 1
+			}
+		case <-fut.Err():
+		case <-ctx.Done():
+			break wait
+		}
+	}
+	n := from + stored
+	f.last, f.pos = base+uint64(stored), f.pos+uint64(stored)
+	f.stored = max(f.stored, f.last)
+	f.follows = n == len(msgs)
+	switch {
+	case n < len(msgs):
+		f.alone, f.window = true, max(minWindow, w/2)
+	case n == w:
+		f.window = min(maxWindow, 2*w)
+	}
+	p.published(n)
+	return n
 }

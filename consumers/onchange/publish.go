@@ -63,6 +63,12 @@ type changePublisher struct {
 	reported                   *expiringSet // rule id, rev and subject already dead-lettered as unusable
 
 	atomicOnFile bool // tests and benchmarks: atomic pages on a single-replica file stream too
+
+	sendMu  sync.Mutex
+	sending map[string]*sync.Mutex // by stream: held while a window is sent (see publishWindow)
+	// lastSent: by stream, the fence of the job whose window the process sent to it last (read
+	// and written under the stream's sending lock)
+	lastSent map[string]*fence
 }
 
 func newChangePublisher(js streamPublisher, m *metrics.Consumer, subjects events.Subjects) *changePublisher {
