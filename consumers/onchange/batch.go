@@ -144,9 +144,23 @@ func (h *handler) processBatch(ctx context.Context, db string, rule *rules.OnCha
 	if rule.Block || rule.Mirror != "" && h.mirrors.serial(rule.Mirror) {
 		limit = 1
 	}
+	if rule.Mirror != "" && !rule.Block {
+		// The writes that need no read go at once (mirrorWriter.writeWindow); the rest, and any
+		// that failed, run as actions.
+		written, err := h.mirrors.writeWindow(ctx, rule.Mirror, db, acts, rule.Timeout)
+		for i, ok := range written {
+			if ok {
+				states[i] = stateDone
+			}
+		}
+		if err != nil {
+			stop.Store(true)
+			res.err = err
+		}
+	}
 	var todo []int // the actions to run, in feed order (a debounced one runs with its owner)
 	for i, a := range acts {
-		if a != nil && a.owner == i {
+		if a != nil && a.owner == i && states[i] != stateDone {
 			todo = append(todo, i)
 		}
 	}

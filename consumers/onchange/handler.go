@@ -500,6 +500,9 @@ func (h *handler) start(ctx context.Context, db string, rule *rules.OnChange) (c
 		if err := h.dropMirror(ctx, db, rule, h.log.WithFields(logrus.Fields{"db": db, "rule": rule.ID()})); err != nil {
 			return cp, "", false, err
 		}
+		if rule.Mirror != "" {
+			mirrorPointOf(ctx, rule.Mirror).begin() // the job knows every key of db it writes from now on
+		}
 	}
 	if err != nil || cp.Found {
 		return cp, cp.LastSeq, false, err

@@ -269,16 +269,26 @@ func (m *mirrorWriter) attempt(bucket, db string, c change, timeout time.Duratio
 			Rev string `json:"_rev"`
 		}
 		subject := "$KV." + bucket + "." + key
-		cur, found, err := b.leaderMsg(ctx, map[string]any{"last_by_subj": subject}, "read key "+key)
-		switch {
-		case err != nil:
-			return 0, fmt.Errorf("mirror %s: %w", bucket, err)
-		case found:
-			last = cur.Seq
-			if op := cur.Header.Get("KV-Operation"); op == "DEL" || op == "PURGE" {
-				gone = true
-			} else {
-				_ = json.Unmarshal(cur.Data, &held)
+		mp := mirrorPointOf(ctx, bucket)
+		if holds, known := mp.holds(key); known {
+			// The job knows the db's keys: a deleted doc it did not write needs nothing, and
+			// any other change is written without a read (at worst a revision again).
+			gone = !holds
+			if holds {
+				last = 1
+			}
+		} else {
+			cur, found, err := b.leaderMsg(ctx, map[string]any{"last_by_subj": subject}, "read key "+key)
+			switch {
+			case err != nil:
+				return 0, fmt.Errorf("mirror %s: %w", bucket, err)
+			case found:
+				last = cur.Seq
+				if op := cur.Header.Get("KV-Operation"); op == "DEL" || op == "PURGE" {
+					gone = true
+				} else {
+					_ = json.Unmarshal(cur.Data, &held)
+				}
 			}
 		}
 		if !worker.Held(ctx) { // no write is sent once the lease ran out; the fence refuses a late one
@@ -291,6 +301,7 @@ func (m *mirrorWriter) attempt(bucket, db string, c change, timeout time.Duratio
 			if _, err := b.write(ctx, key, nil, true); err != nil {
 				return 0, fmt.Errorf("mirror %s: delete key %s (doc %s): %w", bucket, key, c.ID, err)
 			}
+			mp.wroteKey(key, true)
 			return 0, nil
 		}
 		if last != 0 && !gone && held.Rev == c.rev() {
@@ -307,7 +318,8 @@ func (m *mirrorWriter) attempt(bucket, db string, c change, timeout time.Duratio
 		if err != nil {
 			return 0, fmt.Errorf("mirror %s: write key %s (doc %s rev %s): %w", bucket, key, c.ID, c.rev(), err)
 		}
-		mirrorPointOf(ctx, bucket).wrote(subject, rev)
+		mp.wrote(subject, rev)
+		mp.wroteKey(key, false)
 		if large {
 			return 0, fmt.Errorf("%w: mirror %s: doc %s rev %s is %d bytes, more than the bucket's max value size %d: mirrored as a too_large reference",
 				webhook.ErrBadRequest, bucket, c.ID, c.rev(), len(c.Doc), b.maxValue)
@@ -389,6 +401,57 @@ type mirrorPoint struct {
 	seq          uint64
 	fenceSubject string
 	fenceSeq     uint64
+	// known: the bucket holds no live key of the db but those this job wrote, which written
+	// names (the job dropped the db's keys as it began: see begin). Writes then need no read of
+	// their key. Past maxWritten keys the job reads keys again.
+	known   bool
+	written map[string]struct{}
+}
+
+// maxWritten bounds the keys a job remembers writing (about 100 bytes each).
+const maxWritten = 1 << 20
+
+// begin notes that the db's keys were dropped: from now on the job knows every live key of the
+// db in the bucket.
+func (p *mirrorPoint) begin() {
+	if p == nil {
+		return
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.known, p.written = true, map[string]struct{}{}
+}
+
+// holds reports, when the job knows the db's keys (known), whether key holds a doc.
+func (p *mirrorPoint) holds(key string) (holds, known bool) {
+	if p == nil {
+		return false, false
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if !p.known {
+		return false, false
+	}
+	_, holds = p.written[key]
+	return holds, true
+}
+
+// wroteKey notes that key holds a doc now (del false) or nothing (del true).
+func (p *mirrorPoint) wroteKey(key string, del bool) {
+	if p == nil {
+		return
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	switch {
+	case !p.known:
+	case del:
+		delete(p.written, key)
+	case len(p.written) >= maxWritten:
+		p.known, p.written = false, nil
+	default:
+		p.written[key] = struct{}{}
+	}
 }
 
 // claimed notes the job's claim of its db, stored at seq on subject.
@@ -472,4 +535,85 @@ func logIDOf(id string) string {
 		return fmt.Sprintf("%q… (%d bytes)", id[:80], len(id))
 	}
 	return id
+}
+
+// writeWindow writes, all at once, the changes of acts that need no read: those of a job that
+// knows the db's keys (mirrorPoint.begin: a job that began the db's mirror from scratch), each a
+// fenced write or delete of a key of its own (a page lists each doc once, so their order does not
+// matter), or nothing for a deleted doc the job did not write. Changes whose key is too long, whose
+// doc is too large or has no body are left to their actions (attempt), which say why. done marks
+// the changes written; the others (also any whose write failed) go through their actions. err is
+// errDBClaimed when the fence refused a write: a later job holds the db.
+func (m *mirrorWriter) writeWindow(ctx context.Context, bucket, db string, acts []*action, timeout time.Duration) (done []bool, err error) {
+	mp := mirrorPointOf(ctx, bucket)
+	if _, known := mp.holds(""); !known || !worker.Held(ctx) {
+		return nil, nil
+	}
+	b, err := m.bucket(ctx, bucket)
+	if err != nil || b.serial {
+		return nil, nil // the actions say why, or write one at a time
+	}
+	ap, ok := b.js.(asyncPublisher)
+	fenceSubject, fenceSeq, claimed := mp.fence()
+	if !ok || !claimed {
+		return nil, nil
+	}
+	type pending struct {
+		i        int
+		key, sub string
+		del      bool
+		fut      jetstream.PubAckFuture
+	}
+	var sent []pending
+	done = make([]bool, len(acts))
+	for i, a := range acts {
+		if a == nil || a.owner != i {
+			continue
+		}
+		c := a.c
+		key := mirrorkey.Encode(db, c.ID)
+		if len("$JS.API.DIRECT.GET.KV_"+bucket+".$KV."+bucket+"."+key) > maxSubject {
+			continue
+		}
+		holds, _ := mp.holds(key)
+		if c.Deleted && !holds {
+			done[i] = true // nothing of the doc in the bucket
+			continue
+		}
+		if !c.Deleted && (len(c.Doc) == 0 || len(c.Doc) > b.maxValue) {
+			continue
+		}
+		msg := nats.NewMsg("$KV." + bucket + "." + key)
+		if c.Deleted {
+			msg.Header.Set("KV-Operation", "DEL")
+		} else {
+			msg.Data = c.Doc
+		}
+		msg.Header.Set(jetstream.ExpectedLastSubjSeqHeader, strconv.FormatUint(fenceSeq, 10))
+		msg.Header.Set(jetstream.ExpectedLastSubjSeqSubjHeader, fenceSubject)
+		fut, err := ap.PublishMsgAsync(msg, jetstream.WithRetryAttempts(0))
+		if err != nil {
+			break
+		}
+		sent = append(sent, pending{i: i, key: key, sub: msg.Subject, del: c.Deleted, fut: fut})
+	}
+	ctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	for _, w := range sent {
+		select {
+		case ack := <-w.fut.Ok():
+			done[w.i] = true
+			if !w.del {
+				mp.wrote(w.sub, ack.Sequence)
+			}
+			mp.wroteKey(w.key, w.del)
+		case werr := <-w.fut.Err():
+			if wrongLast(werr) {
+				err = errDBClaimed
+			}
+		case <-ctx.Done():
+			return done, err
+		}
+	}
+	return done, err
 }
