@@ -409,35 +409,56 @@ func (p *changePublisher) publishAtomic(ctx context.Context, msgs []changeMsg, f
 	if !worker.Held(ctx) {
 		return worker.ErrLeaseLost
 	}
-	nc := p.js.(batchPublisher).Conn()
+	batch := make([]*nats.Msg, len(msgs))
+	for i, m := range msgs {
+		msg := m.nats()
+		if f != nil {
+			if i == 0 {
+				msg.Header.Set(jetstream.ExpectedLastSubjSeqHeader, strconv.FormatUint(f.last, 10))
+			}
+			msg.Header.Set(events.PositionHeader, strconv.FormatUint(f.pos+uint64(i)+1, 10))
+			msg.Header.Set(events.PreviousHeader, strconv.FormatUint(f.last, 10))
+		}
+		batch[i] = msg
+	}
+	seq, err := sendAtomic(ctx, p.js.(batchPublisher).Conn(), batch, timeout)
+	if err != nil {
+		return fmt.Errorf("publish a batch of %d changes to %s: %w", len(msgs), msgs[0].subject, err)
+	}
+	if f != nil {
+		f.last = seq
+		f.stored = max(f.stored, seq)
+		f.pos += uint64(len(msgs))
+	}
+	p.published(len(msgs))
+	return nil
+}
+
+// sendAtomic sends msgs over nc as one JetStream atomic batch and returns the stream sequence of
+// its last message once the stream stored them all, within timeout. An error wraps errFenced when
+// the stream refused an expected last sequence of the batch, and errBatchDuplicate when a message
+// of the batch is one the stream has already; nothing of the batch is stored then.
+func sendAtomic(ctx context.Context, nc *nats.Conn, msgs []*nats.Msg, timeout time.Duration) (uint64, error) {
 	inbox := nats.NewInbox()
 	answers := make(chan *nats.Msg, 4) // the first message's receipt, then the final answer
 	sub, err := nc.ChanSubscribe(inbox, answers)
 	if err != nil {
-		return fmt.Errorf("publish a batch of %d changes: subscribe to its answers: %w", len(msgs), err)
+		return 0, fmt.Errorf("subscribe to its answers: %w", err)
 	}
 	defer func() { _ = sub.Unsubscribe() }()
 	id := strings.TrimPrefix(nats.NewInbox(), nats.InboxPrefix) // a unique token
-	for i, m := range msgs {
-		msg := m.nats()
+	for i, msg := range msgs {
 		msg.Header.Set(batchIDHeader, id)
 		msg.Header.Set(batchSeqHeader, strconv.Itoa(i+1))
 		if i == 0 {
 			msg.Reply = inbox // a refusal at the start (too many batches in flight) is answered here
-			if f != nil {
-				msg.Header.Set(jetstream.ExpectedLastSubjSeqHeader, strconv.FormatUint(f.last, 10))
-			}
-		}
-		if f != nil {
-			msg.Header.Set(events.PositionHeader, strconv.FormatUint(f.pos+uint64(i)+1, 10))
-			msg.Header.Set(events.PreviousHeader, strconv.FormatUint(f.last, 10))
 		}
 		if i == len(msgs)-1 {
 			msg.Header.Set(batchCommitHeader, "1")
 			msg.Reply = inbox
 		}
 		if err := nc.PublishMsg(msg); err != nil {
-			return fmt.Errorf("publish change %s to %s in a batch: %w", m.id, m.subject, err)
+			return 0, fmt.Errorf("send %s: %w", msg.Subject, err)
 		}
 	}
 	timer := time.NewTimer(timeout)
@@ -445,9 +466,9 @@ func (p *changePublisher) publishAtomic(ctx context.Context, msgs []changeMsg, f
 	for {
 		select {
 		case <-ctx.Done():
-			return ctx.Err()
+			return 0, ctx.Err()
 		case <-timer.C:
-			return fmt.Errorf("publish a batch of %d changes to %s: no answer within %s", len(msgs), msgs[0].subject, timeout)
+			return 0, fmt.Errorf("no answer within %s", timeout)
 		case m := <-answers:
 			if len(m.Data) == 0 {
 				continue // the first message staged
@@ -459,25 +480,19 @@ func (p *changePublisher) publishAtomic(ctx context.Context, msgs []changeMsg, f
 				Error *jsAPIError `json:"error"`
 			}
 			if err := json.Unmarshal(m.Data, &a); err != nil {
-				return fmt.Errorf("publish a batch of %d changes to %s: unreadable answer %q", len(msgs), msgs[0].subject, m.Data)
+				return 0, fmt.Errorf("unreadable answer %q", m.Data)
 			}
 			switch {
 			case a.Error != nil && natsjs.WrongLastCode(a.Error.ErrCode):
-				return fmt.Errorf("publish a batch of %d changes to %s: %w", len(msgs), msgs[0].subject, errFenced)
+				return 0, errFenced
 			case a.Error != nil && a.Error.ErrCode == errCodeBatchHasDuplicates:
-				return fmt.Errorf("publish a batch of %d changes to %s: %w", len(msgs), msgs[0].subject, errBatchDuplicate)
+				return 0, errBatchDuplicate
 			case a.Error != nil:
-				return fmt.Errorf("publish a batch of %d changes to %s: %s", len(msgs), msgs[0].subject, a.Error.Description)
+				return 0, errors.New(a.Error.Description)
 			case a.Batch != id || a.Count != len(msgs):
-				return fmt.Errorf("publish a batch of %d changes to %s: answer of batch %q with %d changes", len(msgs), msgs[0].subject, a.Batch, a.Count)
+				return 0, fmt.Errorf("answer of batch %q with %d messages", a.Batch, a.Count)
 			}
-			if f != nil {
-				f.last = a.Seq
-				f.stored = max(f.stored, a.Seq)
-				f.pos += uint64(len(msgs))
-			}
-			p.published(len(msgs))
-			return nil
+			return a.Seq, nil
 		}
 	}
 }

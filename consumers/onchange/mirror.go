@@ -63,6 +63,9 @@ type mirrorBucket struct {
 	// serial: the bucket is replicated, where JetStream refuses a write whose fence check is
 	// made while another on the same fence is in flight: a job's writes go one at a time.
 	serial bool
+	// atomic: the bucket's stream takes atomic batches (allow_atomic): a replicated bucket's
+	// page of writes that need no read goes as one (see writeWindow).
+	atomic bool
 	opened time.Time
 }
 
@@ -153,6 +156,9 @@ func (m *mirrorWriter) bucket(ctx context.Context, name string) (*mirrorBucket, 
 	}
 	b = &mirrorBucket{kv: kv, js: m.js, nc: m.js.Conn(), name: name, stream: "KV_" + name, maxValue: int(limit),
 		serial: st.Config().Replicas > 1, opened: time.Now()}
+	if bs, ok := st.(*jetstream.KeyValueBucketStatus); ok && bs.StreamInfo() != nil {
+		b.atomic = bs.StreamInfo().Config.AllowAtomicPublish
+	}
 	m.mu.Lock()
 	m.buckets[name] = b
 	m.mu.Unlock()
@@ -540,17 +546,21 @@ func logIDOf(id string) string {
 // writeWindow writes, all at once, the changes of acts that need no read: those of a job that
 // knows the db's keys (mirrorPoint.begin: a job that began the db's mirror from scratch), each a
 // fenced write or delete of a key of its own (a page lists each doc once, so their order does not
-// matter), or nothing for a deleted doc the job did not write. Changes whose key is too long, whose
-// doc is too large or has no body are left to their actions (attempt), which say why. done marks
-// the changes written; the others (also any whose write failed) go through their actions. err is
-// errDBClaimed when the fence refused a write: a later job holds the db.
+// matter), or nothing for a deleted doc the job did not write. On a single-replica bucket the
+// writes are pipelined, each fenced; a replicated bucket refuses a fence check while another on
+// the same fence is in flight, so there they go as atomic batches of up to maxAtomic, the first
+// write of each fenced, when the bucket allows atomic batches (allow_atomic), and one at a time
+// otherwise (their actions). Changes whose key is too long, whose doc is too large or has no body
+// are left to their actions (attempt), which say why. done marks the changes written; the others
+// (also any whose write failed) go through their actions. err is errDBClaimed when the fence
+// refused a write: a later job holds the db.
 func (m *mirrorWriter) writeWindow(ctx context.Context, bucket, db string, acts []*action, timeout time.Duration) (done []bool, err error) {
 	mp := mirrorPointOf(ctx, bucket)
 	if _, known := mp.holds(""); !known || !worker.Held(ctx) {
 		return nil, nil
 	}
 	b, err := m.bucket(ctx, bucket)
-	if err != nil || b.serial {
+	if err != nil || b.serial && !b.atomic {
 		return nil, nil // the actions say why, or write one at a time
 	}
 	ap, ok := b.js.(asyncPublisher)
@@ -558,13 +568,13 @@ func (m *mirrorWriter) writeWindow(ctx context.Context, bucket, db string, acts 
 	if !ok || !claimed {
 		return nil, nil
 	}
-	type pending struct {
-		i        int
-		key, sub string
-		del      bool
-		fut      jetstream.PubAckFuture
+	type write struct {
+		i   int
+		key string
+		del bool
+		msg *nats.Msg
 	}
-	var sent []pending
+	var writes []write
 	done = make([]bool, len(acts))
 	for i, a := range acts {
 		if a == nil || a.owner != i {
@@ -589,25 +599,61 @@ func (m *mirrorWriter) writeWindow(ctx context.Context, bucket, db string, acts 
 		} else {
 			msg.Data = c.Doc
 		}
+		writes = append(writes, write{i: i, key: key, del: c.Deleted, msg: msg})
+	}
+	fenced := func(msg *nats.Msg) {
 		msg.Header.Set(jetstream.ExpectedLastSubjSeqHeader, strconv.FormatUint(fenceSeq, 10))
 		msg.Header.Set(jetstream.ExpectedLastSubjSeqSubjHeader, fenceSubject)
-		fut, err := ap.PublishMsgAsync(msg, jetstream.WithRetryAttempts(0))
-		if err != nil {
-			break
+	}
+	stored := func(w write, seq uint64) {
+		done[w.i] = true
+		if !w.del {
+			mp.wrote(w.msg.Subject, seq)
 		}
-		sent = append(sent, pending{i: i, key: key, sub: msg.Subject, del: c.Deleted, fut: fut})
+		mp.wroteKey(w.key, w.del)
 	}
 	ctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
-	for _, w := range sent {
-		select {
-		case ack := <-w.fut.Ok():
-			done[w.i] = true
-			if !w.del {
-				mp.wrote(w.sub, ack.Sequence)
+	if b.serial {
+		for len(writes) > 0 {
+			chunk := writes[:min(len(writes), maxAtomic)]
+			writes = writes[len(chunk):]
+			msgs := make([]*nats.Msg, len(chunk))
+			for j, w := range chunk {
+				msgs[j] = w.msg
 			}
-			mp.wroteKey(w.key, w.del)
-		case werr := <-w.fut.Err():
+			fenced(msgs[0])
+			seq, err := sendAtomic(ctx, b.nc, msgs, timeout)
+			switch {
+			case errors.Is(err, errFenced):
+				return done, errDBClaimed
+			case err != nil:
+				return done, nil
+			}
+			for j, w := range chunk { // a batch's messages are stored at consecutive sequences
+				stored(w, seq-uint64(len(chunk)-1-j))
+			}
+		}
+		return done, nil
+	}
+	type pending struct {
+		write
+		fut jetstream.PubAckFuture
+	}
+	var sent []pending
+	for _, w := range writes {
+		fenced(w.msg)
+		fut, err := ap.PublishMsgAsync(w.msg, jetstream.WithRetryAttempts(0))
+		if err != nil {
+			break
+		}
+		sent = append(sent, pending{w, fut})
+	}
+	for _, p := range sent {
+		select {
+		case ack := <-p.fut.Ok():
+			stored(p.write, ack.Sequence)
+		case werr := <-p.fut.Err():
 			if wrongLast(werr) {
 				err = errDBClaimed
 			}
@@ -617,3 +663,6 @@ func (m *mirrorWriter) writeWindow(ctx context.Context, bucket, db string, acts 
 	}
 	return done, err
 }
+
+// maxAtomic is the most writes sent as one atomic batch (nats-server's default limit).
+const maxAtomic = 1000

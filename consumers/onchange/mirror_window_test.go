@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/sirupsen/logrus"
 	"github.com/stretchr/testify/assert"
@@ -23,17 +24,39 @@ import (
 // without a read of their key, and a doc deleted before it ever was mirrored leaves nothing in the
 // bucket, not even a delete marker. A doc the job wrote and that is deleted in a later page is
 // deleted. Once a later job claimed the db, the job's writes are refused and its batch ends fenced.
+// On one server, and on a three-node cluster with a replicated bucket that takes atomic batches.
 func TestMirrorFromScratchWritesWithoutReads(t *testing.T) {
 	t.Parallel()
-	ns := natstest.Start(t)
-	nc, js := ns.Connect(t)
+	t.Run("R1", func(t *testing.T) {
+		t.Parallel()
+		ns := natstest.Start(t)
+		nc, js := ns.Connect(t)
+		_, err := js.CreateKeyValue(t.Context(), jetstream.KeyValueConfig{Bucket: "M", History: 1})
+		require.NoError(t, err)
+		mirrorFromScratch(t, ns.URL(), nc, js)
+	})
+	t.Run("R3 atomic", func(t *testing.T) {
+		t.Parallel()
+		servers := natstest.StartCluster(t, 3)
+		nc, js := servers[0].Connect(t)
+		_, err := js.CreateKeyValue(t.Context(), jetstream.KeyValueConfig{Bucket: "M", History: 1, Replicas: 3})
+		require.NoError(t, err)
+		st, err := js.Stream(t.Context(), "KV_M")
+		require.NoError(t, err)
+		cfg := st.CachedInfo().Config
+		cfg.AllowAtomicPublish = true
+		_, err = js.UpdateStream(t.Context(), cfg)
+		require.NoError(t, err)
+		mirrorFromScratch(t, servers[0].URL(), nc, js)
+	})
+}
+
+func mirrorFromScratch(t *testing.T, url string, nc *nats.Conn, js jetstream.JetStream) {
 	log := logrus.New()
 	log.SetOutput(io.Discard)
 	r, err := rules.Parse("mir", []byte(`{"type":"on_change","mirror":"M","retry":`+fastRetry+`}`))
 	require.NoError(t, err)
 	oc := r.(*rules.OnChange)
-	_, err = js.CreateKeyValue(t.Context(), jetstream.KeyValueConfig{Bucket: "M", History: 1})
-	require.NoError(t, err)
 	h := &handler{mirrors: newMirrorWriter(js, 1, nc.MaxPayload), dead: &noDeadLetters{}, log: log,
 		inlineRetry: time.Second, book: newRetryBook(), requestConcurrency: 10}
 	doc := func(i int, rev string, deleted bool) couch.Change {
@@ -47,7 +70,7 @@ func TestMirrorFromScratchWritesWithoutReads(t *testing.T) {
 
 	job := claimedJob(t, h, "db")
 	mirrorPointOf(job, "M").begin()
-	counter := natstest.NewAPICounter(t, ns.URL())
+	counter := natstest.NewAPICounter(t, url)
 	var first []couch.Change
 	for i := range 20 {
 		first = append(first, doc(i, "1-a", i >= 15)) // d15…d19 were deleted before the mirror began

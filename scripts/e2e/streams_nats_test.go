@@ -99,11 +99,23 @@ func (n *streamsNATS) createStream(b *testing.B, cfg jetstream.StreamConfig) {
 }
 
 // createBucket creates a mirror's bucket as onchange would (history 1, the topology's replicas,
-// file storage), so that the rule uses it as it is.
+// file storage), with atomic publishes allowed as the streams are (a mirror rule writes a page
+// of a replicated bucket as atomic batches when the bucket allows them), so that the rule uses
+// it as it is.
 func (n *streamsNATS) createBucket(b *testing.B, name string) {
 	b.Helper()
 	retry(b, fmt.Sprintf("create bucket %s (%d replicas)", name, n.replicas), func(ctx context.Context) error {
 		_, err := n.js.CreateKeyValue(ctx, jetstream.KeyValueConfig{Bucket: name, History: 1, Replicas: n.replicas, Storage: jetstream.FileStorage})
+		if err != nil {
+			return err
+		}
+		st, err := n.js.Stream(ctx, "KV_"+name)
+		if err != nil {
+			return err
+		}
+		cfg := st.CachedInfo().Config
+		cfg.AllowAtomicPublish = true
+		_, err = n.js.UpdateStream(ctx, cfg)
 		return err
 	})
 }
