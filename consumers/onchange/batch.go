@@ -365,17 +365,25 @@ func (h *handler) publishAtomic(ctx context.Context, rule *rules.OnChange, acts 
 // newAction builds what rule does for change c, or nil when the doc does not match. A request
 // that cannot be built becomes an action that fails permanently (and is dead-lettered).
 func (h *handler) newAction(db string, rule *rules.OnChange, c change, replay string) *action {
-	vars, doc := c.vars(db)
-	if doc == nil {
-		doc = map[string]any{"_id": c.ID}
-		if c.Deleted {
-			doc["_deleted"] = true
+	a := &action{c: c}
+	output := rule.Mirror != "" || rule.Subject != ""
+	if !output || len(rule.If) > 0 || rule.Selector != nil {
+		// A webhook's request, or a filter, needs the doc decoded; a subject or mirror rule
+		// without a filter takes the doc as CouchDB sent it.
+		vars, doc := c.vars(db)
+		if doc == nil {
+			doc = map[string]any{"_id": c.ID}
+			if c.Deleted {
+				doc["_deleted"] = true
+			}
+		}
+		if !rule.MatchDoc(doc) {
+			return nil
+		}
+		if !output {
+			return h.newRequest(a, rule, vars)
 		}
 	}
-	if !rule.MatchDoc(doc) {
-		return nil
-	}
-	a := &action{c: c}
 	if rule.Mirror != "" {
 		a.key = "mirror " + c.ID + "/" + c.rev()
 		a.details = map[string]any{"bucket": rule.Mirror, "key": mirrorkey.Encode(db, c.ID), "rev": c.rev()}
@@ -392,6 +400,11 @@ func (h *handler) newAction(db string, rule *rules.OnChange, c change, replay st
 		a.key, a.msg, a.try = "publish "+m.id, &m, h.publisher.attempt(m, rule.Timeout)
 		return a
 	}
+	return a
+}
+
+// newRequest makes a the webhook request of rule for its change, whose values are vars.
+func (h *handler) newRequest(a *action, rule *rules.OnChange, vars rules.Vars) *action {
 	req, err := webhook.Build(rule, vars)
 	if err != nil {
 		a.key, a.details = "invalid request", map[string]any{"url_template": logging.RedactURL(rule.URL)}
