@@ -1,6 +1,7 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"flag"
 	"fmt"
@@ -42,8 +43,11 @@ progress display on stderr. Jobs already pending are deduplicated. --json: the c
 {"scanned", "enqueued", "already_pending"}.`
 
 const statusHelp = `Rules loaded and rejected (with reasons), pending and in-flight jobs per group, dead letters,
-and the producer's saved position; then the running producers and consumers (the answers of
-their NATS services); then every rule (or only ID): kind, pattern, engine, enabled, dbs matched,
+and the producer's saved position; CouchDB's [global_changes] max_write_delay and max_event_delay
+(read on every node, never changed: the floor of the _db_updates feed's latency, with a hint when
+it is CouchDB's default of 500 ms; unknown, with the reason, on PouchDB Server or without a server
+admin; not part of --check); then the running producers and consumers (the answers of their NATS
+services); then every rule (or only ID): kind, pattern, engine, enabled, dbs matched,
 for on_change rules the dbs behind their checkpoint and the oldest unprocessed change's age, and
 the consumers' last run, result, failures in the last hour and dead letters.
 --check: print one line and exit with a code, for scripts and probes:
@@ -137,8 +141,13 @@ func runStatus(ctx context.Context, cfg *config.Producer, log *logrus.Logger, ci
 	if o.check {
 		return reportHealth(cio.stdout, rep, o.json, time.Now())
 	}
+	// CouchDB's [global_changes] delays, the floor of the feed's latency: read, never changed;
+	// unknown (with the reason) where they cannot be read. --check does not look at them.
+	gcCtx, cancel := context.WithTimeout(ctx, cmp.Or(cfg.AdminTimeout, 15*time.Second))
+	gc := readGlobalChanges(gcCtx, d.Couch)
+	cancel()
 	if o.json {
-		return printJSON(cio.stdout, rep)
+		return printJSON(cio.stdout, statusOutput{StatusReport: rep, GlobalChanges: gc})
 	}
 	w := tabwriter.NewWriter(cio.stdout, 2, 4, 2, ' ', 0)
 	fmt.Fprintf(w, "rules\treplicator %d, on_change %d, disabled %d, rejected %d\n",
@@ -162,12 +171,20 @@ func runStatus(ctx context.Context, cfg *config.Producer, log *logrus.Logger, ci
 	} else {
 		fmt.Fprintln(w, "producer position\tnone saved yet")
 	}
+	printGlobalChanges(w, gc)
 	if err := w.Flush(); err != nil {
 		return err
 	}
 	printProcesses(cio.stdout, rep.Processes)
 	printPerRule(cio.stdout, rep.PerRule, rep.Incomplete)
 	return nil
+}
+
+// statusOutput is what `producer status --json` prints: the report and CouchDB's
+// [global_changes] delays.
+type statusOutput struct {
+	*admin.StatusReport
+	GlobalChanges *globalChanges `json:"couchdb_global_changes"`
 }
 
 func discardLogger() *logrus.Logger {
