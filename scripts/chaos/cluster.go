@@ -187,12 +187,42 @@ func (c *cluster) streamLeader(ctx context.Context, stream string) (string, erro
 // killAndRestart SIGKILLs the node, waits down, starts it again and waits for its /healthz
 // (JetStream current again). It returns an error only if the node did not come back.
 func (c *cluster) killAndRestart(ctx context.Context, n *natsNode, down time.Duration) error {
+	return c.killAndRestartWatching(ctx, n, down, func() {}, nil)
+}
+
+// killAndRestartWatching is killAndRestart that calls mark right before the SIGKILL and, while
+// the node is down, whileDown (given the down time, which it should not outlast); the node
+// starts again once both the down time and whileDown are over.
+func (c *cluster) killAndRestartWatching(ctx context.Context, n *natsNode, down time.Duration, mark func(), whileDown func(time.Duration)) error {
 	n.Lock()
 	defer n.Unlock()
-	if err := n.restart(ctx, syscall.SIGKILL, down); err != nil {
+	mark()
+	n.stop(syscall.SIGKILL, 10*time.Second)
+	until := time.Now().Add(down)
+	if whileDown != nil {
+		whileDown(down)
+	}
+	if err := sleepCtx(ctx, time.Until(until)); err != nil {
+		return err
+	}
+	if err := n.start(); err != nil {
 		return err
 	}
 	return n.waitReady(ctx, 60*time.Second)
+}
+
+// newConsumerLeader waits, at most within, until consumer of stream has a leader other than
+// old, and returns it (empty if none came).
+func (c *cluster) newConsumerLeader(ctx context.Context, stream, consumer, old string, within time.Duration) string {
+	var leader string
+	_ = waitUntil(ctx, within, 100*time.Millisecond, "a new consumer leader", func() bool {
+		l, err := c.consumerLeader(ctx, stream, consumer)
+		if err == nil && l != old {
+			leader = l
+		}
+		return leader != ""
+	})
+	return leader
 }
 
 // storeLoss plays a power failure with lazy fsync on nodes (one, or every node at once): it
@@ -355,13 +385,22 @@ func (c *cluster) consumerLeader(ctx context.Context, stream, consumer string) (
 // under way) is sent again for up to 20s.
 func (c *cluster) stepDownConsumer(ctx context.Context, stream, consumer string, mark func()) (what, skipped string, err error) {
 	what = fmt.Sprintf("leader of consumer %s of %s asked to step down", consumer, stream)
-	var before string
+	before, after, err := c.stepDown(ctx, stream, consumer, mark)
+	if err == nil {
+		what = fmt.Sprintf("leader of consumer %s of %s stepped down: nats-%s → nats-%s", consumer, stream, before, after)
+	}
+	return what, "", err
+}
+
+// stepDown is stepDownConsumer, returning the leader before (empty if none was found) and the
+// one after (empty if none came).
+func (c *cluster) stepDown(ctx context.Context, stream, consumer string, mark func()) (before, after string, err error) {
 	if err := waitUntil(ctx, 20*time.Second, 200*time.Millisecond, "a consumer leader to step down", func() bool {
 		var lerr error
 		before, lerr = c.consumerLeader(ctx, stream, consumer)
 		return lerr == nil
 	}); err != nil {
-		return what, "", err
+		return "", "", err
 	}
 	mark()
 	subject := fmt.Sprintf("$JS.API.CONSUMER.LEADER.STEPDOWN.%s.%s", stream, consumer)
@@ -393,13 +432,12 @@ func (c *cluster) stepDownConsumer(ctx context.Context, stream, consumer string,
 		}
 		return false
 	}); err != nil {
-		return what, "", fmt.Errorf("%w (last answer: %v)", err, last)
+		return before, "", fmt.Errorf("%w (last answer: %v)", err, last)
 	}
-	var after string
 	err = waitUntil(ctx, 30*time.Second, 200*time.Millisecond, "the consumer's new leader", func() bool {
 		var lerr error
 		after, lerr = c.consumerLeader(ctx, stream, consumer)
 		return lerr == nil
 	})
-	return fmt.Sprintf("leader of consumer %s of %s stepped down: nats-%s → nats-%s", consumer, stream, before, after), "", err
+	return before, after, err
 }

@@ -24,7 +24,9 @@
 // reach it through); SIGSTOP/SIGCONT of a consumer for longer than AckWait; a stepdown of the
 // leader of a work consumer ($JS.API.CONSUMER.LEADER.STEPDOWN.<stream>.<consumer>), as a rolling
 // upgrade moves leaders (every run steps down both consumers' leaders and kills the node leading
-// the onchange consumer: the default set, not opt-in); the sink answering 500 or stalling for a
+// the onchange consumer: the default set, not opt-in; the onchange ones are aimed, blockjob.go:
+// each waits until a block job of at least AckWait is in progress and strikes while its call is
+// open, and the plan writes a burst into a block-rule db before it); the sink answering 500 or stalling for a
 // while; the passwords file rewritten and SIGHUP sent to the consumers. Opt-in, off by default in
 // the short and the long run (on the current code they fail runs): with CHAOS_PARTITIONS=1 network
 // partitions of one process from NATS or from CouchDB, frozen (no byte moves, connections stay
@@ -42,7 +44,9 @@
 // feed order; no dead letter; no process crashed or is left running; no webhook password in any
 // log; no db with webhook calls of two onchange instances in progress at once, whatever their
 // rules (the calls' arrival and answer at the sink, by X-Spiegel-Instance, 5ms tolerance; a
-// SIGSTOPped instance's call that the sink was still answering is excused: overlap.go); every
+// SIGSTOPped instance's call that the sink was still answering is excused: overlap.go); at least
+// one aimed leader change of the onchange consumer begun inside a block job of at least AckWait
+// (else the overlap verdict never met its case: the run fails saying why); every
 // final revision of the block rule's dbs delivered to it; after storage loss, gaps in the stream
 // and the mirror only when reported in time (gaps.go); with partitions, no webhook call by an
 // onchange instance partitioned from NATS later than AckWait + the rule's timeout after its

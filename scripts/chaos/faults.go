@@ -17,6 +17,7 @@ type faultRecord struct {
 	What                  string // e.g. "SIGKILL nats-n2 (leader of SPIEGEL_WORK)"
 	Skipped               string // why it did not run
 	Err                   error
+	Aim                   *aimRecord // an aimed fault (InBlockJob): the block job it struck in, the leader before and after
 }
 
 // faults runs the plan's faults, each at its planned moment in its own goroutine. Faults on
@@ -43,11 +44,14 @@ func (f *faults) run(ctx context.Context, plan []Fault) {
 		}
 		wg.Go(func() {
 			rec := faultRecord{Fault: ft, Started: f.r.since()}
+			if ft.InBlockJob {
+				rec.Aim = &aimRecord{}
+			}
 			var pr *probe
 			rec.What, rec.Skipped, rec.Err = f.execute(ctx, ft, func() {
 				rec.Began = f.r.since()
 				pr = f.r.probes.begin(ctx, ft.Kind)
-			})
+			}, rec.Aim)
 			rec.Ended = f.r.since()
 			f.r.probes.ended(pr, rec.Ended)
 			f.mu.Lock()
@@ -66,11 +70,15 @@ func (f *faults) run(ctx context.Context, plan []Fault) {
 	wg.Wait()
 }
 
-// execute runs one fault and returns once it is over; mark is called when it takes effect.
-func (f *faults) execute(ctx context.Context, ft Fault, mark func()) (what, skipped string, err error) {
+// execute runs one fault and returns once it is over; mark is called when it takes effect. An
+// aimed fault (InBlockJob) fills aim.
+func (f *faults) execute(ctx context.Context, ft Fault, mark func(), aim *aimRecord) (what, skipped string, err error) {
 	r := f.r
 	if r.cfg.SkipFaults[ft.Kind.String()] {
 		return "", "CHAOS_SKIP_FAULTS", nil
+	}
+	if ft.InBlockJob && aim != nil {
+		return f.aimedLeaderChange(ctx, ft, mark, aim)
 	}
 	switch ft.Kind {
 	case FaultKillProc:
@@ -177,6 +185,68 @@ func (f *faults) execute(ctx context.Context, ft Fault, mark func()) (what, skip
 		return fmt.Sprintf("password generation %d, SIGHUP to %v", r.sink.generation(), sent), "", nil
 	}
 	return "", "", fmt.Errorf("unknown fault kind %d", ft.Kind)
+}
+
+// aimedLeaderChange runs an aimed fault (Fault.InBlockJob, blockjob.go): it waits for a block
+// job of at least AckWait in progress (aimAt; the NATS faults' lock is taken only once one is),
+// then asks the consumer's leader to step down or SIGKILLs the node leading it, at once, and
+// fills a with the job, how long it had run when the fault took effect, and the leader before
+// and after. Without such a job within aimWithin it strikes anyway, and a says why. It learns
+// the leader first and then looks at the sink again (strike), so that the call it saw is still
+// open when the fault takes effect.
+func (f *faults) aimedLeaderChange(ctx context.Context, ft Fault, mark func(), a *aimRecord) (what, skipped string, err error) {
+	r := f.r
+	stream, consumer := r.subjects.WorkStream(), workConsumers[ft.Target%len(workConsumers)]
+	find := func() (blockJob, bool, bool) {
+		return openBlockJob(r.sink.slowCalls(), r.started, time.Now(), r.cfg.AckWait, r.cfg.AckWait)
+	}
+	job, missed, err := aimAt(ctx, aimWithin, aimStep, find, f.natsMu.Lock, f.natsMu.Unlock, r.cfg.AckWait)
+	if err != nil {
+		return fmt.Sprintf("%s of consumer %s, aimed at a block job", ft.Kind, consumer), "", err
+	}
+	defer f.natsMu.Unlock()
+	a.Job, a.Missed = job, missed
+	// strike is called once the leader is known, right before the stepdown or the SIGKILL:
+	// learning the leader can take seconds on a busy cluster, so it looks again (the NATS lock
+	// held) for a job of at least AckWait with a call open, at most 2 AckWaits, and strikes at
+	// once; without one it strikes in the job it found.
+	strike := func() {
+		if missed == "" {
+			if j, again, err := aimAt(ctx, 2*r.cfg.AckWait, aimStep, find, func() {}, func() {}, r.cfg.AckWait); err == nil && again == "" {
+				a.Job = j
+			}
+		}
+		mark()
+		if missed == "" {
+			a.Age = r.since() - a.Job.Start
+		}
+	}
+	if ft.Kind == FaultStepdownConsumer {
+		a.Before, a.After, err = r.nats.stepDown(ctx, stream, consumer, strike)
+		return fmt.Sprintf("leader of consumer %s of %s asked to step down, %s", consumer, stream, a), "", err
+	}
+	what = fmt.Sprintf("SIGKILL the leader of consumer %s of %s", consumer, stream)
+	if err := waitUntil(ctx, 20*time.Second, 100*time.Millisecond, "a leader to kill", func() bool {
+		var lerr error
+		a.Before, lerr = r.nats.consumerLeader(ctx, stream, consumer)
+		return lerr == nil
+	}); err != nil {
+		return what, "", err
+	}
+	n, err := r.nats.node(a.Before)
+	if err != nil {
+		return what, "", err
+	}
+	err = r.nats.killAndRestartWatching(ctx, n, ft.Down, strike, func(down time.Duration) {
+		dctx, cancel := context.WithTimeout(ctx, down)
+		defer cancel()
+		a.After = r.nats.newConsumerLeader(dctx, stream, consumer, a.Before, down)
+	})
+	if a.After == "" && err == nil {
+		// No election finished while the node was down: whoever leads once it is back.
+		a.After = r.nats.newConsumerLeader(ctx, stream, consumer, "", 20*time.Second)
+	}
+	return fmt.Sprintf("SIGKILL nats-%s (leader of consumer %s of %s), %s", n.name, consumer, stream, a), "", err
 }
 
 // ready waits until a restarted product process is ready again. CouchDB or NATS may be down

@@ -1,6 +1,7 @@
 package chaos
 
 import (
+	"fmt"
 	"testing"
 	"time"
 
@@ -135,4 +136,67 @@ func TestOverlapSlowStretches(t *testing.T) {
 	assert.Equal(t, 2, o.LeaderChanges)
 	assert.Equal(t, 1, o.InLongJobs)
 	assert.Contains(t, o.String(), "1 of 2 onchange consumer leader changes during one")
+}
+
+// The aimed leader changes: one that began inside a block job of at least AckWait of the db and
+// instance it aimed at, while its call was open, landed; one that struck without a job, one
+// whose job turned out shorter than AckWait and one left out did not, each with its reason. A
+// run whose aimed faults all missed fails saying why; one with a landing, or with every aimed
+// fault left out, does not.
+func TestOverlapAimedFaults(t *testing.T) {
+	t.Parallel()
+	start := time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
+	s, ms := time.Second, time.Millisecond
+	var calls []sinkCall
+	for i := range 12 { // h/100 on db a: 10s–21.5s, a call every second, each answered after 500ms
+		at := 10*s + time.Duration(i)*s
+		calls = append(calls, sinkCall{At: start.Add(at), End: start.Add(at + 500*ms), Instance: "h/100", Rule: slowPath, DB: "a", ID: fmt.Sprintf("d%d", i)})
+	}
+	calls = append(calls, sinkCall{At: start.Add(30 * s), End: start.Add(32 * s), Instance: "h/200", Rule: slowPath, DB: "b", ID: "e"}) // 2s: short
+	pids := map[string][]int{"onchange-1": {100}, "onchange-2": {200}}
+	jobA := blockJob{DB: "a", Instance: "h/100", Start: 10 * s, Open: &timedCall{sinkCall: sinkCall{Instance: "h/100", ID: "d5"}, start: 15 * s}}
+	jobB := blockJob{DB: "b", Instance: "h/200", Start: 30 * s}
+	landed := faultRecord{Fault: Fault{Kind: FaultStepdownConsumer, At: 9 * s, InBlockJob: true}, Started: 9 * s, Began: 15200 * ms,
+		Aim: &aimRecord{Job: jobA, Age: 5200 * ms, Before: "n1", After: "n2"}}
+	missed := faultRecord{Fault: Fault{Kind: FaultNATSConsumerLdr, At: 3 * s, InBlockJob: true}, Started: 3 * s, Began: 33 * s,
+		Aim: &aimRecord{Missed: "no block job of at least AckWait (4s) was in progress within 30s", Before: "n2", After: "n3"}}
+	short := faultRecord{Fault: Fault{Kind: FaultNATSConsumerLdr, At: 25 * s, InBlockJob: true}, Started: 25 * s, Began: 31 * s,
+		Aim: &aimRecord{Job: jobB, Age: s, Before: "n3", After: "n1"}}
+	skipped := faultRecord{Fault: Fault{Kind: FaultStepdownConsumer, At: 5 * s, InBlockJob: true}, Started: 5 * s, Skipped: "CHAOS_SKIP_FAULTS"}
+	unaimed := faultRecord{Fault: Fault{Kind: FaultStepdownConsumer, At: 12 * s}, Started: 12 * s, Began: 12 * s} // a drawn one: counted, not aimed
+
+	check := func(records ...faultRecord) overlapResult {
+		return overlapVerdict(calls, pids, records, start, start.Add(time.Minute), 4*s)
+	}
+
+	o := check(landed, missed, short, skipped, unaimed)
+	assert.Equal(t, 4, o.Aimed)
+	assert.Equal(t, 1, o.AimSkipped)
+	assert.Equal(t, 1, o.AimedLanded)
+	assert.Equal(t, 4, o.LeaderChanges)
+	assert.Equal(t, 2, o.InLongJobs, "the landed one and the drawn one fell in db a's job")
+	require.Len(t, o.AimLines, 4)
+	assert.Equal(t, "stepdown-work-consumer onchange planned at +9s (plan +9s): struck at +15.2s (waited 6.2s) inside the block job of a by onchange-1 (h/100), "+
+		"running 5.2s of its 11.5s; call d5 open then, answered 300ms later; leader nats-n1 → nats-n2", o.AimLines[0])
+	require.Len(t, o.AimMisses, 3)
+	assert.Contains(t, o.AimMisses[0], "kill-nats-consumer-leader onchange planned at +3s (plan +3s): struck at +33s: struck without a block job: no block job of at least AckWait (4s)")
+	assert.Contains(t, o.AimMisses[2], "stepdown-work-consumer onchange planned at +5s (plan +5s): not run (CHAOS_SKIP_FAULTS)")
+	assert.Contains(t, o.AimMisses[1], "planned at +25s (plan +25s): struck at +31s (waited 6s) inside the block job of b by h/200, running 1s; leader nats-n3 → nats-n1, but the sink's calls show no job of at least AckWait there")
+	assert.Contains(t, o.String(), "1 of 4 aimed leader changes landed inside a block job of at least AckWait")
+	assert.Empty(t, o.aimFailures())
+	res := &Result{Overlap: &o, Verdict: &verdict{}}
+	assert.True(t, res.Pass())
+
+	o = check(missed, short, skipped)
+	require.Len(t, o.aimFailures(), 1)
+	assert.Contains(t, o.aimFailures()[0], "no onchange consumer leader change landed inside a block job of at least AckWait (3 aimed): kill-nats-consumer-leader onchange planned at +3s (plan +3s)")
+	res = &Result{Overlap: &o, Verdict: &verdict{}}
+	assert.False(t, res.Pass(), "no aimed fault landed: the overlap verdict was not exercised")
+	assert.Contains(t, res.overlapFailures(), o.aimFailures()[0])
+
+	o = check(skipped)
+	assert.Empty(t, o.aimFailures(), "every aimed fault left out: nothing to require")
+	o = check(unaimed)
+	assert.Equal(t, 0, o.Aimed)
+	assert.Empty(t, o.aimFailures(), "a plan without aimed faults requires none")
 }

@@ -83,6 +83,10 @@ type Fault struct {
 	Term   bool          // FaultCouchRestart: SIGTERM instead of SIGKILL
 	Cut    bool          // FaultPartitionNATS, FaultPartitionCouch: connections reset instead of frozen
 	Lag    time.Duration // FaultNATSStoreLoss(All): the store copy is this old when the node is killed
+	// InBlockJob (FaultStepdownConsumer, FaultNATSConsumerLdr of the onchange consumer): from At
+	// the fault waits, at most aimWithin, for a block job of at least AckWait in progress, and
+	// strikes while its call is open (blockjob.go).
+	InBlockJob bool
 }
 
 // procNames are the product processes, by index.
@@ -101,7 +105,35 @@ type Plan struct {
 // newPlan derives the plan of cfg. Writer ops and faults come from separate random streams of
 // the seed. Contract: the same Config always gives the same Plan (see Digest).
 func newPlan(cfg Config) Plan {
-	return Plan{Ops: planOps(cfg), Faults: planFaults(cfg)}
+	faults := planFaults(cfg)
+	return Plan{Ops: planOps(cfg, blockBursts(cfg, faults)), Faults: faults}
+}
+
+// burst is a writer burst planned for an aimed fault (Fault.InBlockJob): at At, a _bulk_docs of
+// Docs new docs into a live block-rule db: of those with the fewest bursts so far (so that no
+// db's backlog grows by more than one burst at a time), the first from the Nth (the aimed
+// fault's index among the aimed ones, modulo slowDBs) on.
+type burst struct {
+	At   time.Duration
+	N    int
+	Docs int
+}
+
+// blockBursts plans a burst for each aimed fault: AckWait before the fault's moment (not before
+// the dbs exist, 1s), as many new docs as the block rule takes two AckWaits to call the webhook
+// for (slowFor each), so that a job of at least AckWait is under way when the fault looks for
+// one. They draw nothing: the faults are as planned, and the writer's random draws are the same
+// ones (what they pick in a burst's db may differ after it, its docs being more).
+func blockBursts(cfg Config, faults []Fault) []burst {
+	var out []burst
+	for _, f := range faults {
+		if !f.InBlockJob {
+			continue
+		}
+		out = append(out, burst{At: max(f.At-cfg.AckWait, time.Second), N: len(out), Docs: int(2 * cfg.AckWait / slowFor)})
+	}
+	sort.SliceStable(out, func(i, j int) bool { return out[i].At < out[j].At })
+	return out
 }
 
 // dbModel is the writer's model of one source db while the plan is generated.
@@ -125,8 +157,10 @@ func (m *dbModel) take(list *[]int, r *rand.Rand) int {
 // planOps plans the writer: every db is created at the start, then operations arrive at
 // OpsPerS on uniformly chosen live dbs. With cfg.Recreate a deleted db is recreated (next
 // incarnation) after a delay, QuickRecreatePct% of the time shorter than a poll round; it stays
-// deleted if that falls after the end (and always without cfg.Recreate).
-func planOps(cfg Config) []Op {
+// deleted if that falls after the end (and always without cfg.Recreate). The bursts (sorted by
+// At) are bulk ops of new docs into a live block-rule db (see burst), at their moments; one whose
+// block-rule dbs are all deleted then is left out.
+func planOps(cfg Config, bursts []burst) []Op {
 	r := rand.New(rand.NewPCG(cfg.Seed, 0x7772697465))
 	dbs := make([]*dbModel, cfg.DBs)
 	var ops []Op
@@ -139,11 +173,43 @@ func planOps(cfg Config) []Op {
 		db int
 	}
 	var recreate []due
+	slow := min(slowDBs, cfg.DBs)
+	burstsIn := make([]int, slow) // bursts so far per block-rule db
+	doBurst := func(b burst) {
+		i := -1
+		for j := range slow {
+			if k := (b.N + j) % slow; dbs[k].live && (i < 0 || burstsIn[k] < burstsIn[i]) {
+				i = k
+			}
+		}
+		if i >= 0 {
+			burstsIn[i]++
+			m := dbs[i]
+			op := Op{At: b.At, DB: i, Inc: m.inc, Kind: OpBulk, Salt: cfg.Seed ^ uint64(b.At)}
+			for range b.Docs {
+				op.Docs = append(op.Docs, m.next)
+				m.docs = append(m.docs, m.next)
+				m.next++
+			}
+			ops = append(ops, op)
+		}
+	}
 	t := time.Second
 	for {
 		t += time.Duration(r.ExpFloat64() / cfg.OpsPerS * float64(time.Second))
 		sort.Slice(recreate, func(i, j int) bool { return recreate[i].at < recreate[j].at })
-		for len(recreate) > 0 && recreate[0].at <= t && recreate[0].at < cfg.Duration {
+		// Recreations and bursts due by t, in the order of their moments.
+		for {
+			rec := len(recreate) > 0 && recreate[0].at <= t && recreate[0].at < cfg.Duration
+			bur := len(bursts) > 0 && bursts[0].At <= t && bursts[0].At < cfg.Duration
+			if bur && (!rec || bursts[0].At < recreate[0].at) {
+				doBurst(bursts[0])
+				bursts = bursts[1:]
+				continue
+			}
+			if !rec {
+				break
+			}
 			d := recreate[0]
 			recreate = recreate[1:]
 			m := dbs[d.db]
@@ -241,9 +307,21 @@ var requiredFaults = []requiredFault{
 	{FaultStopProc, []int{4, 5}}, {FaultNATSWorkLdr, nil}, {FaultNATSMetaLdr, nil}, {FaultCouchRestart, nil},
 	{FaultSink500, nil}, {FaultSinkStall, nil}, {FaultRotatePasswords, nil},
 	// Consumer leader changes, as a rolling upgrade makes them: a stepdown of each work
-	// consumer's leader, and the node leading the onchange consumer killed (the overlap
-	// verdict's case, overlap.go).
+	// consumer's leader, and the node leading the onchange consumer killed. The onchange ones
+	// are aimed (aimed): they strike inside a long block job, the overlap verdict's case.
 	{FaultStepdownConsumer, []int{0}}, {FaultStepdownConsumer, []int{1}}, {FaultNATSConsumerLdr, []int{0}},
+}
+
+// aimed reports whether a fault of kind on target is aimed at a block job (Fault.InBlockJob):
+// the required leader changes of the onchange consumer always are; of the ones drawn later,
+// every other one (the first, third, …: drawn is how many came before it), so that leader
+// changes at random moments stay in the long run's plan too. It draws nothing: the plan's
+// other faults and moments are what they were before faults were aimed.
+func aimed(kind FaultKind, target int, required bool, drawn int) bool {
+	if target != 0 || kind != FaultStepdownConsumer && kind != FaultNATSConsumerLdr {
+		return false
+	}
+	return required || drawn%2 == 0
 }
 
 type requiredFault struct {
@@ -313,6 +391,7 @@ func planFaults(cfg Config) []Fault {
 	kinds := r.Perm(len(required))
 	rotationGap := 2 * (cfg.AckWait + 4*time.Second)
 	lastRotation := -rotationGap
+	drawnLeader := 0 // onchange consumer leader changes drawn so far, after the required ones
 	var out []Fault
 	for i, at := range times {
 		var f Fault
@@ -336,6 +415,10 @@ func planFaults(cfg Config) []Fault {
 			}
 		}
 		f.At = at
+		if f.InBlockJob = aimed(f.Kind, f.Target, isRequired, drawnLeader); !isRequired && f.Target == 0 &&
+			(f.Kind == FaultStepdownConsumer || f.Kind == FaultNATSConsumerLdr) {
+			drawnLeader++
+		}
 		switch f.Kind {
 		case FaultKillProc:
 			f.Down = time.Duration(r.IntN(4000)) * time.Millisecond
@@ -411,6 +494,9 @@ func (p Plan) write(w io.Writer) {
 		case FaultNATSStoreLoss, FaultNATSStoreLossAll:
 			extra = fmt.Sprintf(" lag=%s", f.Lag)
 		}
+		if f.InBlockJob {
+			extra += " in-block-job"
+		}
 		fmt.Fprintf(w, "fault %9.3fs %-22s target=%d down=%s term=%t%s\n", f.At.Seconds(), f.Kind, f.Target, f.Down, f.Term, extra)
 	}
 	for _, o := range p.Ops {
@@ -443,6 +529,9 @@ func (p Plan) Summary() string {
 			name += fmt.Sprintf(" %d", f.Target+1)
 		case FaultStepdownConsumer, FaultNATSConsumerLdr:
 			name += " " + workConsumers[f.Target]
+			if f.InBlockJob {
+				name += " in a block job"
+			}
 		}
 		faults[name]++
 	}

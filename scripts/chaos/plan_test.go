@@ -262,3 +262,100 @@ func TestPlanCouchNodeKill(t *testing.T) {
 		assert.GreaterOrEqual(t, 4*n, drawn[0]+drawn[1], "node %d killed %d times of %v", node+1, n, drawn)
 	}
 }
+
+// The onchange consumer's required leader changes (a stepdown and its node killed) are aimed at
+// a block job, and every other drawn one; the replicator's never. Each aimed fault has a burst
+// of new docs in a live block-rule db AckWait before it (not before 1s), long enough for the
+// block rule to take two AckWaits over; the plan's text marks the aimed faults.
+func TestPlanAimsOnchangeLeaderChanges(t *testing.T) {
+	t.Parallel()
+	long, err := longConfig("/repo")
+	require.NoError(t, err)
+	for _, base := range []Config{shortConfig("/repo"), long} {
+		for _, seed := range []uint64{1, 2, 42, 20260611} {
+			cfg := base
+			cfg.Seed = seed
+			p := newPlan(cfg)
+			var text strings.Builder
+			p.write(&text)
+			var aimedAt []time.Duration
+			required := map[FaultKind]bool{}
+			drawn, drawnAimed := 0, 0
+			for i, f := range p.Faults {
+				onchangeLeader := f.Target == 0 && (f.Kind == FaultStepdownConsumer || f.Kind == FaultNATSConsumerLdr)
+				if !onchangeLeader {
+					assert.False(t, f.InBlockJob, "seed %d: %s target %d is not aimed", seed, f.Kind, f.Target)
+					continue
+				}
+				if i < len(requiredFor(cfg)) && !required[f.Kind] {
+					required[f.Kind] = true
+					assert.True(t, f.InBlockJob, "seed %d: the required %s onchange is aimed", seed, f.Kind)
+				} else {
+					assert.Equal(t, drawn%2 == 0, f.InBlockJob, "seed %d: drawn %s onchange #%d", seed, f.Kind, drawn)
+					drawn++
+					if f.InBlockJob {
+						drawnAimed++
+					}
+				}
+				if f.InBlockJob {
+					aimedAt = append(aimedAt, f.At)
+				}
+			}
+			assert.True(t, required[FaultStepdownConsumer] && required[FaultNATSConsumerLdr], "seed %d", seed)
+			assert.Equal(t, len(aimedAt), strings.Count(text.String(), " in-block-job\n"))
+			if cfg.Name == "long" {
+				assert.Positive(t, drawnAimed, "seed %d: the long run aims some drawn ones too", seed)
+				assert.Less(t, drawnAimed, drawn, "seed %d: and leaves some at random moments", seed)
+			}
+
+			var bursts []Op
+			for _, o := range p.Ops {
+				if o.Kind == OpBulk && len(o.Docs) == int(2*cfg.AckWait/slowFor) {
+					bursts = append(bursts, o)
+				}
+			}
+			require.Len(t, bursts, len(aimedAt), "seed %d: one burst per aimed fault", seed)
+			for i, b := range bursts {
+				assert.Equal(t, max(aimedAt[i]-cfg.AckWait, time.Second), b.At, "seed %d", seed)
+				assert.Less(t, b.DB, slowDBs, "seed %d: a block-rule db", seed)
+				live := false // the db's incarnation is live at the burst's moment
+				for _, o := range p.Ops {
+					if o.At > b.At || o.DB != b.DB {
+						continue
+					}
+					switch o.Kind {
+					case OpCreateDB:
+						live = o.Inc == b.Inc
+					case OpDeleteDB:
+						live = false
+					}
+				}
+				assert.True(t, live, "seed %d: burst %d into a live db", seed, i)
+			}
+		}
+	}
+}
+
+// A burst adds only new docs, to the block-rule db its index names (modulo their number) unless
+// that one already had more bursts than another, and is the same for the same inputs.
+func TestPlanBurstsGoToBlockDBs(t *testing.T) {
+	t.Parallel()
+	cfg := shortConfig("/repo")
+	cfg.Duration, cfg.OpsPerS = 10*time.Second, 0.001 // no op of the writer's own: the dbs stay live
+	s := time.Second
+	bursts := []burst{{At: 2 * s, N: 1, Docs: 4}, {At: 3 * s, N: 5, Docs: 2}, {At: 4 * s, N: 1, Docs: 1}, {At: 5 * s, N: 0, Docs: 1}}
+	ops := planOps(cfg, bursts)
+	var got []Op
+	for _, o := range ops {
+		if o.Kind == OpBulk {
+			got = append(got, o)
+		}
+	}
+	require.Len(t, got, 4)
+	assert.Equal(t, []int{1, 2, 0, 0}, []int{got[0].DB, got[1].DB, got[2].DB, got[3].DB},
+		"N modulo the block-rule dbs; the third's db 1 and the next, db 2, had one already; then all have one")
+	assert.Equal(t, []int{0, 1, 2, 3}, got[0].Docs)
+	assert.Equal(t, []int{0, 1}, got[1].Docs)
+	assert.Equal(t, []int{1}, got[3].Docs)
+	assert.Equal(t, planOps(cfg, bursts), ops, "deterministic")
+}

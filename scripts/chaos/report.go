@@ -241,6 +241,9 @@ func (res *Result) write(w io.Writer) {
 	}
 	if res.Overlap != nil {
 		p("overlap:     %s", res.Overlap)
+		for _, line := range res.Overlap.AimLines {
+			p("aimed:       %s", line)
+		}
 	}
 	p("processes:   %d started; crashes %d; startup exits %d; all stopped, none left running unless listed below", res.Started, len(res.Crashes), len(res.StartupExits))
 	if len(res.StartupExits) > 0 && !res.Cfg.Strict {

@@ -170,6 +170,9 @@ func execute(ctx context.Context, cfg Config, out io.Writer) *Result {
 	for _, line := range overlap.Excused {
 		oj.printf("excused %s", line)
 	}
+	for _, line := range overlap.AimLines {
+		oj.printf("aimed %s", line)
+	}
 	if cfg.Partitions {
 		// The lease verdict is about partitions; without them it has nothing to check.
 		lease := leaseVerdict(res.Faults, r.sink.allCalls(), pids, r.started, cfg.AckWait, hookTimeout)

@@ -283,6 +283,20 @@ func (s *sink) allCalls() []sinkCall {
 	return append([]sinkCall(nil), s.calls...)
 }
 
+// slowCalls returns the requests of ruleSlow so far, in arrival order: what an aimed fault
+// (blockjob.go) looks at while it waits for a long block job.
+func (s *sink) slowCalls() []sinkCall {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	var out []sinkCall
+	for _, c := range s.calls {
+		if c.Rule == slowPath {
+			out = append(out, c)
+		}
+	}
+	return out
+}
+
 // firstDelivered returns when each (db, doc id, rev) was first answered 200.
 func (s *sink) firstDelivered() map[[3]string]time.Time {
 	s.mu.Lock()
