@@ -82,11 +82,17 @@ type Log struct {
 	LogFormat string `envconfig:"SPIEGEL_LOG_FORMAT" default:"json" desc:"json|text" group:"Logging"`
 }
 
+// Debug holds what an operator turns on to look inside a running process.
+type Debug struct {
+	PprofAddr string `envconfig:"SPIEGEL_PPROF_ADDR" desc:"listener of Go's profiling endpoints (/debug/pprof/), for CPU and heap profiles of the running process (empty: off); they have no authentication: bind it to loopback (127.0.0.1:6060)" group:"Process" advanced:"true"`
+}
+
 // Producer is the configuration of the producer binary and its admin commands.
 type Producer struct {
 	CouchDB
 	NATS
 	Log
+	Debug
 	HTTPAddr             string        `envconfig:"SPIEGEL_HTTP_ADDR" default:":8080" desc:"health and metrics listener (empty: off)" group:"Process"`
 	Source               string        `envconfig:"SPIEGEL_SOURCE" default:"auto" desc:"feed source: auto|db_updates|global_changes|poll" group:"Feed"`
 	Start                string        `envconfig:"SPIEGEL_START" default:"beginning" desc:"beginning|now, where a producer with no saved position starts; both now act the same: at the server's current position, and once the feed runs every rule's catch-up enqueues each db it matches, so nothing written before is missed" group:"Feed"`

@@ -14,6 +14,7 @@ type Consumer struct {
 	CouchDB
 	NATS
 	Log
+	Debug
 	Concurrency   int           `envconfig:"SPIEGEL_CONCURRENCY" default:"20" desc:"jobs one consumer process runs at once" group:"Jobs"`
 	PasswordsFile string        `envconfig:"SPIEGEL_PASSWORDS_FILE" desc:"JSON passwords file {\"host\": {\"user\": \"password\"}}; reloaded on SIGHUP" group:"Process"`
 	ShutdownGrace time.Duration `envconfig:"SPIEGEL_SHUTDOWN_GRACE" default:"20s" desc:"on SIGTERM, how long running jobs may take to finish before they are handed back" group:"Process" advanced:"true"`

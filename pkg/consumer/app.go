@@ -212,7 +212,7 @@ func (a *App) Run(ctx context.Context, httpAddr string, h worker.Handler) error 
 	bgCtx, stopBG := context.WithCancel(context.WithoutCancel(ctx))
 	defer stopBG()
 
-	wg.Add(3)
+	wg.Add(4)
 	go func() { defer wg.Done(); a.follower.Follow(bgCtx, a.rulesSeq) }()
 	go func() { defer wg.Done(); a.reloadOnHUP(bgCtx) }()
 	srv := health.New(httpAddr, a.registry, a.readiness(), a.log.WithField("component", "http"))
@@ -220,6 +220,12 @@ func (a *App) Run(ctx context.Context, httpAddr string, h worker.Handler) error 
 		defer wg.Done()
 		if err := srv.Run(bgCtx); err != nil {
 			a.log.WithError(err).Error("health and metrics listener failed")
+		}
+	}()
+	go func() {
+		defer wg.Done()
+		if err := health.RunPprof(bgCtx, a.cfg.PprofAddr); err != nil {
+			a.log.WithError(err).Error("profiling listener (SPIEGEL_PPROF_ADDR) failed")
 		}
 	}()
 

@@ -165,11 +165,17 @@ func Run(ctx context.Context, cfg *config.Producer, log *logrus.Logger) error {
 	var wg sync.WaitGroup
 	httpCtx, stopHTTP := context.WithCancel(context.WithoutCancel(ctx))
 	defer stopHTTP()
-	wg.Add(1)
+	wg.Add(2)
 	go func() {
 		defer wg.Done()
 		if err := srv.Run(httpCtx); err != nil {
 			plog.WithError(err).Error("health and metrics listener failed")
+		}
+	}()
+	go func() {
+		defer wg.Done()
+		if err := health.RunPprof(httpCtx, cfg.PprofAddr); err != nil {
+			plog.WithError(err).Error("profiling listener (SPIEGEL_PPROF_ADDR) failed")
 		}
 	}()
 
