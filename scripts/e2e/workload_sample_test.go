@@ -3,6 +3,7 @@ package e2e
 import (
 	"context"
 	"net/url"
+	"slices"
 	"strconv"
 	"sync"
 	"time"
@@ -66,6 +67,13 @@ func startSampler(ctx context.Context, started time.Time, interval time.Duration
 		}
 	}()
 	return s
+}
+
+// snapshot returns the samples so far.
+func (s *sampler) snapshot() []benchdata.Sample {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return slices.Clone(s.samples)
 }
 
 // stop waits for the sampler to end (its ctx must be cancelled) and returns its samples.

@@ -11,6 +11,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -286,16 +287,7 @@ func runWorkload(b *testing.B, root string, cs *couchtest.Server, up *couchtest.
 		users[i] = fmt.Sprintf("%su%05d", prefix, i)
 	}
 	cs.CreateDB(b, target)
-	for i, db := range users {
-		cs.CreateDB(b, db)
-		docs := make([]map[string]any, w.docsPerDB)
-		for j := range docs { // ids unique across dbs: they all meet in the target
-			docs[j] = map[string]any{"_id": fmt.Sprintf("init%05d_%03d", i, j), "n": j}
-		}
-		if err := writer.Do(b, http.MethodPost, "/"+couchtest.PathDB(db)+"/_bulk_docs", map[string]any{"docs": docs}, nil); err != nil {
-			b.Fatalf("load %s: %v", db, err)
-		}
-	}
+	loadDBs(b, cs, writer, users, w.docsPerDB)
 	initial := w.dbs * w.docsPerDB
 	sink := newLatencySink(b)
 	ctx, cancel := context.WithCancel(context.Background())
@@ -317,6 +309,10 @@ func runWorkload(b *testing.B, root string, cs *couchtest.Server, up *couchtest.
 	sampleCtx, stopSampling := context.WithCancel(ctx)
 	smp := startSampler(sampleCtx, started, time.Second, procs, proxies, js, w.serverPID)
 	defer stopSampling()
+	syncFrom := markCPU(procs, w.serverPID)
+	profCtx, stopProfiles := context.WithCancel(ctx)
+	defer stopProfiles()
+	startSyncProfiles(profCtx, b, s.key, procs)
 
 	var onTarget int
 	b.Cleanup(func() {
@@ -343,6 +339,8 @@ func runWorkload(b *testing.B, root string, cs *couchtest.Server, up *couchtest.
 	} else {
 		waitFor(b, max(5*time.Minute, w.syncLimit), s.key+": initial sync", procs, synced)
 		res.initialSync = time.Since(started)
+		stopProfiles()
+		logSyncCost(b, s.key, w.dbs, syncFrom, markCPU(procs, w.serverPID), snapshotAll(proxies, false), smp.snapshot())
 		// The docs are there, but jobs may still be queued: the first reconciliation sweep and
 		// the rules' catch-up both enqueue every db, and the loads' own events may still be on
 		// their way. Those runs find nothing new; the writer starts once they are done, so that
@@ -472,6 +470,67 @@ func runWorkload(b *testing.B, root string, cs *couchtest.Server, up *couchtest.
 	return res
 }
 
+// loadDBs creates the user dbs with docsPerDB docs each, a few at a time (10,000 dbs one by one
+// take CouchDB 20 minutes on two cores), and deletes them, a few at a time, when the benchmark ends.
+func loadDBs(b *testing.B, cs *couchtest.Server, writer *couchtest.Server, users []string, docsPerDB int) {
+	b.Helper()
+	const workers = 8
+	each := func(f func(i int, db string) error) error {
+		idx := make(chan int)
+		errc := make(chan error, workers)
+		var wg sync.WaitGroup
+		for range workers {
+			wg.Go(func() {
+				for i := range idx {
+					if err := f(i, users[i]); err != nil {
+						errc <- err
+						return
+					}
+				}
+			})
+		}
+		var err error
+	feed:
+		for i := range users {
+			select {
+			case idx <- i:
+			case err = <-errc:
+				break feed
+			}
+		}
+		close(idx)
+		wg.Wait()
+		close(errc)
+		return cmp.Or(err, <-errc)
+	}
+	b.Cleanup(func() {
+		_ = each(func(_ int, db string) error {
+			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+			defer cancel()
+			_ = cs.Client.DestroyDB(ctx, db)
+			return nil
+		})
+	})
+	err := each(func(i int, db string) error {
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		if err := cs.Client.CreateDB(ctx, db); err != nil {
+			return fmt.Errorf("create %s: %w", db, err)
+		}
+		docs := make([]map[string]any, docsPerDB)
+		for j := range docs { // ids unique across dbs: they all meet in the target
+			docs[j] = map[string]any{"_id": fmt.Sprintf("init%05d_%03d", i, j), "n": j}
+		}
+		if err := writer.Do(b, http.MethodPost, "/"+couchtest.PathDB(db)+"/_bulk_docs", map[string]any{"docs": docs}, nil); err != nil {
+			return fmt.Errorf("load %s: %w", db, err)
+		}
+		return nil
+	})
+	if err != nil {
+		b.Fatal(err)
+	}
+}
+
 // hotFeedsOpened returns the producer's spiegel_hot_feeds_opened_total (-1 without a producer).
 func hotFeedsOpened(b testing.TB, procs []*proc) float64 {
 	for _, p := range procs {
@@ -510,7 +569,7 @@ func startPipeline(b *testing.B, root string, up *couchtest.UpdatesProxy, prefix
 			"SPIEGEL_DB_NAME=" + spiegelDB,
 			"SPIEGEL_NATS_URL=" + ns.URL(),
 			"SPIEGEL_LOG_LEVEL=" + cmp.Or(os.Getenv("BENCH_LOG_LEVEL"), "warn"),
-		}, vars...)...)
+		}, append(pprofVars(b), vars...)...)...)
 	}
 	install := baseEnv("SPIEGEL_COUCHDB_URL="+up.URL(), "SPIEGEL_DB_NAME="+spiegelDB, "SPIEGEL_NATS_URL="+ns.URL())
 	if out, code := runCmd(b, bin("producer"), install, "install"); code != 0 {
