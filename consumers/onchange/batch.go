@@ -292,7 +292,7 @@ func (h *handler) publishBatch(ctx context.Context, db string, rule *rules.OnCha
 // how many actions of the head are done (those whose changes the stream stored, and the changes
 // the rule skips among them); 0: the next change goes alone.
 func (h *handler) publishWindow(ctx context.Context, db string, rule *rules.OnChange, acts []*action, f *fence) int {
-	size := h.publisher.windowSize(f)
+	size := h.publisher.windowSize(f, subjectFor(rule, db))
 	if size < minWindow {
 		return 0
 	}

@@ -551,10 +551,16 @@ type asyncPublisher interface {
 	PublishMsgAsync(msg *nats.Msg, opts ...jetstream.PublishOpt) (jetstream.PubAckFuture, error)
 }
 
-// windowSize returns how many changes f's next window may hold (0: no window: the next change
-// goes alone).
-func (p *changePublisher) windowSize(f *fence) int {
+// windowSize returns how many changes f's next window on subject may hold (0: no window: the
+// next change goes alone). A stream of a JetStream cluster takes no windows: a replica applies a
+// message whose expected last message id is not the stream's as a write error that stops the
+// stream (nats-server checks it when the message is applied, not before it is proposed), so
+// there a page goes as an atomic batch, when the stream allows them, or one change at a time.
+func (p *changePublisher) windowSize(f *fence, subject string) int {
 	if _, ok := p.js.(asyncPublisher); !ok || f == nil || f.alone {
+		return 0
+	}
+	if name, ok := p.checked.get(subject); !ok || p.clustered.has(name) {
 		return 0
 	}
 	if f.window == 0 {
@@ -593,7 +599,7 @@ func (p *changePublisher) publishWindow(ctx context.Context, msgs []changeMsg, f
 	}
 	ctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
-	w := p.windowSize(f)
+	w := p.windowSize(f, msgs[0].subject)
 	mu := p.sendLock(stream)
 	mu.Lock()
 	from := 0 // the first change sent without waiting

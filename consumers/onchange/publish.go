@@ -60,6 +60,7 @@ type changePublisher struct {
 
 	streamsRead, atomicStreams *expiringSet // stream names whose info was read; those taking atomic batches
 	consumed                   *expiringSet // stream names whose readers remove messages (WorkQueue, Interest): not fenced
+	clustered                  *expiringSet // stream names of a JetStream cluster: no windows (see windowSize)
 	reported                   *expiringSet // rule id, rev and subject already dead-lettered as unusable
 
 	atomicOnFile bool // tests and benchmarks: atomic pages on a single-replica file stream too
@@ -77,7 +78,8 @@ func newChangePublisher(js streamPublisher, m *metrics.Consumer, subjects events
 		reported:    newExpiringSet(reportedTTL, publisherMemory),
 		streamsRead: newExpiringSet(subjectCheckTTL, publisherMemory), atomicStreams: newExpiringSet(subjectCheckTTL, publisherMemory),
 		// outlives checked, which is put after it: a subject found captured is never taken for fenced
-		consumed: newExpiringSet(2*subjectCheckTTL, publisherMemory)}
+		consumed:  newExpiringSet(2*subjectCheckTTL, publisherMemory),
+		clustered: newExpiringSet(2*subjectCheckTTL, publisherMemory)}
 }
 
 // subject returns rule's subject for db: ${db_name} becomes the db's subject token
@@ -105,9 +107,13 @@ func (p *changePublisher) check(ctx context.Context, db string, rule *rules.OnCh
 				if err != nil {
 					return false, fmt.Errorf("rule %s: read stream %s of subject %s: %w", rule.ID(), name, subject, err)
 				}
-				cfg := st.CachedInfo().Config
+				info := st.CachedInfo()
+				cfg := info.Config
 				if takesAtomicPages(cfg) || p.atomicOnFile && cfg.AllowAtomicPublish {
 					p.atomicStreams.add(name)
+				}
+				if cfg.Replicas > 1 || info.Cluster != nil && info.Cluster.Name != "" {
+					p.clustered.add(name)
 				}
 				if cfg.Retention != jetstream.LimitsPolicy {
 					p.consumed.add(name)

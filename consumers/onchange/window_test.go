@@ -95,14 +95,36 @@ func TestStaleHolderWindowIsRefused(t *testing.T) {
 // the pages of two dbs into one stream at once, so that each one's messages land in the middle of
 // the other's windows. Each subject ends up with its changes once, in feed order, their positions
 // counting from 1 and each naming the message before it on the subject: what the gap check reads.
+// On one server and on a three-node cluster with the stream R3 (no atomic batches).
 func TestWindowsOfTwoProcessesShareAStream(t *testing.T) {
 	t.Parallel()
+	t.Run("R1", func(t *testing.T) {
+		t.Parallel()
+		s := natstest.Start(t)
+		twoProcessWindows(t, s.URL(), orderStream(t, s, 0, false))
+	})
+	for _, replicas := range []int{1, 3} {
+		t.Run(fmt.Sprintf("cluster R%d", replicas), func(t *testing.T) {
+			t.Parallel()
+			servers := natstest.StartCluster(t, 3)
+			_, js := servers[0].Connect(t)
+			_, err := js.CreateStream(t.Context(), jetstream.StreamConfig{Name: "CHG_CHANGES", Subjects: []string{"chg.>"},
+				Duplicates: time.Hour, Storage: jetstream.FileStorage, Replicas: replicas})
+			require.NoError(t, err)
+			twoProcessWindows(t, servers[1].URL(), js)
+			st, err := js.Stream(t.Context(), "CHG_CHANGES")
+			require.NoError(t, err)
+			_, err = st.Info(t.Context())
+			require.NoError(t, err, "the stream is still there")
+		})
+	}
+}
+
+func twoProcessWindows(t *testing.T, url string, js jetstream.JetStream) {
 	const pages, perPage = 20, 50
-	s := natstest.Start(t)
-	js := orderStream(t, s, 0, false)
 	var wg sync.WaitGroup
 	for p := range 2 {
-		nc, err := nats.Connect(s.URL())
+		nc, err := nats.Connect(url)
 		require.NoError(t, err)
 		t.Cleanup(nc.Close)
 		jsP, err := jetstream.New(nc)
