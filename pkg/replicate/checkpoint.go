@@ -157,16 +157,31 @@ func (c *checkpointer) path(e *endpoint) string {
 // read reads the checkpoint doc of e; a missing doc is (nil, nil), and so is a missing db: the
 // caller checks db existence (it costs a request that a present checkpoint makes unnecessary).
 func (c *checkpointer) read(ctx context.Context, e *endpoint) (*checkpointDoc, error) {
-	var doc checkpointDoc
-	err := e.do(ctx, http.MethodGet, c.path(e), nil, nil, &doc)
-	if errors.Is(err, couch.ErrNotFound) {
-		return nil, nil
-	}
-	if err != nil {
-		return nil, fmt.Errorf("read checkpoint of %s: %w", e.shown, err)
-	}
-	return &doc, nil
+	doc, _, err := c.readInDB(ctx, e)
+	return doc, err
 }
+
+// readInDB is read that also tells whether the db is known to exist: true with a doc, and with a
+// 404 whose reason is "missing" — the answer of CouchDB (1.x to 3.x) and PouchDB Server for a
+// missing doc in a db that exists; a missing db is "Database does not exist." (CouchDB 2+),
+// "no_db_file" (CouchDB 1.x, PouchDB Server). Any other 404 (a proxy's, say) tells nothing.
+func (c *checkpointer) readInDB(ctx context.Context, e *endpoint) (doc *checkpointDoc, dbExists bool, err error) {
+	var d checkpointDoc
+	err = e.do(ctx, http.MethodGet, c.path(e), nil, nil, &d)
+	var he *couch.HTTPError
+	switch {
+	case errors.As(err, &he) && errors.Is(err, couch.ErrNotFound):
+		return nil, he.Reason == docMissing, nil
+	case errors.Is(err, couch.ErrNotFound):
+		return nil, false, nil
+	case err != nil:
+		return nil, false, fmt.Errorf("read checkpoint of %s: %w", e.shown, err)
+	}
+	return &d, true, nil
+}
+
+// docMissing is the reason of a 404 for a missing doc in a db that exists.
+const docMissing = "missing"
 
 // write records seq with stats as this session's checkpoint on both sides (in parallel), after
 // verifying the cached checkpoint the run started from (errTargetChanged: nothing is written)

@@ -463,15 +463,18 @@ func sameCheckpoint(read, cached *checkpointDoc) bool {
 }
 
 // readCheckpoints reads both checkpoint docs in parallel. A side without one is checked for
-// existence (the only db reads a run makes, and only then): a missing source is
-// ErrSourceNotFound; a missing target is created with CreateTarget, else ErrTargetNotFound.
+// existence (the only db reads a run makes, and only then), unless the answer said the db
+// exists (see readInDB: a first run of a replication, e.g. every db of an initial sync, then
+// costs two requests, not four): a missing source is ErrSourceNotFound; a missing target is
+// created with CreateTarget, else ErrTargetNotFound.
 func (r *run) readCheckpoints(ctx context.Context, cp *checkpointer) (src, tgt *checkpointDoc, err error) {
 	var wg sync.WaitGroup
 	var srcErr, tgtErr error
 	wg.Add(2)
 	go func() {
 		defer wg.Done()
-		if src, srcErr = cp.read(ctx, r.src); srcErr != nil || src != nil {
+		var inDB bool
+		if src, inDB, srcErr = cp.readInDB(ctx, r.src); srcErr != nil || inDB {
 			return
 		}
 		ok, err := r.src.exists(ctx)
@@ -484,7 +487,8 @@ func (r *run) readCheckpoints(ctx context.Context, cp *checkpointer) (src, tgt *
 	}()
 	go func() {
 		defer wg.Done()
-		if tgt, tgtErr = cp.read(ctx, r.tgt); tgtErr != nil || tgt != nil {
+		var inDB bool
+		if tgt, inDB, tgtErr = cp.readInDB(ctx, r.tgt); tgtErr != nil || inDB {
 			return
 		}
 		ok, err := r.tgt.exists(ctx)

@@ -128,6 +128,25 @@ func TestIncrementalRequests(t *testing.T) {
 	requireSameLeaves(t, s, source, target)
 }
 
+// TestFirstRunReadsNoDBInfo: a replication's first run reads both checkpoint docs and, when the
+// 404s say the docs are missing from dbs that exist, checks neither db's existence (no HEAD):
+// at 10,000 dbs an initial sync would spend two requests per db on it. A missing db is still
+// told by its own answer (TestMissingDBs).
+func TestFirstRunReadsNoDBInfo(t *testing.T) {
+	s := couchtest.Get(t)
+	source, target := s.NewDB(t, "fsrc_"), s.NewDB(t, "ftgt_")
+	createDocs(t, s, source, "f", 5)
+	log := &requestLog{base: &http.Transport{DisableCompression: true}}
+	opt := Options{Source: dbURL(s, source), Target: dbURL(s, target), HTTPClient: &http.Client{Transport: log}}
+	res, err := Run(t.Context(), opt, testLog(t))
+	require.NoError(t, err)
+	assert.EqualValues(t, 5, res.DocsWritten)
+	reqs := log.take()
+	assert.Zero(t, count(reqs, func(r string) bool { return strings.HasPrefix(r, "HEAD ") }), "%v", reqs)
+	assert.Equal(t, 2, count(reqs, func(r string) bool { return strings.HasPrefix(r, "GET ") && strings.Contains(r, "/_local/") }), "%v", reqs)
+	requireSameLeaves(t, s, source, target)
+}
+
 // TestCheckpointCache: with the checkpoint cache and deferred checkpoints, an incremental run of
 // a new doc costs two requests (_changes with the doc, _bulk_docs: the run continues this
 // process's progress, so a small batch of new docs is written without _revs_diff, see
