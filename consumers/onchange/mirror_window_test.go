@@ -39,8 +39,11 @@ func TestMirrorFromScratchWritesWithoutReads(t *testing.T) {
 		t.Parallel()
 		servers := natstest.StartCluster(t, 3)
 		nc, js := servers[0].Connect(t)
-		_, err := js.CreateKeyValue(t.Context(), jetstream.KeyValueConfig{Bucket: "M", History: 1, Replicas: 3})
-		require.NoError(t, err)
+		var err error
+		require.Eventually(t, func() bool { // a cluster just started may not place an R3 stream yet
+			_, err = js.CreateKeyValue(t.Context(), jetstream.KeyValueConfig{Bucket: "M", History: 1, Replicas: 3})
+			return err == nil
+		}, 30*time.Second, 100*time.Millisecond, "create the bucket: %v", err)
 		st, err := js.Stream(t.Context(), "KV_M")
 		require.NoError(t, err)
 		cfg := st.CachedInfo().Config

@@ -108,9 +108,12 @@ func TestWindowsOfTwoProcessesShareAStream(t *testing.T) {
 			t.Parallel()
 			servers := natstest.StartCluster(t, 3)
 			_, js := servers[0].Connect(t)
-			_, err := js.CreateStream(t.Context(), jetstream.StreamConfig{Name: "CHG_CHANGES", Subjects: []string{"chg.>"},
-				Duplicates: time.Hour, Storage: jetstream.FileStorage, Replicas: replicas})
-			require.NoError(t, err)
+			var err error
+			require.Eventually(t, func() bool { // a cluster just started may not place an R3 stream yet
+				_, err = js.CreateStream(t.Context(), jetstream.StreamConfig{Name: "CHG_CHANGES", Subjects: []string{"chg.>"},
+					Duplicates: time.Hour, Storage: jetstream.FileStorage, Replicas: replicas})
+				return err == nil
+			}, 30*time.Second, 100*time.Millisecond, "create the stream: %v", err)
 			twoProcessWindows(t, servers[1].URL(), js)
 			st, err := js.Stream(t.Context(), "CHG_CHANGES")
 			require.NoError(t, err)
