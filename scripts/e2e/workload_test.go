@@ -337,10 +337,17 @@ func runWorkload(b *testing.B, root string, cs *couchtest.Server, up *couchtest.
 		}
 		b.Logf("%s: initial sync %v, %d of %d docs on the target", s.key, res.initialSync, onTarget, initial)
 	} else {
+		costLogged := false
+		b.Cleanup(func() { // a sync that did not end within the limit: what it cost until then
+			if !costLogged {
+				logSyncCost(b, s.key+" (not synced)", w.dbs, syncFrom, markCPU(procs, w.serverPID), snapshotAll(proxies, false), smp.snapshot())
+			}
+		})
 		waitFor(b, max(5*time.Minute, w.syncLimit), s.key+": initial sync", procs, synced)
 		res.initialSync = time.Since(started)
 		stopProfiles()
 		logSyncCost(b, s.key, w.dbs, syncFrom, markCPU(procs, w.serverPID), snapshotAll(proxies, false), smp.snapshot())
+		costLogged = true
 		// The docs are there, but jobs may still be queued: the first reconciliation sweep and
 		// the rules' catch-up both enqueue every db, and the loads' own events may still be on
 		// their way. Those runs find nothing new; the writer starts once they are done, so that
