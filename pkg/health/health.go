@@ -145,7 +145,12 @@ func (s *Server) Run(ctx context.Context) error {
 	s.listener = ln
 	s.mu.Unlock()
 	close(s.ready)
-	srv := &http.Server{Handler: s.mux, ReadHeaderTimeout: 5 * time.Second}
+	return serve(ctx, ln, s.mux)
+}
+
+// serve serves h on ln until ctx ends, then shuts the server down (2 s for requests in flight).
+func serve(ctx context.Context, ln net.Listener, h http.Handler) error {
+	srv := &http.Server{Handler: h, ReadHeaderTimeout: 5 * time.Second}
 	errc := make(chan error, 1)
 	go func() { errc <- srv.Serve(ln) }()
 	select {

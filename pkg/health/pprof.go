@@ -2,11 +2,9 @@ package health
 
 import (
 	"context"
-	"errors"
 	"net"
 	"net/http"
 	"net/http/pprof"
-	"time"
 )
 
 // RunPprof serves Go's profiling endpoints (/debug/pprof/: CPU, heap, goroutine, mutex and
@@ -27,19 +25,5 @@ func RunPprof(ctx context.Context, addr string) error {
 	if err != nil {
 		return err
 	}
-	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
-	errc := make(chan error, 1)
-	go func() { errc <- srv.Serve(ln) }()
-	select {
-	case err := <-errc:
-		return err
-	case <-ctx.Done():
-		shutCtx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
-		defer cancel()
-		_ = srv.Shutdown(shutCtx)
-		if err := <-errc; err != nil && !errors.Is(err, http.ErrServerClosed) {
-			return err
-		}
-		return nil
-	}
+	return serve(ctx, ln, mux)
 }
