@@ -11,9 +11,10 @@ import (
 	"github.com/spiegel-nats/spiegel/pkg/rules"
 )
 
-// TestPagesGrowForOutputRules: a job whose rules all publish or mirror reads pages that double
-// while they come full, up to maxGrownPage; a job with a webhook rule keeps SPIEGEL_CHANGES_BATCH;
-// a page of large docs stops the growth, and a short page does not change it.
+// TestPagesGrowForOutputRules: a job whose rules all publish or mirror reads, after a full page,
+// pages as large as its docs let fit in half of pageBytes, up to maxGrownPage; a job with a
+// webhook rule keeps SPIEGEL_CHANGES_BATCH; a short page does not change the size, and large docs
+// keep it where it is.
 func TestPagesGrowForOutputRules(t *testing.T) {
 	t.Parallel()
 	rule := func(doc string) *rules.OnChange {
@@ -34,13 +35,13 @@ func TestPagesGrowForOutputRules(t *testing.T) {
 	h := &handler{batchSize: 100}
 
 	s := h.pageSizer([]*rules.OnChange{subject, mirror})
-	var got []int
-	for range 6 {
-		n := s.next()
-		got = append(got, n)
-		s.read(n, page(n, 200))
-	}
-	assert.Equal(t, []int{100, 200, 400, 800, 1000, 1000}, got)
+	assert.Equal(t, 100, s.next())
+	s.read(100, page(100, 200))
+	assert.Equal(t, maxGrownPage, s.next(), "small docs: the largest page")
+
+	s = h.pageSizer([]*rules.OnChange{mirror})
+	s.read(100, page(100, pageBytes/2/300))
+	assert.Equal(t, 300, s.next(), "docs of a sixth of a MiB: 300 fit in half the budget")
 
 	s = h.pageSizer([]*rules.OnChange{subject, hook})
 	s.read(100, page(100, 200))
@@ -50,7 +51,7 @@ func TestPagesGrowForOutputRules(t *testing.T) {
 	s.read(100, page(99, 200))
 	assert.Equal(t, 100, s.next(), "a short page leaves the size")
 	s.read(100, page(100, pageBytes/100))
-	assert.Equal(t, 100, s.next(), "large docs stop the growth")
+	assert.Equal(t, 100, s.next(), "large docs keep the size")
 
 	h = &handler{batchSize: 5000}
 	assert.Equal(t, 5000, h.pageSizer([]*rules.OnChange{subject}).next(), "a larger SPIEGEL_CHANGES_BATCH is kept")
