@@ -60,4 +60,4 @@ vet:
 	cd scripts/benchreport && go vet ./...
 
 clean:
-	rm -rf $(BIN) .run .chaos bench-scale
+	rm -rf $(BIN) .run .chaos bench-scale bench-e2e bench-streams
