@@ -229,13 +229,8 @@ func (b *mirrorBucket) write(ctx context.Context, key string, value []byte, del 
 	if !ok {
 		return 0, fmt.Errorf("mirror %s: write key %s without a claim of its db", b.name, key)
 	}
-	msg := nats.NewMsg("$KV." + b.name + "." + key)
-	msg.Data = value
-	if del {
-		msg.Header.Set("KV-Operation", "DEL")
-	}
-	msg.Header.Set(jetstream.ExpectedLastSubjSeqHeader, strconv.FormatUint(seq, 10))
-	msg.Header.Set(jetstream.ExpectedLastSubjSeqSubjHeader, subject)
+	msg := kvWrite(b.name, key, value, del)
+	fenceOn(msg, subject, seq)
 	ack, err := b.js.PublishMsg(ctx, msg)
 	switch {
 	case err != nil && wrongLast(err):
@@ -244,6 +239,22 @@ func (b *mirrorBucket) write(ctx context.Context, key string, value []byte, del 
 		return 0, err
 	}
 	return ack.Sequence, nil
+}
+
+// kvWrite returns the message that writes value under key of bucket (a KV delete when del).
+func kvWrite(bucket, key string, value []byte, del bool) *nats.Msg {
+	msg := nats.NewMsg("$KV." + bucket + "." + key)
+	msg.Data = value
+	if del {
+		msg.Header.Set("KV-Operation", "DEL")
+	}
+	return msg
+}
+
+// fenceOn makes msg expect the fence key's subject to hold seq as its last message (see claimDB).
+func fenceOn(msg *nats.Msg, subject string, seq uint64) {
+	msg.Header.Set(jetstream.ExpectedLastSubjSeqHeader, strconv.FormatUint(seq, 10))
+	msg.Header.Set(jetstream.ExpectedLastSubjSeqSubjHeader, subject)
 }
 
 // attempt returns the mirror write of change c of db into bucket as a retryable action: the
@@ -593,17 +604,11 @@ func (m *mirrorWriter) writeWindow(ctx context.Context, bucket, db string, acts 
 		if !c.Deleted && (len(c.Doc) == 0 || len(c.Doc) > b.maxValue) {
 			continue
 		}
-		msg := nats.NewMsg("$KV." + bucket + "." + key)
-		if c.Deleted {
-			msg.Header.Set("KV-Operation", "DEL")
-		} else {
-			msg.Data = c.Doc
+		var value []byte
+		if !c.Deleted {
+			value = c.Doc
 		}
-		writes = append(writes, write{i: i, key: key, del: c.Deleted, msg: msg})
-	}
-	fenced := func(msg *nats.Msg) {
-		msg.Header.Set(jetstream.ExpectedLastSubjSeqHeader, strconv.FormatUint(fenceSeq, 10))
-		msg.Header.Set(jetstream.ExpectedLastSubjSeqSubjHeader, fenceSubject)
+		writes = append(writes, write{i: i, key: key, del: c.Deleted, msg: kvWrite(bucket, key, value, c.Deleted)})
 	}
 	stored := func(w write, seq uint64) {
 		done[w.i] = true
@@ -622,7 +627,7 @@ func (m *mirrorWriter) writeWindow(ctx context.Context, bucket, db string, acts 
 			for j, w := range chunk {
 				msgs[j] = w.msg
 			}
-			fenced(msgs[0])
+			fenceOn(msgs[0], fenceSubject, fenceSeq)
 			seq, err := sendAtomic(ctx, b.nc, msgs, timeout)
 			switch {
 			case errors.Is(err, errFenced):
@@ -642,7 +647,7 @@ func (m *mirrorWriter) writeWindow(ctx context.Context, bucket, db string, acts 
 	}
 	var sent []pending
 	for _, w := range writes {
-		fenced(w.msg)
+		fenceOn(w.msg, fenceSubject, fenceSeq)
 		fut, err := ap.PublishMsgAsync(w.msg, jetstream.WithRetryAttempts(0))
 		if err != nil {
 			break
