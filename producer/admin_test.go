@@ -82,6 +82,7 @@ func TestUninstallAsksFirst(t *testing.T) {
 
 	err = runUninstall(t.Context(), &cfg, discardLogger(), cmdIO{args: []string{"--yes"}, stdin: strings.NewReader(""), stdout: &out, stderr: &errOut})
 	require.NoError(t, err)
+	assert.Contains(t, out.String(), "db identities (_local/spiegel_db in the watched dbs): kept")
 	_, err = e.JS.Stream(t.Context(), "SPIEGEL_WORK")
 	assert.Error(t, err)
 	assert.Error(t, e.Couch.Do(t, "GET", "/"+e.cfg.DBName, nil, nil), "spiegel db still there")

@@ -290,6 +290,9 @@ func Uninstall(ctx context.Context, d *producer.Conns, log *logrus.Logger, keepD
 		return err
 	}
 	fmt.Fprintf(out, "on_change checkpoints (_local docs in the watched dbs): %d removed\n", n)
+	// Every installation on the server shares a db's identity: deleting it would make the others
+	// start their rules over in the db.
+	fmt.Fprintf(out, "db identities (_local/%s in the watched dbs): kept, shared with any other installation on this server\n", checkpoint.IdentityID)
 	if err := natsjs.Remove(ctx, d.JS, d.Topo); err != nil {
 		return err
 	}
