@@ -135,16 +135,17 @@ func TestCheckpointRewrittenAtTheSameSeq(t *testing.T) {
 	e.enqueue(t, db)
 	s.waitHits(t, 20*time.Second, hasID("a1"), "a1 delivered")
 	require.Eventually(t, func() bool { return e.caughtUp(t, "r", db) }, 10*time.Second, 20*time.Millisecond)
-	// The _local doc is written (LocalEvery batches only later writes) and the cache holds it.
+	// The _local doc is written (by the rule's first run, at the beginning: LocalEvery batches
+	// the later writes) and the cache holds the seq after a1.
 	path := "/" + couchtest.PathDB(db) + "/_local/spiegel_onchange_r"
 	var doc map[string]any
 	require.Eventually(t, func() bool { return e.Couch.Do(t, http.MethodGet, path, nil, &doc) == nil }, 10*time.Second, 50*time.Millisecond)
 	seq, _ := e.checkpoint(t, "r", db)
-	require.Equal(t, seq, doc["last_seq"], "the doc holds the cached seq")
+	require.NotEmpty(t, seq)
 
-	// Another checkpoint of the same name is written at the same seq (a new lineage: the db
+	// Another checkpoint of the same name is written at the cached seq (a new lineage: the db
 	// was recreated and another consumer wrote it), the cache entry untouched.
-	doc["instance"] = "another-lineage"
+	doc["instance"], doc["last_seq"] = "another-lineage", seq
 	require.NoError(t, e.Couch.Do(t, http.MethodPut, path, doc, nil))
 	e.enqueue(t, db) // finds nothing after the cached seq, checks the doc, starts over from it
 	require.Eventually(t, func() bool { return strings.Contains(e.Logs.String(), "starting over") }, 20*time.Second, 50*time.Millisecond)

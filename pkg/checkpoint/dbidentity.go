@@ -35,6 +35,50 @@ type identityDoc struct {
 type identities struct {
 	mu      sync.Mutex
 	flights map[string]*identityFlight // "read:"/"ensure:" + db → the request under way
+	made    map[string]madeIdentity    // db → the identity this process created there lately
+}
+
+// madeIdentity is an identity this process created, and when.
+type madeIdentity struct {
+	id string
+	at time.Time
+}
+
+// madeKeep is how long the identities this process created are remembered (identities.made): for
+// a rule of the same job that read the db's identity missing before another rule created it, and
+// asks to create it after that creation ended (an overlapping ask shares the creation). Only an
+// identity created after the asker's read is taken: one created before it, which that read did
+// not see, was of an earlier db of the name.
+const madeKeep = time.Minute
+
+// remember records id as created in db now, forgetting the identities older than madeKeep once
+// there are many.
+func (ids *identities) remember(db, id string) {
+	ids.mu.Lock()
+	defer ids.mu.Unlock()
+	if ids.made == nil {
+		ids.made = map[string]madeIdentity{}
+	}
+	now := time.Now()
+	if len(ids.made) >= 1024 {
+		for k, m := range ids.made {
+			if now.Sub(m.at) > madeKeep {
+				delete(ids.made, k)
+			}
+		}
+	}
+	ids.made[db] = madeIdentity{id, now}
+}
+
+// madeSince returns the identity this process created in db after since, less than madeKeep
+// ago ("": none).
+func (ids *identities) madeSince(db string, since time.Time) string {
+	ids.mu.Lock()
+	defer ids.mu.Unlock()
+	if m, ok := ids.made[db]; ok && m.at.After(since) && time.Since(m.at) <= madeKeep {
+		return m.id
+	}
+	return ""
 }
 
 type identityFlight struct {
@@ -86,20 +130,34 @@ func (s *OnChangeStore) readIdentity(ctx context.Context, db string) (string, er
 // a new db at the same moment as the db's current job can leave that job's checkpoints naming
 // an id the db no longer has, and its next run starts over (a spurious start over, never a
 // missed one).
-func (s *OnChangeStore) ensureIdentity(ctx context.Context, db string) (string, error) {
+//
+// noneAt, when not zero, is when the caller read the identity missing (Load, Verify): the
+// identity is then created without reading it once more — unless this process created one in
+// db since (another rule of the same job did), which is taken. That spares every db of an
+// initial sync one request (1 of on_change's 6); the window it leaves to another creator is
+// the one a read before the PUT leaves on CouchDB 3 anyway, only longer by the caller's work
+// between the two.
+func (s *OnChangeStore) ensureIdentity(ctx context.Context, db string, noneAt time.Time) (string, error) {
 	return s.ids.share(ctx, "ensure:"+db, func(ctx context.Context) (string, error) {
-		id, err := s.getIdentity(ctx, db)
-		if err != nil || id != "" {
-			return id, err
+		readNone := !noneAt.IsZero()
+		if id := s.ids.madeSince(db, noneAt); readNone && id != "" {
+			return id, nil
+		}
+		if !readNone {
+			id, err := s.getIdentity(ctx, db)
+			if err != nil || id != "" {
+				return id, err
+			}
 		}
 		d := identityDoc{ID: newInstance(), CreatedAt: time.Now().UTC()}
-		err = s.couch.DoIdempotent(ctx, http.MethodPut, identityPath(s.couch, db), nil, d, nil)
+		err := s.couch.DoIdempotent(ctx, http.MethodPut, identityPath(s.couch, db), nil, d, nil)
 		switch {
 		case isConflict(err):
 			return s.getIdentity(ctx, db)
 		case err != nil:
 			return "", fmt.Errorf("create the identity of %s: %w", db, err)
 		}
+		s.ids.remember(db, d.ID)
 		return d.ID, nil
 	})
 }

@@ -104,6 +104,30 @@ func TestRulesBeginningAtOnceShareTheIdentity(t *testing.T) {
 	}
 }
 
+// TestRuleBeginningAfterAnotherTakesItsIdentity: two rules of a job read a new db's identity
+// missing, then begin one after the other. The second creates no identity of its own over the
+// first's (a server that lets every _local PUT win, as CouchDB 3 does, would keep it): it takes
+// the one this process has just created, so both checkpoints name the identity the db keeps.
+func TestRuleBeginningAfterAnotherTakesItsIdentity(t *testing.T) {
+	e := newFenceEnv(t)
+	ctx := t.Context()
+	s := e.proxied(t, e.kv)
+	a, err := s.Load(ctx, "a", e.db)
+	require.NoError(t, err)
+	b, err := s.Load(ctx, "b", e.db)
+	require.NoError(t, err)
+	require.NoError(t, s.Begin(ctx, &a))
+	require.NoError(t, s.Begin(ctx, &b))
+	id := e.identity(t)
+	require.NotEmpty(t, id)
+	for _, r := range []string{"a", "b"} {
+		assert.Equal(t, id, e.doc(t, r).DBID, "rule %s", r)
+		p, err := s.Load(ctx, r, e.db)
+		require.NoError(t, err)
+		assert.NoError(t, s.Verify(ctx, &p), "rule %s", r)
+	}
+}
+
 // TestLateWriteOfTheOldDBLeavesTheNewCheckpoint: a holder of the old db whose _local write lands
 // after the db was created again and the rule began there writes the old db's checkpoint over
 // the new one's (CouchDB 3). The entry, which is the new db's, stays in charge: no start over

@@ -108,6 +108,7 @@ type OnChangePoint struct {
 	instance string    // the checkpoint's lineage, kept in its doc and entry ("": unknown)
 	dbID     string    // the identity of the db the checkpoint is of, kept in its doc and entry ("": unknown)
 	dbSeen   string    // the db's identity as the run last read it ("": none, or not read)
+	dbNoneAt time.Time // when the run read the db's identity and found none (zero: it did not)
 	storedAt time.Time // when the _local doc was last written (zero: unknown)
 	kvRev    uint64    // the fencing token: the entry's revision read or last written (0: none)
 	cached   bool      // read from the cache, not from CouchDB
@@ -209,11 +210,12 @@ func (s *OnChangeStore) Load(ctx context.Context, rule, db string) (OnChangePoin
 			p.kvRev = e.Revision() // unreadable: the doc decides, the first Save replaces the entry
 		}
 	}
+	readAt := time.Now()
 	d, found, dbID, err := s.readWithIdentity(ctx, rule, db)
 	if err != nil {
 		return p, err
 	}
-	p.dbSeen = dbID
+	p.dbSeen, p.dbNoneAt = dbID, noneAt(dbID, readAt)
 	if found && d.DBID != "" && d.DBID != dbID {
 		// The doc is of an earlier db of this name (a write that landed after the db was created
 		// again): this db has no checkpoint of the rule.
@@ -225,6 +227,14 @@ func (s *OnChangeStore) Load(ctx context.Context, rule, db string) (OnChangePoin
 		p.dbID = d.DBID
 	}
 	return p, nil
+}
+
+// noneAt is readAt when id, the identity read then, is none; zero otherwise.
+func noneAt(id string, readAt time.Time) time.Time {
+	if id != "" {
+		return time.Time{}
+	}
+	return readAt
 }
 
 // Cached reports whether p was read from the cache, so that Verify has something to check.
@@ -260,11 +270,12 @@ func (s *OnChangeStore) Verify(ctx context.Context, p *OnChangePoint) error {
 	if !p.cached {
 		return nil
 	}
+	readAt := time.Now()
 	d, found, dbID, err := s.readWithIdentity(ctx, p.Rule, p.DB)
 	if err != nil {
 		return fmt.Errorf("verify: %w", err)
 	}
-	p.dbSeen = dbID
+	p.dbSeen, p.dbNoneAt = dbID, noneAt(dbID, readAt)
 	switch {
 	case p.dbID != "" && p.dbID != dbID: // the db was created again
 		return s.moved(ctx, p, "verify")
@@ -322,7 +333,7 @@ func (s *OnChangeStore) save(ctx context.Context, p *OnChangePoint, seq string, 
 		id := p.dbSeen
 		if id == "" {
 			var err error
-			if id, err = s.ensureIdentity(ctx, p.DB); err != nil {
+			if id, err = s.ensureIdentity(ctx, p.DB, p.dbNoneAt); err != nil {
 				return fmt.Errorf("save checkpoint of rule %s in %s: %w", p.Rule, p.DB, err)
 			}
 		}
@@ -367,8 +378,12 @@ func (s *OnChangeStore) save(ctx context.Context, p *OnChangePoint, seq string, 
 // doc and the cache entry — before its run reads anything of the db: a db deleted and created
 // again meanwhile has lost the doc, so the run's first save finds it gone (ErrMoved) instead of
 // creating a doc in the new db with the old db's seq. The checkpoint records the db's identity,
-// which the first checkpoint to begin in a db creates (see IdentityID). The first Save after it
-// writes the doc again whatever LocalEvery says (the doc holds no progress yet).
+// which the first checkpoint to begin in a db creates (see IdentityID). Later Saves write the
+// doc as after any other write of it (LocalEvery, LocalChanges): until then it says "from the
+// beginning", so a cache lost meanwhile makes the rule act on those changes again (at least
+// once), and a db deleted and created again meanwhile is told by the next run's Verify (the
+// identity the entry names is gone). (Writing it again at the first Save cost every db of an
+// initial sync one more request: 1 of on_change's 7.)
 //
 // The point Begin leaves is not Cached: like one Load read from CouchDB, it needs no Verify. Its
 // run read the doc and the identity (Load) and wrote both itself; what Verify would read now is
@@ -379,7 +394,7 @@ func (s *OnChangeStore) Begin(ctx context.Context, p *OnChangePoint) error {
 	if err := s.save(ctx, p, "", true); err != nil {
 		return err
 	}
-	p.storedAt, p.cached = time.Time{}, false
+	p.cached = false
 	return nil
 }
 

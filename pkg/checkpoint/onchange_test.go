@@ -147,6 +147,34 @@ func TestOnChangeStoreLocalChanges(t *testing.T) {
 	assert.Equal(t, "8-x", doc())
 }
 
+// TestOnChangeStoreBeginThenTrail: the doc Begin writes counts as written for LocalEvery: the
+// first page's save moves the entry only (in an initial sync, a request less per db), and a lost
+// entry falls back to the beginning — the first page acted on again, nothing skipped.
+func TestOnChangeStoreBeginThenTrail(t *testing.T) {
+	a, _, db := newOnChangeStores(t)
+	a.LocalEvery = time.Hour
+	ctx := t.Context()
+	p, err := a.Load(ctx, "r", db)
+	require.NoError(t, err)
+	require.NoError(t, a.Begin(ctx, &p))
+	p.Acted(3)
+	require.NoError(t, a.Save(ctx, &p, "3-x"))
+	doc, found, err := a.readDoc(ctx, "r", db)
+	require.NoError(t, err)
+	require.True(t, found, "Begin wrote the doc")
+	assert.Empty(t, doc.LastSeq, "the first save left the doc at the beginning")
+	cached, err := a.Load(ctx, "r", db)
+	require.NoError(t, err)
+	assert.Equal(t, "3-x", cached.LastSeq, "the entry holds the first page's end")
+	require.NoError(t, a.Verify(ctx, &cached))
+
+	a.Forget(ctx, "r", db)
+	lost, err := a.Load(ctx, "r", db)
+	require.NoError(t, err)
+	assert.True(t, lost.Found)
+	assert.Empty(t, lost.LastSeq, "without the entry: from the beginning again")
+}
+
 // TestOnChangeStoreLocalEvery: with LocalEvery, saves within the interval move the cache entry
 // only; the _local doc trails it (what a lost entry falls back to), is still what Verify checks,
 // and is written again once the interval is over. A replay still wins.
