@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/sirupsen/logrus"
+	"golang.org/x/time/rate"
 
 	"github.com/spiegel-nats/spiegel/pkg/backoff"
 	"github.com/spiegel-nats/spiegel/pkg/checkpoint"
@@ -51,6 +52,8 @@ type producer struct {
 	// askChanged replaces couch.ChangedSince in the sweep's question to CouchDB (tests; nil:
 	// the client's).
 	askChanged func(ctx context.Context, db, since string) (bool, error)
+	// asks paces those questions (changedSince; nil: unpaced).
+	asks *rate.Limiter
 
 	feedMu     sync.Mutex // guards the fields below; never held across network I/O
 	source     string

@@ -21,6 +21,7 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/sirupsen/logrus"
+	"golang.org/x/time/rate"
 
 	"github.com/spiegel-nats/spiegel/pkg/checkpoint"
 	"github.com/spiegel-nats/spiegel/pkg/config"
@@ -134,6 +135,7 @@ func Run(ctx context.Context, cfg *config.Producer, log *logrus.Logger) error {
 		metrics: producerMetrics{m: pm},
 		resync:  make(chan struct{}, 1),
 		feedUp:  make(chan struct{}),
+		asks:    rate.NewLimiter(sweepAsksPerSecond, sweepAsksPerSecond),
 	}
 	dropper, err := checkpoint.NewCacheDropper(ctx, d.JS, kv)
 	if err != nil {

@@ -4,9 +4,11 @@ import (
 	"context"
 	"errors"
 	"testing"
+	"time"
 
 	"github.com/sirupsen/logrus"
 	"github.com/stretchr/testify/assert"
+	"golang.org/x/time/rate"
 
 	"github.com/spiegel-nats/spiegel/pkg/events"
 	"github.com/spiegel-nats/spiegel/pkg/reconcile"
@@ -152,4 +154,25 @@ func TestSweepWithoutRecordsAsksWhenStringsDiffer(t *testing.T) {
 	assert.Equal(t, []string{clusterSeqA, clusterSeqA, "7"}, asked)
 	assert.True(t, p.changedSincePrev(ctx, "userdb", "", "8"), "a db the previous sweep did not list")
 	assert.Len(t, asked, 3, "a missing seq is not asked about")
+}
+
+// The sweep's questions are paced: a sweep asks no faster than its limiter allows, and one
+// whose context ends while it waits for its turn asks nothing more (the db counts as due).
+func TestSweepAsksArePaced(t *testing.T) {
+	ctx, cancel := context.WithCancel(t.Context())
+	defer cancel()
+	asked := 0
+	p := &producer{log: logrus.New(), asks: rate.NewLimiter(rate.Every(time.Hour), 3),
+		askChanged: func(context.Context, string, string) (bool, error) {
+			asked++
+			if asked == 3 {
+				cancel() // the sweep ends while the fourth question waits for its turn
+			}
+			return false, nil
+		}}
+	for range 3 {
+		assert.False(t, p.changedSince(ctx, "userdb", clusterSeqA), "answered: no change")
+	}
+	assert.True(t, p.changedSince(ctx, "userdb", clusterSeqA), "not asked: due")
+	assert.Equal(t, 3, asked, "the burst only")
 }
