@@ -131,7 +131,8 @@ func markCPU(procs []*proc, serverPID int) cpuMark {
 }
 
 // logSyncCost logs what the initial sync of dbs took: requests per process and endpoint, CPU,
-// and the work queues every 10 s from the samples.
+// and the work queues every 10 s from the samples; with BENCH_REPORT_DIR also into
+// sync-<setup>-<dbs>.txt there (a benchmark's log is cut after a few lines).
 func logSyncCost(b testing.TB, setup string, dbs int, from, to cpuMark, counts map[string]proxySnapshot, samples []benchdata.Sample) {
 	secs := to.at.Sub(from.at).Seconds()
 	var sb strings.Builder
@@ -177,4 +178,10 @@ func logSyncCost(b testing.TB, setup string, dbs int, from, to cpuMark, counts m
 		prev = s
 	}
 	b.Log(sb.String())
+	if dir := os.Getenv("BENCH_REPORT_DIR"); dir != "" {
+		name := filepath.Join(dir, fmt.Sprintf("sync-%s-%d.txt", setup, dbs))
+		if err := os.WriteFile(name, []byte(sb.String()), 0o644); err != nil {
+			b.Logf("write %s: %v", name, err)
+		}
+	}
 }
