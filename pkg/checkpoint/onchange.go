@@ -59,7 +59,8 @@ var ErrFenced = errors.New("fenced: another holder wrote the checkpoint since th
 //
 // A job that makes progress costs its _changes read, the _local read, the identity read (shared
 // by the job's rules, see identities) and a _local write (at most one per LocalEvery, see Save);
-// the first checkpoint of a db creates its identity (a read and a write, once). Every CouchDB
+// the first checkpoint of a db creates its identity (a write, once, after Load found none) and
+// writes its doc (Begin; the first page's Save then moves the entry only). Every CouchDB
 // request ends at the client's request timeout. Safe for concurrent use.
 type OnChangeStore struct {
 	couch *couch.Client
