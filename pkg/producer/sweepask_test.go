@@ -176,3 +176,40 @@ func TestSweepAsksArePaced(t *testing.T) {
 	assert.True(t, p.changedSince(ctx, "userdb", clusterSeqA), "not asked: due")
 	assert.Equal(t, 3, asked, "the burst only")
 }
+
+// A record written after the sweep read the records (none then, or another one) is of a job that
+// ended during the sweep: it covers the db as the sweep read it, and is not asked about. The
+// record the sweep read is asked about as before.
+func TestSweepTakesRecordsWrittenSinceItsRead(t *testing.T) {
+	key := reconcile.Key(events.GroupOnChange, "userdb")
+	onc := []events.Group{events.GroupOnChange}
+	for _, tc := range []struct {
+		name      string
+		read      reconcile.Done
+		wantAsked int
+	}{
+		{name: "no record when the sweep read them", read: reconcile.Done{}},
+		{name: "another record when the sweep read them", read: reconcile.Done{key: "7"}},
+		{name: "the record the sweep read", read: reconcile.Done{key: clusterSeqA}, wantAsked: 1},
+		{name: "unknown what the sweep read", read: nil, wantAsked: 1},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			asked := 0
+			p := &producer{
+				done: &doneRecords{records: fixedRecords{key: clusterSeqA}},
+				log:  logrus.New(),
+				askChanged: func(context.Context, string, string) (bool, error) {
+					asked++
+					return true, nil
+				},
+			}
+			due := p.stillDue(t.Context(), "userdb", clusterSeqB, onc, tc.read)
+			assert.Equal(t, tc.wantAsked, asked)
+			if tc.wantAsked == 0 {
+				assert.Empty(t, due, "covered by a job that ended during the sweep")
+			} else {
+				assert.Equal(t, onc, due, "asked: changed since")
+			}
+		})
+	}
+}
