@@ -130,10 +130,10 @@ func markCPU(procs []*proc, serverPID int) cpuMark {
 	return m
 }
 
-// logSyncCost logs what the initial sync of dbs took: requests per process and endpoint, CPU,
-// and the work queues every 10 s from the samples; with BENCH_REPORT_DIR also into
+// logSyncCost logs what the initial sync of dbs took: requests per process and endpoint, the
+// sweep's questions to CouchDB, CPU, and the work queues every 10 s from the samples; with BENCH_REPORT_DIR also into
 // sync-<setup>-<dbs>.txt there (a benchmark's log is cut after a few lines).
-func logSyncCost(b testing.TB, setup string, dbs int, from, to cpuMark, counts map[string]proxySnapshot, samples []benchdata.Sample) {
+func logSyncCost(b testing.TB, setup string, dbs int, from, to cpuMark, counts map[string]proxySnapshot, samples []benchdata.Sample, sweep string) {
 	secs := to.at.Sub(from.at).Seconds()
 	var sb strings.Builder
 	fmt.Fprintf(&sb, "%s: initial sync cost over %.1f s (load average now %s)\n", setup, secs, loadAvg())
@@ -151,6 +151,9 @@ func logSyncCost(b testing.TB, setup string, dbs int, from, to cpuMark, counts m
 		}
 	}
 	fmt.Fprintf(&sb, "  all: %d requests, %.2f per db, %.0f per second\n", total, float64(total)/float64(dbs), float64(total)/secs)
+	if sweep != "" {
+		fmt.Fprintf(&sb, "  the sweep's questions to CouchDB (spiegel_sweep_checks_total, since the producer started): %s\n", sweep)
+	}
 	for _, name := range slices.Sorted(maps.Keys(to.cpu)) {
 		d := to.cpu[name] - from.cpu[name]
 		fmt.Fprintf(&sb, "  CPU %-10s %7.1f s  %.2f cores  %.2f ms per db\n", name, d, d/secs, 1000*d/float64(dbs))

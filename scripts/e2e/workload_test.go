@@ -340,13 +340,13 @@ func runWorkload(b *testing.B, root string, cs *couchtest.Server, up *couchtest.
 		costLogged := false
 		b.Cleanup(func() { // a sync that did not end within the limit: what it cost until then
 			if !costLogged {
-				logSyncCost(b, s.key+" (not synced)", w.dbs, syncFrom, markCPU(procs, w.serverPID), snapshotAll(proxies, false), smp.snapshot())
+				logSyncCost(b, s.key+" (not synced)", w.dbs, syncFrom, markCPU(procs, w.serverPID), snapshotAll(proxies, false), smp.snapshot(), sweepChecks(b, procs))
 			}
 		})
 		waitFor(b, max(5*time.Minute, w.syncLimit), s.key+": initial sync", procs, synced)
 		res.initialSync = time.Since(started)
 		stopProfiles()
-		logSyncCost(b, s.key, w.dbs, syncFrom, markCPU(procs, w.serverPID), snapshotAll(proxies, false), smp.snapshot())
+		logSyncCost(b, s.key, w.dbs, syncFrom, markCPU(procs, w.serverPID), snapshotAll(proxies, false), smp.snapshot(), sweepChecks(b, procs))
 		costLogged = true
 		// The docs are there, but jobs may still be queued: the first reconciliation sweep and
 		// the rules' catch-up both enqueue every db, and the loads' own events may still be on
@@ -536,6 +536,22 @@ func loadDBs(b *testing.B, cs *couchtest.Server, writer *couchtest.Server, users
 	if err != nil {
 		b.Fatal(err)
 	}
+}
+
+// sweepChecks returns the producer's spiegel_sweep_checks_total by answer ("" without a
+// producer): the sweep's questions to CouchDB.
+func sweepChecks(b testing.TB, procs []*proc) string {
+	for _, p := range procs {
+		if p.name == "producer" {
+			m := healthtest.Scrape(b, p.addr)
+			var parts []string
+			for _, then := range []string{"unchanged", "changed", "failed"} {
+				parts = append(parts, fmt.Sprintf("%s %.0f", then, m.Get("spiegel_sweep_checks_total", "then", then)))
+			}
+			return strings.Join(parts, ", ")
+		}
+	}
+	return ""
 }
 
 // hotFeedsOpened returns the producer's spiegel_hot_feeds_opened_total (-1 without a producer).
