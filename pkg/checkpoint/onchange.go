@@ -45,7 +45,8 @@ var ErrFenced = errors.New("fenced: another holder wrote the checkpoint since th
 //     the claim. CouchDB 3 does not check the revs of _local docs, so the entry, not the doc's
 //     rev, is what orders holders; PouchDB Server's rev check is a second fence.
 //   - Verification. The cache is never trusted alone: Verify reads the _local doc and the db's
-//     identity doc (IdentityID), in parallel with each other and with the run's first _changes
+//     identity doc (IdentityID), with one request where the server has POST /{db}/_local_docs
+//     (CouchDB 2+; two GETs in parallel elsewhere), in parallel with the run's first _changes
 //     page. Every checkpoint records the identity of its db, created by the first checkpoint
 //     that begins there: a db without it, or with another, is not the checkpoint's db — it was
 //     deleted and created again, whatever its seqs and whatever checkpoint doc a late write left
@@ -57,8 +58,9 @@ var ErrFenced = errors.New("fenced: another holder wrote the checkpoint since th
 //     no checkpoint. Seqs are never read for any of this: a shard copy that CouchDB rebuilt
 //     (new shard files in the seqs, the same db) keeps the identity.
 //
-// A job that makes progress costs its _changes read, the _local read, the identity read (shared
-// by the job's rules, see identities) and a _local write (at most one per LocalEvery, see Save);
+// A job that makes progress costs its _changes read, one read of both _local docs per rule on
+// CouchDB (on PouchDB Server the _local read and the identity read, shared by the job's rules,
+// see identities) and a _local write (at most one per LocalEvery, see Save);
 // the first checkpoint of a db creates its identity (a write, once, after Load found none) and
 // writes its doc (Begin; the first page's Save then moves the entry only). Every CouchDB
 // request ends at the client's request timeout. Safe for concurrent use.
@@ -185,7 +187,7 @@ func (p *OnChangePoint) entry(seq string) []byte {
 }
 
 // Load returns the checkpoint of rule in db and the run's fencing token: from the cache, else
-// from the _local doc, read with the db's identity (in parallel). A cache that does not answer
+// from the _local doc, read with the db's identity (readWithIdentity). A cache that does not answer
 // is an error (transient): the doc may trail the entry, so falling back to it would go back. A
 // missing checkpoint is Found false; so is a doc naming another identity than the db's (one of
 // an earlier db of the name), and a missing db (the caller's _changes read tells).
@@ -264,9 +266,10 @@ func (s *OnChangeStore) readDoc(ctx context.Context, rule, db string) (localDoc,
 // rewritten by the next Save (the entry is the checkpoint: a holder writes the doc only after
 // moving the entry). An entry of an earlier release names no identity: the lineage alone
 // decides, and the next Save records the identity. A CouchDB or cache that does not answer is
-// a transient error; an entry moved by another holder meanwhile is ErrFenced. It makes two
-// CouchDB requests in parallel (the identity read is shared with the job's other rules, see
-// identities) and, on ErrMoved, one cache write. p is updated.
+// a transient error; an entry moved by another holder meanwhile is ErrFenced. It makes one
+// CouchDB request (two in parallel on a server without POST /{db}/_local_docs, the identity
+// read shared with the job's other rules, see identities) and, on ErrMoved, one cache write. p
+// is updated.
 func (s *OnChangeStore) Verify(ctx context.Context, p *OnChangePoint) error {
 	if !p.cached {
 		return nil
