@@ -144,15 +144,12 @@ func (s *OnChangeStore) readIdentity(ctx context.Context, db string) (string, er
 // between the two.
 func (s *OnChangeStore) ensureIdentity(ctx context.Context, db string, noneAt time.Time) (string, error) {
 	return s.ids.share(ctx, "ensure:"+db, func(ctx context.Context) (string, error) {
-		readNone := !noneAt.IsZero()
-		if id := s.ids.madeSince(db, noneAt); readNone && id != "" {
-			return id, nil
-		}
-		if !readNone {
-			id, err := s.getIdentity(ctx, db)
-			if err != nil || id != "" {
+		if noneAt.IsZero() {
+			if id, err := s.getIdentity(ctx, db); err != nil || id != "" {
 				return id, err
 			}
+		} else if id := s.ids.madeSince(db, noneAt); id != "" {
+			return id, nil
 		}
 		d := identityDoc{ID: newInstance(), CreatedAt: time.Now().UTC()}
 		err := s.couch.DoIdempotent(ctx, http.MethodPut, identityPath(s.couch, db), nil, d, nil)
