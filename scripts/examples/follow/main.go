@@ -100,21 +100,13 @@ func Follow(ctx context.Context, js jetstream.JetStream, opt Options, handle fun
 	if err != nil {
 		return fmt.Errorf("consume %s on stream %s: %w", opt.Subject, opt.Stream, err)
 	}
-	var opts []jetstream.PullMessagesOpt
-	if opt.Durable != "" {
-		// One message at a time: no acknowledged-later change waits in the client when the
-		// service stops.
-		opts = append(opts, jetstream.PullMaxMessages(1))
-	}
-	msgs, err := cons.Messages(opts...)
+	next, stop, err := reader(ctx, cons, opt.Durable != "")
 	if err != nil {
 		return fmt.Errorf("consume %s on stream %s: %w", opt.Subject, opt.Stream, err)
 	}
-	stop := context.AfterFunc(ctx, msgs.Stop)
 	defer stop()
-	defer msgs.Stop()
 	for {
-		m, err := msgs.Next()
+		m, err := next()
 		if err != nil {
 			if ctx.Err() != nil || errors.Is(err, jetstream.ErrMsgIteratorClosed) {
 				return nil
@@ -122,8 +114,8 @@ func Follow(ctx context.Context, js jetstream.JetStream, opt Options, handle fun
 			return fmt.Errorf("read %s: %w", opt.Subject, err)
 		}
 		if ctx.Err() != nil {
-			// Stopped: the iterator may still hand out what it holds (Stop runs on another
-			// goroutine). Left unacknowledged, a durable consumer's message comes again.
+			// Stopped: the reader may still hand out what it holds. Left unacknowledged, a
+			// durable consumer's message comes again.
 			return nil
 		}
 		var c Change
@@ -147,6 +139,40 @@ func Follow(ctx context.Context, js jetstream.JetStream, opt Options, handle fun
 			}
 		}
 	}
+}
+
+// fetchWait bounds each one-message request of a durable reader; a request left on the server
+// by a stopped reader lives at most this long.
+const fetchWait = 5 * time.Second
+
+// reader returns the next message of cons until ctx ends, and a stop func. An ordered consumer
+// reads through a Messages iterator; a durable one asks for one message at a time, so no
+// acknowledged-later change waits in the client when the service stops. Each of those is its own
+// request (Next) rather than an iterator capped at one message, whose next request can be skipped
+// when a message comes back before the previous request's send finished, leaving the reader idle
+// until the iterator's heartbeat check (30 s).
+func reader(ctx context.Context, cons jetstream.Consumer, durable bool) (next func() (jetstream.Msg, error), stop func(), err error) {
+	if durable {
+		return func() (jetstream.Msg, error) {
+			for {
+				fctx, cancel := context.WithTimeout(ctx, fetchWait)
+				m, err := cons.Next(jetstream.FetchContext(fctx))
+				cancel()
+				if m != nil || ctx.Err() != nil {
+					return m, err
+				}
+				if err != nil && !errors.Is(err, nats.ErrTimeout) && !errors.Is(err, context.DeadlineExceeded) {
+					return nil, err
+				}
+			}
+		}, func() {}, nil
+	}
+	msgs, err := cons.Messages()
+	if err != nil {
+		return nil, nil, err
+	}
+	after := context.AfterFunc(ctx, msgs.Stop)
+	return func() (jetstream.Msg, error) { return msgs.Next() }, func() { after(); msgs.Stop() }, nil
 }
 
 // State is the latest revision of every doc, rebuilt from a change stream.
