@@ -25,16 +25,15 @@ func TestStreamWatchTellsLossFromLimits(t *testing.T) {
 	ctx := t.Context()
 	cfg := jetstream.StreamConfig{Name: "SPIEGEL_CHANGES", Subjects: []string{"spiegel.changes.>"}, MaxMsgs: 5}
 	create := func(n int) {
-		if err := js.DeleteStream(ctx, cfg.Name); !errors.Is(err, jetstream.ErrStreamNotFound) {
-			require.NoError(t, err)
-		}
-		require.Eventually(t, func() bool { // a stream's deletion completes after its answer
-			_, err := js.Stream(ctx, cfg.Name)
-			return errors.Is(err, jetstream.ErrStreamNotFound)
-		}, 10*time.Second, 10*time.Millisecond)
-		st, err := js.CreateStream(ctx, cfg)
-		require.NoError(t, err)
-		require.Zero(t, st.CachedInfo().State.Msgs, "a new stream")
+		// A deletion completes after its answer, and a create meanwhile returns the old stream:
+		// delete and create until the stream is new.
+		require.Eventually(t, func() bool {
+			if err := js.DeleteStream(ctx, cfg.Name); err != nil && !errors.Is(err, jetstream.ErrStreamNotFound) {
+				return false
+			}
+			st, err := js.CreateStream(ctx, cfg)
+			return err == nil && st.CachedInfo().State.LastSeq == 0
+		}, 10*time.Second, 10*time.Millisecond, "a new stream")
 		publish(t, js, n)
 	}
 	w := &streamWatch{js: js, name: cfg.Name}
