@@ -541,27 +541,35 @@ func loadDBs(b *testing.B, cs *couchtest.Server, writer *couchtest.Server, users
 // sweepChecks returns the producer's spiegel_sweep_checks_total by answer ("" without a
 // producer): the sweep's questions to CouchDB.
 func sweepChecks(b testing.TB, procs []*proc) string {
-	for _, p := range procs {
-		if p.name == "producer" {
-			m := healthtest.Scrape(b, p.addr)
-			var parts []string
-			for _, then := range []string{"unchanged", "changed", "failed"} {
-				parts = append(parts, fmt.Sprintf("%s %.0f", then, m.Get("spiegel_sweep_checks_total", "then", then)))
-			}
-			return strings.Join(parts, ", ")
-		}
+	p := producerProc(procs)
+	if p == nil {
+		return ""
 	}
-	return ""
+	m := healthtest.Scrape(b, p.addr)
+	var parts []string
+	for _, then := range []string{"unchanged", "changed", "failed"} {
+		parts = append(parts, fmt.Sprintf("%s %.0f", then, m.Get("spiegel_sweep_checks_total", "then", then)))
+	}
+	return strings.Join(parts, ", ")
 }
 
 // hotFeedsOpened returns the producer's spiegel_hot_feeds_opened_total (-1 without a producer).
 func hotFeedsOpened(b testing.TB, procs []*proc) float64 {
+	p := producerProc(procs)
+	if p == nil {
+		return -1
+	}
+	return healthtest.Scrape(b, p.addr).Get("spiegel_hot_feeds_opened_total")
+}
+
+// producerProc returns the producer among procs (nil: none).
+func producerProc(procs []*proc) *proc {
 	for _, p := range procs {
 		if p.name == "producer" {
-			return healthtest.Scrape(b, p.addr).Get("spiegel_hot_feeds_opened_total")
+			return p
 		}
 	}
-	return -1
+	return nil
 }
 
 // loadAvg returns the first three fields of /proc/loadavg ("" when unreadable).
