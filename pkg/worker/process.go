@@ -28,6 +28,7 @@ const (
 // slots that other jobs could use.
 func (r *Runner) process(handlerCtx context.Context, msg jetstream.Msg, pulled time.Time) (then func()) {
 	attempt, queued := 1, time.Duration(0)
+	var enqueuedAt time.Time
 	if md, err := msg.Metadata(); err == nil {
 		if md.NumDelivered > 0 {
 			attempt = int(md.NumDelivered)
@@ -48,6 +49,7 @@ func (r *Runner) process(handlerCtx context.Context, msg jetstream.Msg, pulled t
 		log.WithError(err).Warn("bad job payload: running the job from its subject alone")
 	} else {
 		job.Reason, job.Seq, job.Rules = payload.Reason, payload.Seq, payload.Rules
+		enqueuedAt = payload.At
 	}
 
 	c, sent, err := r.claimLease(handlerCtx, group, db)
@@ -79,6 +81,11 @@ func (r *Runner) process(handlerCtx context.Context, msg jetstream.Msg, pulled t
 
 	result := r.settle(handlerCtx, msg, job, herr, stopKeepAlive, log)
 	r.observe(result, took)
+	// Where a job's time went, for a db whose change arrived late: who enqueued it (a feed
+	// event's type, or sweep, wakeup, rule, resync) and when (the producer's clock), and how
+	// long it waited in the queue.
+	log.WithFields(logrus.Fields{"reason": job.Reason, "enqueued_at": enqueuedAt, "result": result,
+		"queued_ms": queued.Milliseconds(), "took_ms": took.Milliseconds()}).Debug("job settled")
 	if result == ResultOK || result == ResultFailed {
 		return r.checkWakeup(handlerCtx, job, log)
 	}

@@ -2,16 +2,20 @@ package worker
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/sirupsen/logrus"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
 	"github.com/spiegel-nats/spiegel/pkg/events"
+	"github.com/spiegel-nats/spiegel/pkg/logtest"
 	"github.com/spiegel-nats/spiegel/pkg/natsjs"
 )
 
@@ -379,4 +383,42 @@ func TestDrainedAfterABurstOnly(t *testing.T) {
 		require.Eventually(t, func() bool { return rec.count() == 6+i && r.InFlight() == 0 }, waitFor, tick)
 	}
 	holdsFor(t, 300*time.Millisecond, func() bool { return drained.Load() == 1 }, "called again for jobs run one at a time")
+}
+
+func TestSettledJobIsLoggedWithItsReasonAndQueueWait(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 0)
+	var out logtest.Buffer
+	l := logrus.New()
+	l.SetOutput(&out)
+	l.SetFormatter(&logrus.JSONFormatter{})
+	l.SetLevel(logrus.DebugLevel)
+	r, err := New(e.js, e.topo.Subjects, testConfig(), func(context.Context, *Job) error { return nil }, l)
+	require.NoError(t, err)
+
+	enqueued := time.Now().UTC().Truncate(time.Millisecond)
+	dedup, err := e.jobs.Publish(t.Context(), group, events.Job{DB: "db/swept", Reason: events.ReasonSweep, At: enqueued})
+	require.NoError(t, err)
+	require.False(t, dedup)
+	published := time.Now()
+	// The job waits in the queue until the runner starts.
+	require.Eventually(t, func() bool { return e.streamMsgs(t) == 1 }, waitFor, tick)
+	waited := time.Since(published)
+	start(t, r)
+
+	var line map[string]any
+	require.Eventually(t, func() bool {
+		for _, s := range strings.Split(out.String(), "\n") {
+			if strings.Contains(s, `"msg":"job settled"`) {
+				return json.Unmarshal([]byte(s), &line) == nil
+			}
+		}
+		return false
+	}, waitFor, tick)
+	assert.Equal(t, "db/swept", line["db"])
+	assert.Equal(t, events.ReasonSweep, line["reason"])
+	assert.Equal(t, enqueued.Format(time.RFC3339Nano), line["enqueued_at"])
+	assert.Equal(t, ResultOK, line["result"])
+	assert.GreaterOrEqual(t, line["queued_ms"], float64(waited.Milliseconds()-1))
+	assert.Contains(t, line, "took_ms")
 }
