@@ -24,8 +24,10 @@ import (
 	"github.com/spiegel-nats/spiegel/pkg/natsjs"
 )
 
-// ackTimeout bounds the wait for JetStream's answer to one asynchronous publish; a publish
-// without an answer by then is published again (a duplicate is harmless).
+// ackTimeout bounds the wait for JetStream's answer to one asynchronous publish, counted from the
+// publish; a publish without an answer by then is published again (a duplicate is harmless).
+// Counted from the publish, not from when the settling gets to it: answers lost together (a
+// stream leader that died with them) time out together, instead of one after the other.
 const ackTimeout = 30 * time.Second
 
 // Jobs publishes jobs to the work stream (*natsjs.Jobs): asynchronously, then, when the
@@ -89,7 +91,8 @@ type pendingJob struct {
 	group  events.Group
 	job    events.Job
 	future jetstream.PubAckFuture
-	err    error // from PublishAsync itself
+	sent   time.Time // when future was published: its answer is due by sent + ackTimeout
+	err    error     // from PublishAsync itself
 	// noMarker: a refusal (a job for the db is pending or running) leaves no wakeup marker
 	// (EnqueueSweep)
 	noMarker bool
@@ -189,12 +192,12 @@ func (p *Pipeline) Flush(ctx context.Context) error {
 
 func (p *Pipeline) publish(b *batch, db, reason, seq string, groups []events.Group) {
 	if len(groups) > 0 {
-		now := time.Now().UTC()
+		now := time.Now()
 		b.jobs = make([]pendingJob, len(groups))
 		for i, g := range groups {
-			j := events.Job{DB: db, Reason: reason, Seq: seq, At: now}
+			j := events.Job{DB: db, Reason: reason, Seq: seq, At: now.UTC()}
 			f, err := p.jobs.PublishAsync(g, j)
-			b.jobs[i] = pendingJob{group: g, job: j, future: f, err: err}
+			b.jobs[i] = pendingJob{group: g, job: j, future: f, sent: now, err: err}
 		}
 	}
 }
@@ -202,11 +205,11 @@ func (p *Pipeline) publish(b *batch, db, reason, seq string, groups []events.Gro
 // EnqueueWait is Enqueue that waits until the jobs are settled.
 func (p *Pipeline) EnqueueWait(ctx context.Context, db, reason string, groups []events.Group) error {
 	b := &batch{settled: make(chan struct{})}
-	now := time.Now().UTC()
+	now := time.Now()
 	for _, g := range groups {
-		j := events.Job{DB: db, Reason: reason, At: now}
+		j := events.Job{DB: db, Reason: reason, At: now.UTC()}
 		f, err := p.jobs.PublishAsync(g, j)
-		b.jobs = append(b.jobs, pendingJob{group: g, job: j, future: f, err: err})
+		b.jobs = append(b.jobs, pendingJob{group: g, job: j, future: f, sent: now, err: err})
 	}
 	if err := p.push(ctx, b); err != nil {
 		return err
@@ -342,20 +345,15 @@ func (p *Pipeline) settle(ctx context.Context, b *batch) bool {
 func (p *Pipeline) settleJob(ctx context.Context, j *pendingJob) bool {
 	err := j.err
 	if err == nil && j.future != nil {
-		timer := time.NewTimer(p.ackTimeout)
-		select {
-		case <-j.future.Ok():
-			timer.Stop()
+		answered, aerr := p.answer(ctx, j)
+		if answered && aerr == nil {
 			p.metrics.published(j.group)
 			return true
-		case err = <-j.future.Err():
-		case <-timer.C:
-			err = fmt.Errorf("publish %s job for %q: no answer from JetStream within %s", j.group, j.job.DB, p.ackTimeout)
-		case <-ctx.Done():
-			timer.Stop()
+		}
+		if !answered && ctx.Err() != nil {
 			return false
 		}
-		timer.Stop()
+		err = aerr
 	}
 	if natsjs.IsDuplicateJob(err) && j.noMarker {
 		p.metrics.settled(j.group, true)
@@ -404,6 +402,31 @@ func (p *Pipeline) settleJob(ctx context.Context, j *pendingJob) bool {
 			p.metrics.settled(j.group, dedup)
 			return true
 		}
+	}
+}
+
+// answer waits for the answer to j's asynchronous publish until it is due (sent + ackTimeout):
+// answered and JetStream's error (nil: stored), or not answered and why (the answer is overdue,
+// or ctx ended). An answer already there is taken even when it is overdue.
+func (p *Pipeline) answer(ctx context.Context, j *pendingJob) (answered bool, err error) {
+	select {
+	case <-j.future.Ok():
+		return true, nil
+	case err := <-j.future.Err():
+		return true, err
+	default:
+	}
+	timer := time.NewTimer(time.Until(j.sent.Add(p.ackTimeout)))
+	defer timer.Stop()
+	select {
+	case <-j.future.Ok():
+		return true, nil
+	case err := <-j.future.Err():
+		return true, err
+	case <-timer.C:
+		return false, fmt.Errorf("publish %s job for %q: no answer from JetStream within %s", j.group, j.job.DB, p.ackTimeout)
+	case <-ctx.Done():
+		return false, ctx.Err()
 	}
 }
 

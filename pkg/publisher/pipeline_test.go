@@ -210,6 +210,21 @@ func TestPublisherAnswerThatNeverComes(t *testing.T) {
 	assert.Equal(t, 1.0, counter(m.PublishErrors))
 }
 
+func TestPublisherAnswersLostTogetherTimeOutTogether(t *testing.T) {
+	t.Parallel()
+	const timeout = 2 * time.Second
+	jobs := newFakeJobs()
+	p, m := runPublisher(t, jobs, timeout)
+	enqueue(t, p, "1", "2", "3", "4") // none ever gets an answer
+	require.Eventually(t, func() bool { return len(jobs.syncs()) > 0 }, 10*timeout, time.Millisecond)
+	// Each publish's answer was due timeout after it was sent: the other three are overdue too
+	// and are published again at once, not timeout after one another.
+	require.Eventually(t, func() bool { return len(jobs.syncs()) == 4 }, timeout/2, time.Millisecond,
+		"republished so far: %v", jobs.syncs())
+	requireSafe(t, p, "4")
+	assert.Equal(t, 4.0, counter(m.PublishErrors))
+}
+
 func TestPublisherSaveDueAndFlush(t *testing.T) {
 	t.Parallel()
 	jobs := newFakeJobs()
