@@ -75,7 +75,10 @@ func NewCouch(cfg *config.Producer, log *logrus.Logger) (*couch.Client, error) {
 // NewConns completes the connections of cfg over cc and nc (closed on error), with at most
 // maxPending asynchronous publishes in flight.
 func NewConns(cfg *config.Producer, log *logrus.Logger, cc *couch.Client, nc *nats.Conn, maxPending int) (*Conns, error) {
-	js, err := jetstream.New(nc, jetstream.WithPublishAsyncMaxPending(maxPending))
+	// An answer that never comes must not keep its publish among the maxPending for good
+	// (the pipeline publishes it again after the same time, see publisher.Pipeline).
+	js, err := jetstream.New(nc, jetstream.WithPublishAsyncMaxPending(maxPending),
+		jetstream.WithPublishAsyncTimeout(publisher.AckTimeout))
 	if err != nil {
 		nc.Close()
 		return nil, fmt.Errorf("open JetStream: %w", err)

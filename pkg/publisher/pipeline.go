@@ -24,11 +24,11 @@ import (
 	"github.com/spiegel-nats/spiegel/pkg/natsjs"
 )
 
-// ackTimeout bounds the wait for JetStream's answer to one asynchronous publish, counted from the
+// AckTimeout bounds the wait for JetStream's answer to one asynchronous publish, counted from the
 // publish; a publish without an answer by then is published again (a duplicate is harmless).
 // Counted from the publish, not from when the settling gets to it: answers lost together (a
 // stream leader that died with them) time out together, instead of one after the other.
-const ackTimeout = 30 * time.Second
+const AckTimeout = 30 * time.Second
 
 // Jobs publishes jobs to the work stream (*natsjs.Jobs): asynchronously, then, when the
 // answer says a job is pending, or when the publish failed, with the wakeup marker (Offer).
@@ -106,7 +106,7 @@ func New(jobs Jobs, maxInflight int, m *metrics.Producer, log logrus.FieldLogger
 		log:        log,
 		metrics:    producerMetrics{m: m},
 		pending:    make(chan *batch, maxInflight),
-		ackTimeout: ackTimeout,
+		ackTimeout: AckTimeout,
 		done:       make(chan struct{}),
 	}
 }
