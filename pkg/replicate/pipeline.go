@@ -4,8 +4,11 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
+	"encoding/json"
 	"errors"
 	"fmt"
+	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -272,11 +275,56 @@ type bulkGetProbe struct {
 	known, unsupported atomic.Bool
 }
 
-// fetch reads the missing revs from the source with _bulk_get, or with open_revs once the
+// fetch reads the missing revs from the source (fetchRevs) and makes sure each answer is a
+// revision asked for (asked): one that is not fails the batch, and nothing of it is written.
+func (r *run) fetch(ctx context.Context, missing map[string]revsDiff, withAttachments bool) ([]fetchedDoc, []skippedRev, error) {
+	docs, skipped, err := r.fetchRevs(ctx, missing, withAttachments)
+	if err != nil {
+		return nil, nil, err
+	}
+	for _, d := range docs {
+		if err := asked(d, missing[d.ID]); err != nil {
+			return nil, nil, fmt.Errorf("fetch from %s: %w: nothing of this batch is written", r.src.shown, err)
+		}
+	}
+	return docs, skipped, nil
+}
+
+// errNotAsked is a fetched revision that answers none of the revisions asked for its doc.
+var errNotAsked = errors.New("the source answered a revision that was not asked for")
+
+// asked reports, as an error, when d is not one of the revisions asked for its doc (d.Missing)
+// nor a descendant of one (the fetch asks for the latest leaf: its history holds the rev
+// asked for). Whatever answer that is, a mix-up somewhere between the source and this run,
+// writing it would put another db's revision into the target.
+func asked(d fetchedDoc, want revsDiff) error {
+	var h struct {
+		Revisions struct {
+			Start int      `json:"start"`
+			IDs   []string `json:"ids"`
+		} `json:"_revisions"`
+	}
+	if err := json.Unmarshal(d.Body, &h); err != nil {
+		return fmt.Errorf("%w: %q %s: %v", errNotAsked, d.ID, d.Rev, err)
+	}
+	for _, rev := range want.Missing {
+		gen, hash, ok := strings.Cut(rev, "-")
+		n, err := strconv.Atoi(gen)
+		if !ok || err != nil {
+			continue
+		}
+		if i := h.Revisions.Start - n; i >= 0 && i < len(h.Revisions.IDs) && h.Revisions.IDs[i] == hash {
+			return nil
+		}
+	}
+	return fmt.Errorf("%w: %q %s, asked for %v", errNotAsked, d.ID, d.Rev, want.Missing)
+}
+
+// fetchRevs reads the missing revs from the source with _bulk_get, or with open_revs once the
 // source turned out to lack _bulk_get; attachments inline with withAttachments, else as stubs.
 // Whether it has _bulk_get is found out once per run: the first fetch tries it while the
 // others wait (batches are fetched in parallel), so a source without it is asked once.
-func (r *run) fetch(ctx context.Context, missing map[string]revsDiff, withAttachments bool) ([]fetchedDoc, []skippedRev, error) {
+func (r *run) fetchRevs(ctx context.Context, missing map[string]revsDiff, withAttachments bool) ([]fetchedDoc, []skippedRev, error) {
 	p := &r.bulkGetOK
 	if !p.known.Load() {
 		p.mu.Lock()
