@@ -126,7 +126,10 @@ func TestFrozenConnectionStopsTheJobBeforeItIsRedelivered(t *testing.T) {
 
 	require.Eventually(t, func() bool { return rec.count() == 1 }, waitFor, tick, "runner B got the job")
 	e.requireDrained(t)
-	assert.Equal(t, 2, rec.all()[0].Attempt, "runner B ran the delivery runner A left unsettled")
+	// Runner A's delivery was left unsettled, so runner B got a redelivery. Not necessarily the
+	// second: the server removes A's expired lease message on its own clock, and a redelivery
+	// that comes before that finds the lease held and is given back (see claim).
+	assert.GreaterOrEqual(t, rec.all()[0].Attempt, 2, "runner B ran the delivery runner A left unsettled")
 
 	all := effects.all()
 	firstB := -1
