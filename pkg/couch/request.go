@@ -30,10 +30,12 @@ type ResponseDecoder interface {
 }
 
 // unsure reports whether the connection that carried he must not carry another request: a
-// server error, or a db that is gone. CouchDB 3.3 answered a _changes request on a db deleted
-// while it was read (fabric_rpc:changes killed, then req_err badmatch delayed_resp) with one
-// answer more than asked for: every later request on that keep-alive connection got the answer
-// of the request before it, other dbs' revisions that a replication then wrote into its target.
+// server error, or a db that is gone. CouchDB 3.3.3 answered a _changes request on a db deleted
+// while it was read (fabric_rpc:changes killed) twice: the changes callback's 500, then, after
+// fabric_view_changes:go/5 failed to match that answer as its collector (req_err badmatch
+// delayed_resp), the request handler's own 500. Every later request on that keep-alive
+// connection got the answer of the request before it: other dbs' revisions, which a replication
+// then wrote into its target. CouchDB's main branch (2026-08) has the same code.
 func unsure(he *HTTPError) bool {
 	return he.Status >= 500 || he.Status == http.StatusNotFound && strings.Contains(he.Reason, "Database does not exist")
 }
