@@ -55,5 +55,9 @@ SPIEGEL_WEBHOOK_ALLOWED_HOSTS="127.0.0.1${SPIEGEL_WEBHOOK_ALLOWED_HOSTS:+,$SPIEG
 demo_args=()
 [ -n "${SPIEGEL_DEMO_DURATION:-}" ] && demo_args+=(-duration "$SPIEGEL_DEMO_DURATION")
 [ -n "${SPIEGEL_DEMO_INTERVAL:-}" ] && demo_args+=(-interval "$SPIEGEL_DEMO_INTERVAL")
-log "demo running: $(printf '%s' "${SPIEGEL_DEMO_DURATION:+for $SPIEGEL_DEMO_DURATION}")${SPIEGEL_DEMO_DURATION:-until Ctrl-C}"
+if [ -n "${SPIEGEL_DEMO_DURATION:-}" ]; then
+  log "demo running for $SPIEGEL_DEMO_DURATION"
+else
+  log "demo running until Ctrl-C"
+fi
 go run ./scripts/demo "${demo_args[@]}"
