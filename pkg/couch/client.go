@@ -166,7 +166,7 @@ func New(cfg Config, log logrus.FieldLogger) (*Client, error) {
 	if timeout <= 0 {
 		timeout = DefaultRequestTimeout
 	}
-	rt := couchpath.PlusSafe(tr) // kivik leaves '+' in db names unescaped
+	rt := errorAnswers{couchpath.PlusSafe(tr)} // kivik leaves '+' in db names unescaped
 	c := &Client{
 		log:      log.WithField("component", "couch"),
 		base:     base,
@@ -176,7 +176,7 @@ func New(cfg Config, log logrus.FieldLogger) (*Client, error) {
 		timeout:  timeout,
 		tr:       tr,
 		http:     &http.Client{Transport: rt},
-		streams:  &http.Client{Transport: couchpath.PlusSafe(streamTr)},
+		streams:  &http.Client{Transport: errorAnswers{couchpath.PlusSafe(streamTr)}},
 		retry:    backoff.Default,
 	}
 	// kivik gets its own http.Client over the same transport: its auth option wraps the

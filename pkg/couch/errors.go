@@ -73,7 +73,7 @@ func httpStatus(err error) int {
 // body for CouchDB's {"error","reason"}.
 func readHTTPError(resp *http.Response, method, path string) *HTTPError {
 	he := &HTTPError{Status: resp.StatusCode, Method: method, Path: path}
-	data, _ := io.ReadAll(io.LimitReader(resp.Body, 64<<10))
+	data, _ := io.ReadAll(io.LimitReader(resp.Body, maxErrorBody))
 	var body struct {
 		Error  string          `json:"error"`
 		Reason json.RawMessage `json:"reason"` // a string, or a JSON term (CouchDB's _replicate)

@@ -7,11 +7,8 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"net"
 	"net/http"
-	"net/http/httptrace"
 	"net/url"
-	"strings"
 	"time"
 
 	"github.com/spiegel-nats/spiegel/pkg/backoff"
@@ -27,17 +24,6 @@ var idempotentRetry = backoff.Policy{Initial: 200 * time.Millisecond, Max: 2 * t
 // (e.g. multipart): an out argument of Do that is not plain JSON.
 type ResponseDecoder interface {
 	DecodeResponse(contentType string, body io.Reader) error
-}
-
-// unsure reports whether the connection that carried he must not carry another request: a
-// server error, or a db that is gone. CouchDB 3.3.3 answered a _changes request on a db deleted
-// while it was read (fabric_rpc:changes killed) twice: the changes callback's 500, then, after
-// fabric_view_changes:go/5 failed to match that answer as its collector (req_err badmatch
-// delayed_resp), the request handler's own 500. Every later request on that keep-alive
-// connection got the answer of the request before it: other dbs' revisions, which a replication
-// then wrote into its target. CouchDB's main branch (2026-08) has the same code.
-func unsure(he *HTTPError) bool {
-	return he.Status >= 500 || he.Status == http.StatusNotFound && strings.Contains(he.Reason, "Database does not exist")
 }
 
 // Send performs req (built with NewRequest) and turns a status >= 300 into an *HTTPError,
@@ -60,10 +46,6 @@ func (c *Client) send(hc *http.Client, req *http.Request) (*http.Response, error
 	if p := c.base.EscapedPath(); p != "" {
 		path = path[min(len(p), len(path)):]
 	}
-	var conn net.Conn
-	req = req.WithContext(httptrace.WithClientTrace(req.Context(), &httptrace.ClientTrace{
-		GotConn: func(i httptrace.GotConnInfo) { conn = i.Conn },
-	}))
 	resp, err := hc.Do(req)
 	if err != nil {
 		var ue *url.Error
@@ -75,9 +57,6 @@ func (c *Client) send(hc *http.Client, req *http.Request) (*http.Response, error
 	if resp.StatusCode >= 300 {
 		he := readHTTPError(resp, req.Method, path)
 		_ = resp.Body.Close()
-		if conn != nil && unsure(he) {
-			_ = conn.Close()
-		}
 		return nil, he
 	}
 	return resp, nil

@@ -1,5 +1,5 @@
-// Package logging builds the logrus logger every binary uses and holds the one helper through
-// which URLs reach logs and errors: RedactURL.
+// Package logging builds the logrus logger every binary uses and holds the helpers through
+// which URLs and servers' answers reach logs and errors: RedactURL, RedactText.
 package logging
 
 import (
@@ -71,13 +71,23 @@ func RedactURL(raw string) string {
 	return RedactText(raw)
 }
 
-var userinfoRE = regexp.MustCompile(`([a-zA-Z][a-zA-Z0-9+.-]*://[^:/@\s]*):[^@/\s]*@`)
+var (
+	userinfoRE = regexp.MustCompile(`([a-zA-Z][a-zA-Z0-9+.-]*://[^:/@\s]*):[^@/\s]*@`)
+	// credentialRE: an Authorization header's credentials or a session cookie, as a server that
+	// quotes the request echoes them (CouchDB's 500 answers to a crash dump the request, its
+	// Authorization header included).
+	credentialRE = regexp.MustCompile(`(Basic |Bearer |AuthSession=)[A-Za-z0-9+/=._~-]+`)
+)
 
-// RedactText replaces the password of every "scheme://user:password@" in s with "xxxxx". Use it on
-// error messages from libraries that may quote a URL.
+// RedactText replaces the password of every "scheme://user:password@" in s, and the credentials
+// of every "Basic ", "Bearer " and "AuthSession=" in it, with "xxxxx". Use it on error messages
+// from libraries that may quote a URL and on answers of servers that may quote a request.
 func RedactText(s string) string {
-	if !strings.Contains(s, "@") {
-		return s
+	if strings.Contains(s, "@") {
+		s = userinfoRE.ReplaceAllString(s, "${1}:xxxxx@")
 	}
-	return userinfoRE.ReplaceAllString(s, "${1}:xxxxx@")
+	if strings.Contains(s, "Basic ") || strings.Contains(s, "Bearer ") || strings.Contains(s, "AuthSession=") {
+		s = credentialRE.ReplaceAllString(s, "${1}xxxxx")
+	}
+	return s
 }
