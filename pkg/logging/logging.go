@@ -75,8 +75,8 @@ var (
 	userinfoRE = regexp.MustCompile(`([a-zA-Z][a-zA-Z0-9+.-]*://[^:/@\s]*):[^@/\s]*@`)
 	// credentialRE: an Authorization header's credentials or a session cookie, as a server that
 	// quotes the request echoes them (CouchDB's 500 answers to a crash dump the request, its
-	// Authorization header included).
-	credentialRE = regexp.MustCompile(`(Basic |Bearer |AuthSession=)[A-Za-z0-9+/=._~-]+`)
+	// Authorization header included). A JSON body may escape the token's slashes.
+	credentialRE = regexp.MustCompile(`(Basic |Bearer |AuthSession=)(?:[A-Za-z0-9+/=._~-]|\\/)+`)
 )
 
 // RedactText replaces the password of every "scheme://user:password@" in s, and the credentials

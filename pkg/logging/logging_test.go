@@ -84,6 +84,7 @@ func TestRedactTextCredentials(t *testing.T) {
 		`authorization: Bearer eyJhbGciOi.eyJzdWIi.c2lnbg-_`:         `authorization: Bearer xxxxx`,
 		`{"cookie","AuthSession=c3BpZWdlbDo2OTI0OkFCQ0Q; Path=/"}`:   `{"cookie","AuthSession=xxxxx; Path=/"}`,
 		`Basic authentication failed for http://u:pw@h/db`:           `Basic xxxxx failed for http://u:xxxxx@h/db`,
+		`"Basic YWRt\/aW46cHc\/+x=\"}`:                               `"Basic xxxxx\"}`,
 		`BasicAuth and Bearers stay`:                                 `BasicAuth and Bearers stay`,
 	}
 	for in, want := range cases {
