@@ -310,7 +310,7 @@ func (r *run) run(ctx context.Context) (Result, error) {
 		// backup, or replicated by another process since. Both checkpoints are read again, as a
 		// run without the cache does (CouchDB's replicator starts over when the target's
 		// checkpoint is gone). What the run wrote before it found out is on the target either way.
-		r.log.Info("the target's checkpoint is not the cached one (target recreated or restored, or another process ran): reading both checkpoints")
+		r.log.WithError(err).Info("the target's checkpoint is not the cached one (target deleted, recreated or restored, or another process ran): reading both checkpoints")
 		cached, done = false, progress{}
 		if srcDoc, tgtDoc, err = r.readCheckpoints(ctx, cp); err != nil {
 			return res, err
@@ -318,8 +318,24 @@ func (r *run) run(ctx context.Context) (Result, error) {
 	}
 }
 
+// gone explains a 404 in the middle of a run (a _bulk_get, _revs_diff or _bulk_docs answered
+// that the db does not exist): the source or the target was deleted after the run read its
+// checkpoints, or since the cached ones. A missing source is ErrSourceNotFound; a missing target
+// is errTargetChanged, so that the run starts again from reading both checkpoints, which creates
+// the target with CreateTarget or returns ErrTargetNotFound. Anything else keeps err.
+func (r *run) gone(ctx context.Context, err error) error {
+	if ok, xerr := r.src.exists(ctx); xerr == nil && !ok {
+		return fmt.Errorf("%w: %s", ErrSourceNotFound, r.src.shown)
+	}
+	if ok, xerr := r.tgt.exists(ctx); xerr == nil && !ok {
+		return fmt.Errorf("target %s deleted during the run: %w", r.tgt.shown, errTargetChanged)
+	}
+	return err
+}
+
 // errTargetChanged is the verification's finding that the target's checkpoint doc is not the
-// cached one (see targetCheck); the run starts again without the cache.
+// cached one (see targetCheck), or a run's that its target was deleted (see gone); the run
+// starts again without the cache.
 var errTargetChanged = errors.New("the target's checkpoint is not the cached one")
 
 // targetCheck returns the verification of a cached checkpoint, never trusted (see
@@ -393,6 +409,9 @@ func (r *run) replicate(ctx context.Context, reader *changesReader, cp *checkpoi
 	err = r.pipeline(ctx, reader, first, raw, cp)
 	if err == nil {
 		err = cp.verify(ctx) // a run that wrote no checkpoint has not verified yet
+	}
+	if errors.Is(err, couch.ErrNotFound) {
+		err = r.gone(ctx, err)
 	}
 	switch {
 	case err != nil:

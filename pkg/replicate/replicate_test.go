@@ -8,6 +8,7 @@ import (
 	"net/http/httptest"
 	"net/url"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -257,6 +258,69 @@ func TestCheckpointCacheVerifiedBeforeCheckpoint(t *testing.T) {
 	assert.Empty(t, res.StartSeq, "started over from the beginning")
 	assert.False(t, res.CheckpointDeferred)
 	requireSameLeaves(t, s, source, target)
+}
+
+// deleteOnce is a transport that deletes a db once, just before the first request that
+// matches goes out: a db deleted while a run is under way.
+type deleteOnce struct {
+	base  http.RoundTripper
+	match func(*http.Request) bool
+	del   func()
+	once  sync.Once
+}
+
+func (d *deleteOnce) RoundTrip(req *http.Request) (*http.Response, error) {
+	if d.match(req) {
+		d.once.Do(d.del)
+	}
+	return d.base.RoundTrip(req)
+}
+
+// A target deleted while a run is under way, or since the checkpoint the run took from its
+// cache, answers the run's writes with "Database does not exist". The run starts again from
+// reading both checkpoints, as for a recreated target: with create_target it creates the
+// target and replicates everything; without it the target is reported missing
+// (ErrTargetNotFound, retried by the consumer), not a permanent failure of the rule.
+func TestTargetDeletedDuringTheRun(t *testing.T) {
+	s := couchtest.Get(t)
+	for _, tc := range []struct {
+		name          string
+		cached, creat bool
+	}{
+		{"cached/create_target", true, true},
+		{"uncached/create_target", false, true},
+		{"cached/no create_target", true, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			source, target := s.NewDB(t, "gsrc_"), s.NewDB(t, "gtgt_")
+			createDocs(t, s, source, "base", 5)
+			var cache *CheckpointCache
+			if tc.cached {
+				cache = NewCheckpointCache(time.Hour, 10)
+			}
+			deleteTarget := func() { require.NoError(t, s.Do(t, "DELETE", "/"+couchtest.PathDB(target), nil, nil)) }
+			tr := &deleteOnce{base: &http.Transport{DisableCompression: true}, del: deleteTarget, match: func(*http.Request) bool { return false }}
+			opt := Options{Source: dbURL(s, source), Target: dbURL(s, target), CreateTarget: tc.creat, CheckpointDefer: time.Hour,
+				Checkpoints: cache, HTTPClient: &http.Client{Transport: tr}}
+			_, err := Run(t.Context(), opt, testLog(t))
+			require.NoError(t, err)
+
+			createDocs(t, s, source, "later", 3)
+			if tc.cached {
+				deleteTarget() // behind the hot cache's back
+			} else { // after the run read both checkpoints, as it reads the changes
+				tr.match = func(r *http.Request) bool { return strings.HasSuffix(r.URL.Path, "/_changes") }
+			}
+			res, err := Run(t.Context(), opt, testLog(t))
+			if !tc.creat {
+				require.ErrorIs(t, err, ErrTargetNotFound)
+				return
+			}
+			require.NoError(t, err)
+			assert.Empty(t, res.StartSeq, "started over from the beginning")
+			requireSameLeaves(t, s, source, target)
+		})
+	}
 }
 
 // TestCheckpointDefer: a burst of small runs on one db writes one checkpoint, not one per run;
