@@ -30,6 +30,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -293,7 +294,7 @@ func (r *run) run(ctx context.Context) (Result, error) {
 	if err != nil {
 		return res, err
 	}
-	for {
+	for restarts := 0; ; {
 		r.startFrom(cp, &res, srcDoc, tgtDoc, done)
 		// Changes past this process's own progress are new to the target: a small batch of new
 		// docs is written without asking _revs_diff (see process).
@@ -303,9 +304,10 @@ func (r *run) run(ctx context.Context) (Result, error) {
 			cp.check = r.targetCheck(ctx, cp, tgtDoc)
 		}
 		err = r.replicate(ctx, reader, cp, &res, cached, srcDoc, tgtDoc)
-		if !errors.Is(err, errTargetChanged) {
+		if !errors.Is(err, errTargetChanged) || restarts >= maxRestarts {
 			return res, err
 		}
+		restarts++
 		// The target is not as this process left it: deleted and recreated, restored from a
 		// backup, or replicated by another process since. Both checkpoints are read again, as a
 		// run without the cache does (CouchDB's replicator starts over when the target's
@@ -318,20 +320,39 @@ func (r *run) run(ctx context.Context) (Result, error) {
 	}
 }
 
-// gone explains a 404 in the middle of a run (a _bulk_get, _revs_diff or _bulk_docs answered
-// that the db does not exist): the source or the target was deleted after the run read its
-// checkpoints, or since the cached ones. A missing source is ErrSourceNotFound; a missing target
-// is errTargetChanged, so that the run starts again from reading both checkpoints, which creates
-// the target with CreateTarget or returns ErrTargetNotFound. Anything else keeps err.
+// gone explains a 404 in the middle of a run (a _changes, _bulk_get, _revs_diff or _bulk_docs
+// answered that the db does not exist): the source or the target was deleted after the run read
+// its checkpoints, or since the cached ones. A missing source is ErrSourceNotFound; a missing
+// target is errTargetChanged, so that the run starts again from reading both checkpoints, which
+// creates the target with CreateTarget or returns ErrTargetNotFound; a db that said it does not
+// exist and exists again was deleted and created again meanwhile: errTargetChanged too.
+// Anything else keeps err.
 func (r *run) gone(ctx context.Context, err error) error {
-	if ok, xerr := r.src.exists(ctx); xerr == nil && !ok {
+	srcOK, srcErr := r.src.exists(ctx)
+	if srcErr == nil && !srcOK {
 		return fmt.Errorf("%w: %s", ErrSourceNotFound, r.src.shown)
 	}
-	if ok, xerr := r.tgt.exists(ctx); xerr == nil && !ok {
+	tgtOK, tgtErr := r.tgt.exists(ctx)
+	if tgtErr == nil && !tgtOK {
 		return fmt.Errorf("target %s deleted during the run: %w", r.tgt.shown, errTargetChanged)
+	}
+	var he *couch.HTTPError
+	if srcErr == nil && tgtErr == nil && errors.As(err, &he) && dbMissing(he.Reason) {
+		return fmt.Errorf("a db deleted and created again during the run (%w): %w", err, errTargetChanged)
 	}
 	return err
 }
+
+// dbMissing reports whether reason is a 404's for a missing db: "Database does not exist."
+// (CouchDB 2+), "no_db_file" (CouchDB 1.x, PouchDB Server).
+func dbMissing(reason string) bool {
+	return strings.Contains(reason, "Database does not exist") || reason == "no_db_file"
+}
+
+// maxRestarts bounds how often one run starts again from reading both checkpoints (see
+// errTargetChanged): a server whose answers keep contradicting each other gets an error, which
+// the caller retries later.
+const maxRestarts = 3
 
 // errTargetChanged is the verification's finding that the target's checkpoint doc is not the
 // cached one (see targetCheck), or a run's that its target was deleted (see gone); the run
@@ -384,12 +405,11 @@ func (r *run) replicate(ctx context.Context, reader *changesReader, cp *checkpoi
 	first, raw, err := reader.page(ctx, cp.startSeq)
 	if err != nil {
 		r.opt.Checkpoints.drop(r.id)
+		err = fmt.Errorf("read changes of %s: %w", r.src.shown, err)
 		if errors.Is(err, couch.ErrNotFound) {
-			if ok, xerr := r.src.exists(ctx); xerr == nil && !ok {
-				return fmt.Errorf("%w: %s", ErrSourceNotFound, r.src.shown)
-			}
+			return r.gone(ctx, err)
 		}
-		return fmt.Errorf("read changes of %s: %w", r.src.shown, err)
+		return err
 	}
 	if raw == 0 {
 		if err := cp.verify(ctx); err != nil {

@@ -8,7 +8,6 @@ import (
 	"net/http/httptest"
 	"net/url"
 	"strings"
-	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -261,19 +260,26 @@ func TestCheckpointCacheVerifiedBeforeCheckpoint(t *testing.T) {
 }
 
 // deleteOnce is a transport that deletes a db once, just before the first request that
-// matches goes out: a db deleted while a run is under way.
+// matches goes out (a db deleted while a run is under way), and then calls then, if set, before
+// it hands that request's answer on (a db created again meanwhile).
 type deleteOnce struct {
 	base  http.RoundTripper
 	match func(*http.Request) bool
 	del   func()
-	once  sync.Once
+	then  func()
+	once  atomic.Bool
 }
 
 func (d *deleteOnce) RoundTrip(req *http.Request) (*http.Response, error) {
-	if d.match(req) {
-		d.once.Do(d.del)
+	if !d.match(req) || !d.once.CompareAndSwap(false, true) {
+		return d.base.RoundTrip(req)
 	}
-	return d.base.RoundTrip(req)
+	d.del()
+	resp, err := d.base.RoundTrip(req)
+	if d.then != nil {
+		d.then()
+	}
+	return resp, err
 }
 
 // A target deleted while a run is under way, or since the checkpoint the run took from its
@@ -321,6 +327,31 @@ func TestTargetDeletedDuringTheRun(t *testing.T) {
 			requireSameLeaves(t, s, source, target)
 		})
 	}
+}
+
+// A source deleted as the run reads its changes, and created again before the run asks whether
+// it exists: the 404 of its _changes is not a failure of the rule. The run starts again from
+// both checkpoints and replicates the new source's docs.
+func TestSourceRecreatedDuringTheRun(t *testing.T) {
+	s := couchtest.Get(t)
+	source, target := s.NewDB(t, "rsrc_"), s.NewDB(t, "rtgt_")
+	createDocs(t, s, source, "base", 5)
+	tr := &deleteOnce{base: &http.Transport{DisableCompression: true}, match: func(*http.Request) bool { return false },
+		del: func() { require.NoError(t, s.Do(t, "DELETE", "/"+couchtest.PathDB(source), nil, nil)) },
+		then: func() {
+			require.NoError(t, s.Do(t, "PUT", "/"+couchtest.PathDB(source), nil, nil))
+			createDocs(t, s, source, "again", 3)
+		}}
+	opt := Options{Source: dbURL(s, source), Target: dbURL(s, target), HTTPClient: &http.Client{Transport: tr}}
+	_, err := Run(t.Context(), opt, testLog(t))
+	require.NoError(t, err)
+
+	tr.match = func(r *http.Request) bool { return strings.HasSuffix(r.URL.Path, "/_changes") }
+	res, err := Run(t.Context(), opt, testLog(t))
+	require.NoError(t, err)
+	assert.EqualValues(t, 3, res.DocsWritten, "the new source's docs")
+	var doc map[string]any
+	require.NoError(t, s.Do(t, "GET", "/"+couchtest.PathDB(target)+"/again000000", nil, &doc))
 }
 
 // TestCheckpointDefer: a burst of small runs on one db writes one checkpoint, not one per run;
