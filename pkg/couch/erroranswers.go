@@ -50,6 +50,14 @@ func (t errorAnswers) RoundTrip(req *http.Request) (*http.Response, error) {
 	return resp, nil
 }
 
+// CloseIdleConnections passes the call on (http.Client.CloseIdleConnections reaches the pool
+// only through transports that have it).
+func (t errorAnswers) CloseIdleConnections() {
+	if c, ok := t.base.(interface{ CloseIdleConnections() }); ok {
+		c.CloseIdleConnections()
+	}
+}
+
 // unsure reports whether the connection that carried an answer of status with body must not
 // carry another request: a server error, or a db that is gone.
 func unsure(status int, body []byte) bool {
