@@ -1,8 +1,11 @@
 package natstest
 
 import (
+	"bufio"
 	"io"
 	"net"
+	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -23,6 +26,8 @@ type Proxy struct {
 	closed bool
 	wg     sync.WaitGroup
 	held   atomic.Int64 // bytes read while frozen and not passed on yet
+
+	rewrite func(reply string) string // see RewriteReplies
 }
 
 // NewProxy starts a proxy to s on a free loopback port; it is closed when the test ends.
@@ -50,6 +55,16 @@ func (p *Proxy) HeldBytes() int64 { return p.held.Load() }
 
 // URL is the client URL of the server through the proxy.
 func (p *Proxy) URL() string { return "nats://" + p.ln.Addr().String() }
+
+// RewriteReplies makes the proxy pass each message the server sends with its reply subject
+// replaced by f(reply), to play what a real server reports only under load or in a cluster (an
+// ack reply whose pending count says 0 before the last message, say). It applies to
+// connections made after the call.
+func (p *Proxy) RewriteReplies(f func(reply string) string) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.rewrite = f
+}
 
 // Freeze holds every byte in both directions from now on; the connections stay open.
 func (p *Proxy) Freeze() {
@@ -155,8 +170,21 @@ func (p *Proxy) pipe(c net.Conn) {
 	defer p.untrack(c, up)
 	done := make(chan struct{}, 2)
 	go func() { p.copy(up, c); done <- struct{}{} }()
-	go func() { p.copy(c, up); done <- struct{}{} }()
+	go func() {
+		if f := p.rewriter(); f != nil {
+			p.copyRewriting(c, up, f)
+		} else {
+			p.copy(c, up)
+		}
+		done <- struct{}{}
+	}()
 	<-done
+}
+
+func (p *Proxy) rewriter() func(string) string {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.rewrite
 }
 
 // copy moves bytes from src to dst, holding each read while the proxy is frozen.
@@ -165,19 +193,59 @@ func (p *Proxy) copy(dst io.Writer, src io.Reader) {
 	for {
 		n, err := src.Read(buf)
 		if n > 0 {
-			gate := p.gate()
-			select {
-			case <-gate:
-			default:
-				p.held.Add(int64(n))
-				<-gate
-				p.held.Add(-int64(n))
-			}
-			if _, werr := dst.Write(buf[:n]); werr != nil {
+			if werr := p.pass(dst, buf[:n]); werr != nil {
 				return
 			}
 		}
 		if err != nil {
+			return
+		}
+	}
+}
+
+// pass writes b to dst once the proxy is not frozen.
+func (p *Proxy) pass(dst io.Writer, b []byte) error {
+	gate := p.gate()
+	select {
+	case <-gate:
+	default:
+		p.held.Add(int64(len(b)))
+		<-gate
+		p.held.Add(-int64(len(b)))
+	}
+	_, err := dst.Write(b)
+	return err
+}
+
+// copyRewriting moves the server's protocol from src to dst a line at a time, with the reply
+// subject of each MSG and HMSG replaced by f(reply) (see RewriteReplies).
+func (p *Proxy) copyRewriting(dst io.Writer, src io.Reader, f func(string) string) {
+	r := bufio.NewReaderSize(src, 64*1024)
+	for {
+		line, err := r.ReadString('\n')
+		if err != nil {
+			return
+		}
+		out := []byte(line)
+		if fields := strings.Fields(line); len(fields) > 0 && (fields[0] == "MSG" || fields[0] == "HMSG") {
+			withReply := 5 // MSG <subject> <sid> <reply> <size>
+			if fields[0] == "HMSG" {
+				withReply = 6 // HMSG <subject> <sid> <reply> <header size> <total size>
+			}
+			if len(fields) == withReply {
+				fields[3] = f(fields[3])
+			}
+			size, err := strconv.Atoi(fields[len(fields)-1])
+			if err != nil {
+				return
+			}
+			payload := make([]byte, size+2) // and its CRLF
+			if _, err := io.ReadFull(r, payload); err != nil {
+				return
+			}
+			out = append([]byte(strings.Join(fields, " ")+"\r\n"), payload...)
+		}
+		if err := p.pass(dst, out); err != nil {
 			return
 		}
 	}
