@@ -223,7 +223,7 @@ func (s *OnChangeStore) readBoth(ctx context.Context, rule, db string) (d localD
 		map[string][]string{"keys": {cpKey, idKey}}, &ans)
 	var he *couch.HTTPError
 	switch {
-	case errors.As(err, &he) && he.Status == http.StatusNotFound && he.Reason == "Database does not exist.":
+	case errors.As(err, &he) && he.DBMissing():
 		return localDoc{}, false, "", true, nil
 	case errors.As(err, &he) && (he.Status == http.StatusBadRequest || he.Status == http.StatusMethodNotAllowed):
 		s.ids.noLocalDocs.Store(true)

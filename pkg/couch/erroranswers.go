@@ -61,5 +61,5 @@ func (t errorAnswers) CloseIdleConnections() {
 // unsure reports whether the connection that carried an answer of status with body must not
 // carry another request: a server error, or a db that is gone.
 func unsure(status int, body []byte) bool {
-	return status >= 500 || status == http.StatusNotFound && bytes.Contains(body, []byte("Database does not exist"))
+	return status >= 500 || status == http.StatusNotFound && dbMissing(string(body))
 }

@@ -56,6 +56,17 @@ func (e *HTTPError) Is(target error) bool {
 	return false
 }
 
+// DBMissing reports whether e is a 404 that says the db does not exist: "Database does not
+// exist." (CouchDB 2+), "no_db_file" (CouchDB 1.x, PouchDB Server). A doc's 404 in a db that
+// exists says "missing"; any other 404 (a proxy's, say) tells nothing.
+func (e *HTTPError) DBMissing() bool {
+	return e.Status == http.StatusNotFound && dbMissing(e.Reason)
+}
+
+func dbMissing(reason string) bool {
+	return strings.Contains(reason, "Database does not exist") || strings.Contains(reason, "no_db_file")
+}
+
 // IsPermanent reports whether err is an *HTTPError that retrying cannot fix (classes Permanent
 // and Auth).
 func IsPermanent(err error) bool { return errors.Is(err, ErrPermanent) }

@@ -237,6 +237,26 @@ func TestRealChangesPaging(t *testing.T) {
 	require.ErrorIs(t, err, ErrNotFound)
 }
 
+// DBMissing tells a missing db's 404 from a missing doc's, on the server under test (CouchDB
+// 2+ and PouchDB Server word them differently).
+func TestRealDBMissing(t *testing.T) {
+	t.Parallel()
+	srv, c := realClient(t)
+	db := srv.NewDB(t, "dbmissing_")
+	var he *HTTPError
+	err := c.Do(t.Context(), http.MethodGet, c.DBPath(db)+"/nodoc", nil, nil, nil)
+	require.ErrorAs(t, err, &he)
+	assert.Equal(t, http.StatusNotFound, he.Status)
+	assert.False(t, he.DBMissing(), "a missing doc in a db that exists: %v", he)
+
+	err = c.Do(t.Context(), http.MethodGet, c.DBPath(db+"_missing")+"/nodoc", nil, nil, nil)
+	require.ErrorAs(t, err, &he)
+	assert.True(t, he.DBMissing(), "a doc of a missing db: %v", he)
+	_, err = c.Changes(t.Context(), db+"_missing", ChangesOptions{})
+	require.ErrorAs(t, err, &he)
+	assert.True(t, he.DBMissing(), "the changes of a missing db: %v", he)
+}
+
 // ChangedSince answers from the server: nothing after the db's update_seq (whichever copies it
 // names on a cluster), a change after a seq read before a write.
 func TestRealChangedSince(t *testing.T) {
