@@ -30,7 +30,6 @@ import (
 	"fmt"
 	"io"
 	"net/http"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -325,8 +324,9 @@ func (r *run) run(ctx context.Context) (Result, error) {
 // its checkpoints, or since the cached ones. A missing source is ErrSourceNotFound; a missing
 // target is errTargetChanged, so that the run starts again from reading both checkpoints, which
 // creates the target with CreateTarget or returns ErrTargetNotFound; a db that said it does not
-// exist and exists again was deleted and created again meanwhile: errTargetChanged too.
-// Anything else keeps err.
+// exist and exists again was deleted and created again meanwhile: errTargetChanged too. When
+// CouchDB cannot be asked (a connection cut), the db's 404 is no verdict: the error is the
+// question's, and the run is retried. Anything else keeps err.
 func (r *run) gone(ctx context.Context, err error) error {
 	srcOK, srcErr := r.src.exists(ctx)
 	if srcErr == nil && !srcOK {
@@ -337,16 +337,13 @@ func (r *run) gone(ctx context.Context, err error) error {
 		return fmt.Errorf("target %s deleted during the run: %w", r.tgt.shown, errTargetChanged)
 	}
 	var he *couch.HTTPError
-	if srcErr == nil && tgtErr == nil && errors.As(err, &he) && dbMissing(he.Reason) {
-		return fmt.Errorf("a db deleted and created again during the run (%w): %w", err, errTargetChanged)
+	switch {
+	case !errors.As(err, &he) || !he.DBMissing():
+		return err
+	case srcErr != nil || tgtErr != nil:
+		return fmt.Errorf("%s, and which db is gone could not be asked: %w", err, errors.Join(srcErr, tgtErr))
 	}
-	return err
-}
-
-// dbMissing reports whether reason is a 404's for a missing db: "Database does not exist."
-// (CouchDB 2+), "no_db_file" (CouchDB 1.x, PouchDB Server).
-func dbMissing(reason string) bool {
-	return strings.Contains(reason, "Database does not exist") || reason == "no_db_file"
+	return fmt.Errorf("a db deleted and created again during the run (%w): %w", err, errTargetChanged)
 }
 
 // maxRestarts bounds how often one run starts again from reading both checkpoints (see

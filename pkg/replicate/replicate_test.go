@@ -15,6 +15,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/spiegel-nats/spiegel/pkg/couch"
 	"github.com/spiegel-nats/spiegel/pkg/couchtest"
 )
 
@@ -327,6 +328,48 @@ func TestTargetDeletedDuringTheRun(t *testing.T) {
 			requireSameLeaves(t, s, source, target)
 		})
 	}
+}
+
+// failHead fails the HEAD requests of a db (whether it exists) while on is set, as a connection
+// cut does.
+type failHead struct {
+	base http.RoundTripper
+	on   atomic.Bool
+}
+
+func (f *failHead) RoundTrip(req *http.Request) (*http.Response, error) {
+	if req.Method == http.MethodHead && f.on.Load() {
+		return nil, errors.New("connection reset by peer")
+	}
+	return f.base.RoundTrip(req)
+}
+
+// A db that answers "Database does not exist" in the middle of a run while CouchDB cannot be
+// asked which db is gone (a connection cut, as in a chaos run): the 404 is no verdict on the
+// rule. The run fails with a transient error (the consumer retries it, never dead-letters it),
+// and the next run creates the target and replicates everything.
+func TestDBGoneWhileCouchDBCannotBeAsked(t *testing.T) {
+	s := couchtest.Get(t)
+	source, target := s.NewDB(t, "asrc_"), s.NewDB(t, "atgt_")
+	createDocs(t, s, source, "base", 5)
+	heads := &failHead{base: &http.Transport{DisableCompression: true}}
+	tr := &deleteOnce{base: heads, match: func(r *http.Request) bool { return strings.HasSuffix(r.URL.Path, "/_changes") },
+		del: func() {
+			require.NoError(t, s.Do(t, "DELETE", "/"+couchtest.PathDB(target), nil, nil))
+			heads.on.Store(true)
+		}}
+	opt := Options{Source: dbURL(s, source), Target: dbURL(s, target), CreateTarget: true, HTTPClient: &http.Client{Transport: tr}}
+	_, err := Run(t.Context(), opt, testLog(t))
+	require.Error(t, err)
+	var he *couch.HTTPError
+	assert.False(t, errors.As(err, &he) && couch.Classify(he) != couch.Transient, "a transient failure: %v", err)
+	assert.NotErrorIs(t, err, ErrSourceNotFound)
+	assert.NotErrorIs(t, err, ErrTargetNotFound)
+
+	heads.on.Store(false)
+	_, err = Run(t.Context(), opt, testLog(t))
+	require.NoError(t, err)
+	requireSameLeaves(t, s, source, target)
 }
 
 // A source deleted as the run reads its changes, and created again before the run asks whether
