@@ -16,6 +16,7 @@ import (
 	"github.com/spiegel-nats/spiegel/pkg/checkpoint"
 
 	"github.com/spiegel-nats/spiegel/pkg/mirrorkey"
+	"github.com/spiegel-nats/spiegel/pkg/natsjs"
 	"github.com/spiegel-nats/spiegel/pkg/webhook"
 	"github.com/spiegel-nats/spiegel/pkg/worker"
 )
@@ -303,7 +304,7 @@ func (m *mirrorWriter) attempt(bucket, db string, c change, timeout time.Duratio
 				return 0, fmt.Errorf("mirror %s: %w", bucket, err)
 			case found:
 				last = cur.Seq
-				if keyGone(cur.Header) {
+				if natsjs.KVDeleted(cur.Header) {
 					gone = true
 				} else {
 					_ = json.Unmarshal(cur.Data, &held)
@@ -406,48 +407,23 @@ func (m *mirrorWriter) dropDB(ctx context.Context, bucket, db string) (int, erro
 }
 
 // liveKeys returns the keys of db that the bucket holds a value under (not a delete or purge
-// marker). It does not use the KV key listing: that listing ends at the first message whose
-// pending count is 0, and a clustered JetStream can report 0 before the last current value
-// (a chaos run's drop of a recreated db listed 3 of its 20 keys and left the others in the
-// mirror), and it ends quietly when its subscription is closed. Here the stream's subject index
-// says how many subjects db has (each holds at least one message: a value or a marker), and the
-// listing reads one message per subject until it has them all, or fails. Only the job that
-// holds db's fence writes db's keys, so the count does not move while the job lists them.
+// marker). It reads them with natsjs.LastPerSubject, not the KV key listing, which can end
+// early: a chaos run's drop of a recreated db listed 3 of its 20 keys and left the others in the
+// mirror. Only the job that holds db's fence writes db's keys, so they do not change while the
+// job reads them.
 func (b *mirrorBucket) liveKeys(ctx context.Context, db string) ([]string, error) {
-	filter := "$KV." + b.name + "." + mirrorkey.DBPrefix(db)
 	s, err := b.js.Stream(ctx, b.stream)
 	if err != nil {
 		return nil, err
 	}
-	info, err := s.Info(ctx, jetstream.WithSubjectFilter(filter))
-	if err != nil {
-		return nil, err
-	}
-	want := len(info.State.Subjects)
-	if want == 0 {
-		return nil, nil
-	}
-	c, err := s.OrderedConsumer(ctx, jetstream.OrderedConsumerConfig{
-		FilterSubjects: []string{filter}, DeliverPolicy: jetstream.DeliverLastPerSubjectPolicy,
-		HeadersOnly: true, InactiveThreshold: listIdle, // the server removes it once the listing is done
-	})
-	if err != nil {
-		return nil, err
-	}
-	seen := make(map[string]keyLast, want)
-	for len(seen) < want {
-		n, err := readLast(ctx, c, min(want-len(seen), listBatch), seen)
-		if err != nil {
-			return nil, err
-		}
-		if n == 0 {
-			return nil, fmt.Errorf("%d of its %d keys read, then nothing for %s", len(seen), want, listIdle)
-		}
-	}
 	prefix := "$KV." + b.name + "."
+	last, err := natsjs.LastPerSubject(ctx, s, prefix+mirrorkey.DBPrefix(db), true, listIdle)
+	if err != nil {
+		return nil, err
+	}
 	var keys []string
-	for subject, l := range seen {
-		if !l.gone {
+	for subject, m := range last {
+		if !natsjs.KVDeleted(m.Header) {
 			keys = append(keys, subject[len(prefix):])
 		}
 	}
@@ -455,57 +431,8 @@ func (b *mirrorBucket) liveKeys(ctx context.Context, db string) ([]string, error
 	return keys, nil
 }
 
-// keyLast is the latest message liveKeys read of a key: its stream sequence, and whether it
-// is a marker.
-type keyLast struct {
-	seq  uint64
-	gone bool
-}
-
-// readLast reads up to n messages of c into seen, waiting at most listIdle for them, and
-// returns how many it read.
-func readLast(ctx context.Context, c jetstream.Consumer, n int, seen map[string]keyLast) (int, error) {
-	fetchCtx, cancel := context.WithTimeout(ctx, listIdle)
-	defer cancel()
-	batch, err := c.Fetch(n, jetstream.FetchContext(fetchCtx))
-	if err != nil {
-		return 0, err
-	}
-	read := 0
-	for m := range batch.Messages() {
-		read++
-		md, err := m.Metadata()
-		if err != nil {
-			return read, err
-		}
-		// A bucket keeping history delivers older messages of a subject after a reset of the
-		// ordered consumer: the latest one counts.
-		if l, ok := seen[m.Subject()]; !ok || md.Sequence.Stream > l.seq {
-			seen[m.Subject()] = keyLast{seq: md.Sequence.Stream, gone: keyGone(m.Headers())}
-		}
-	}
-	if err := ctx.Err(); err != nil {
-		return read, err
-	}
-	if err := batch.Error(); err != nil && !errors.Is(err, nats.ErrTimeout) && !errors.Is(err, context.DeadlineExceeded) {
-		return read, err
-	}
-	return read, nil
-}
-
-// listIdle bounds the wait for the next message while liveKeys reads a db's keys; listBatch is
-// the most messages one read asks for.
-const (
-	listIdle  = 5 * time.Second
-	listBatch = 4096
-)
-
-// keyGone reports whether a message of a bucket's stream with header h says its key holds no
-// value: a KV delete or purge, or a marker the server left (a key removed by its TTL).
-func keyGone(h nats.Header) bool {
-	op := h.Get("KV-Operation")
-	return op == "DEL" || op == "PURGE" || h.Get(jetstream.MarkerReasonHeader) != ""
-}
+// listIdle bounds the wait for the next message while liveKeys reads a db's keys.
+const listIdle = 5 * time.Second
 
 // mirrorPoint is a job's state in a mirror bucket: its fence of the db (claimDB), and its latest
 // write: the key's subject and the write's stream sequence, kept in the rule's checkpoint

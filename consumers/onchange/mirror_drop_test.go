@@ -3,7 +3,6 @@ package main
 import (
 	"errors"
 	"fmt"
-	"strings"
 	"testing"
 	"time"
 
@@ -26,14 +25,7 @@ func TestMirrorDropReadsEveryKey(t *testing.T) {
 	t.Parallel()
 	s := natstest.Start(t)
 	proxy := s.NewProxy(t)
-	proxy.RewriteReplies(func(reply string) string {
-		// $JS.ACK.<stream>.<consumer>.<delivered>.<stream seq>.<consumer seq>.<time>.<pending>
-		tok := strings.Split(reply, ".")
-		if len(tok) == 9 && tok[2] == "KV_M" && tok[6] == "3" {
-			tok[8] = "0"
-		}
-		return strings.Join(tok, ".")
-	})
+	proxy.RewriteReplies(natstest.ZeroPendingAt("KV_M", 3))
 	nc, err := nats.Connect(proxy.URL())
 	require.NoError(t, err)
 	t.Cleanup(nc.Close)

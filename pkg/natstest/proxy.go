@@ -66,6 +66,22 @@ func (p *Proxy) RewriteReplies(f func(reply string) string) {
 	p.rewrite = f
 }
 
+// ZeroPendingAt is a RewriteReplies function: the message delivered dseq-th by any consumer of
+// stream reports 0 messages pending after it, as a clustered JetStream under load can report
+// before the last one. Ack replies of other streams pass unchanged.
+func ZeroPendingAt(stream string, dseq int) func(reply string) string {
+	d := strconv.Itoa(dseq)
+	return func(reply string) string {
+		// $JS.ACK.<stream>.<consumer>.<delivered>.<stream seq>.<consumer seq>.<time>.<pending>
+		tok := strings.Split(reply, ".")
+		if len(tok) != 9 || tok[0] != "$JS" || tok[1] != "ACK" || tok[2] != stream || tok[6] != d {
+			return reply
+		}
+		tok[8] = "0"
+		return strings.Join(tok, ".")
+	}
+}
+
 // Freeze holds every byte in both directions from now on; the connections stay open.
 func (p *Proxy) Freeze() {
 	p.mu.Lock()

@@ -37,6 +37,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/spiegel-nats/spiegel/pkg/events"
+	"github.com/spiegel-nats/spiegel/pkg/natsjs"
 )
 
 // ErrNoBucket means the bucket of completion records does not exist (any more).
@@ -156,45 +157,40 @@ func RulesChanged(record, rules string) bool {
 	return rr != "" && rr != rules
 }
 
-// Read reads every record, with one ordered consumer over the bucket, and never a cached copy:
-// a watch kept between sweeps would not see a store rolled back or purged (no delete markers),
-// and would go on claiming dbs done that NATS no longer says are. A missing bucket is
-// ErrNoBucket.
+// Read reads every record, with one ordered consumer over the bucket (natsjs.LastPerSubject),
+// and never a cached copy: a watch kept between sweeps would not see a store rolled back or
+// purged (no delete markers), and would go on claiming dbs done that NATS no longer says are.
+// Unlike a KV watch, it does not stop at a pending count of 0 that a clustered server sends
+// early, which would leave records out and make the sweep enqueue their dbs for nothing. A
+// missing bucket is ErrNoBucket.
 func (r *Records) Read(ctx context.Context) (Done, error) {
-	w, err := r.kv.WatchAll(ctx, jetstream.IgnoreDeletes())
+	s, err := r.js.Stream(ctx, "KV_"+r.kv.Bucket())
 	if err != nil {
 		if missing(err) {
 			return nil, fmt.Errorf("read completion records: %w", ErrNoBucket)
 		}
 		return nil, fmt.Errorf("read completion records: %w", err)
 	}
-	defer func() { _ = w.Stop() }()
-	// A watch whose bucket is purged while it delivers the current values waits forever for
-	// values that are gone: a read that gets nothing for readIdle gives up, and the next sweep
-	// reads again.
-	idle := time.NewTimer(readIdle)
-	defer idle.Stop()
-	done := Done{}
-	for {
-		select {
-		case <-ctx.Done():
-			return nil, fmt.Errorf("read completion records: %w", ctx.Err())
-		case <-idle.C:
-			return nil, fmt.Errorf("read completion records: nothing for %s before the end of the current values (the bucket changed during the read?)", readIdle)
-		case e, ok := <-w.Updates():
-			if !ok {
-				return nil, errors.New("read completion records: the watch ended early")
-			}
-			if e == nil { // every current value delivered
-				return done, nil
-			}
-			done[e.Key()] = string(e.Value())
-			idle.Reset(readIdle)
+	last, err := natsjs.LastPerSubject(ctx, s, "", false, readIdle)
+	if err != nil {
+		if missing(err) {
+			return nil, fmt.Errorf("read completion records: %w", ErrNoBucket)
 		}
+		return nil, fmt.Errorf("read completion records: %w", err)
 	}
+	subject := keySubjects(s)
+	done := make(Done, len(last))
+	for subj, m := range last {
+		if natsjs.KVDeleted(m.Header) {
+			continue
+		}
+		done[strings.TrimPrefix(subj, subject)] = string(m.Data)
+	}
+	return done, nil
 }
 
-// readIdle bounds the wait for the next record while Read delivers the current values.
+// readIdle bounds the wait for the next record while Read reads them (a bucket purged during
+// the read ends it so, and the next sweep reads again).
 const readIdle = 5 * time.Second
 
 // missing reports whether err says the bucket's stream does not exist. The watch of a bucket
@@ -213,13 +209,18 @@ func (r *Records) DropDB(ctx context.Context, db string) error {
 	if err != nil {
 		return fmt.Errorf("drop the completion records of %s: %w", db, err)
 	}
-	subject := "$KV." + r.kv.Bucket() + "."
-	if subs := s.CachedInfo().Config.Subjects; len(subs) == 1 && strings.HasSuffix(subs[0], ".>") {
-		subject = strings.TrimSuffix(subs[0], ">") // the stream's own key subjects
-	}
 	_, enc, _ := strings.Cut(Key("", db), ".")
-	if err := s.Purge(ctx, jetstream.WithPurgeSubject(subject+"*."+enc)); err != nil {
+	if err := s.Purge(ctx, jetstream.WithPurgeSubject(keySubjects(s)+"*."+enc)); err != nil {
 		return fmt.Errorf("drop the completion records of %s: %w", db, err)
 	}
 	return nil
+}
+
+// keySubjects returns the prefix of the key subjects of the bucket of stream s: "$KV.<bucket>.",
+// or the stream's own (a bucket in another domain, say).
+func keySubjects(s jetstream.Stream) string {
+	if subs := s.CachedInfo().Config.Subjects; len(subs) == 1 && strings.HasSuffix(subs[0], ".>") {
+		return strings.TrimSuffix(subs[0], ">")
+	}
+	return "$KV." + strings.TrimPrefix(s.CachedInfo().Config.Name, "KV_") + "."
 }

@@ -3,9 +3,11 @@ package reconcile
 import (
 	"context"
 	"errors"
+	"fmt"
 	"slices"
 	"testing"
 
+	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/sirupsen/logrus"
 	"github.com/stretchr/testify/assert"
@@ -120,6 +122,34 @@ func TestReadAndDropDB(t *testing.T) {
 	done, err = r.Read(ctx)
 	require.NoError(t, err)
 	assert.Equal(t, Done{Key(rep, "c"): "8"}, done)
+}
+
+// Read returns every record when the server's pending count says 0 early, as a clustered
+// JetStream under load can: a KV watch would end its current values there, and the sweep would
+// enqueue the dbs of the records it left out for nothing.
+func TestReadDoesNotStopAtAnEarlyZeroPending(t *testing.T) {
+	t.Parallel()
+	topo := natsjs.DefaultTopology("")
+	proxy := natstest.Start(t).NewProxy(t)
+	proxy.RewriteReplies(natstest.ZeroPendingAt("KV_"+topo.Subjects.DoneBucket(), 3))
+	nc, err := nats.Connect(proxy.URL())
+	require.NoError(t, err)
+	t.Cleanup(nc.Close)
+	js, err := jetstream.New(nc)
+	require.NoError(t, err)
+	require.NoError(t, natsjs.EnsureDoneBucket(t.Context(), js, topo))
+	kv, err := natsjs.DoneBucket(t.Context(), js, topo)
+	require.NoError(t, err)
+	r := New(js, kv)
+	want := Done{}
+	for i := range 30 {
+		db := fmt.Sprintf("db%02d", i)
+		require.NoError(t, r.Put(t.Context(), rep, db, "1"))
+		want[Key(rep, db)] = "1"
+	}
+	done, err := r.Read(t.Context())
+	require.NoError(t, err)
+	assert.Equal(t, want, done)
 }
 
 // infos answers DBInfo from a map; a missing db is couch.ErrNotFound, err fails every read.
