@@ -166,6 +166,23 @@ func (r *run) metricsURLs() []string {
 // startPipeline starts the six product processes (procNames), with partitions each reaching
 // NATS and CouchDB through its own links (links.go), and waits until each is ready.
 func (r *run) startPipeline(ctx context.Context) error {
+	// With partitions (CHAOS_PARTITIONS=1) each process has its own proxies to NATS and CouchDB,
+	// which the partition faults freeze or cut; without them it connects directly. They listen
+	// before the processes' ports are chosen: a proxy listening later could take one (a run
+	// failed so, its process unable to bind its port).
+	procLinks := make([]*links, len(procNames))
+	if r.cfg.Partitions {
+		for i := range procNames {
+			l, err := startLinks(r.nats, r.couch.procURL)
+			if err != nil {
+				for _, l := range procLinks[:i] {
+					l.close()
+				}
+				return err
+			}
+			procLinks[i] = l
+		}
+	}
 	ports, err := freePorts(len(procNames))
 	if err != nil {
 		return err
@@ -196,16 +213,10 @@ func (r *run) startPipeline(ctx context.Context) error {
 			bin = "onchange"
 			env = append(env, consumer...)
 		}
-		// With partitions (CHAOS_PARTITIONS=1) its own proxies to NATS and CouchDB, which the
-		// partition faults freeze or cut; without them it connects directly.
-		var l *links
-		if r.cfg.Partitions {
-			if l, err = startLinks(r.nats, r.couch.procURL); err != nil {
-				return err
-			}
+		l := procLinks[i]
+		if l != nil {
 			lenv, err := l.env(r.couch.procURL)
 			if err != nil {
-				l.close()
 				return err
 			}
 			env = append(env, lenv...) // the last value of a variable wins
