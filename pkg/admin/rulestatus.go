@@ -296,6 +296,9 @@ func deadLettersByRule(ctx context.Context, js jetstream.JetStream, stream strin
 	if s.CachedInfo().State.Msgs == 0 {
 		return out, nil
 	}
+	// The read ends at the stream's last message when it began: not at a pending count of 0,
+	// which a clustered server can send early.
+	last := s.CachedInfo().State.LastSeq
 	cons, err := s.OrderedConsumer(ctx, jetstream.OrderedConsumerConfig{})
 	if err != nil {
 		return out, err
@@ -312,7 +315,7 @@ func deadLettersByRule(ctx context.Context, js jetstream.JetStream, stream strin
 			if json.Unmarshal(msg.Data(), &rec) == nil && rec.Rule != "" {
 				out[rec.Rule]++
 			}
-			if meta, err := msg.Metadata(); err == nil && meta.NumPending == 0 {
+			if meta, err := msg.Metadata(); err == nil && meta.Sequence.Stream >= last {
 				return out, nil
 			}
 		}
