@@ -62,7 +62,8 @@ type mirrorBucket struct {
 	nc       *nats.Conn // reads of the bucket's stream at its leader (leaderMsg)
 	name     string
 	stream   string // the bucket's stream, KV_<bucket>
-	maxValue int    // the largest value written as is
+	handle   jetstream.Stream
+	maxValue int // the largest value written as is
 	// serial: the bucket is replicated, where JetStream refuses a write whose fence check is
 	// made while another on the same fence is in flight: a job's writes go one at a time.
 	serial bool
@@ -157,7 +158,11 @@ func (m *mirrorWriter) bucket(ctx context.Context, name string) (*mirrorBucket, 
 			limit = min(limit, p-payloadMargin)
 		}
 	}
-	b = &mirrorBucket{kv: kv, js: m.js, nc: m.js.Conn(), name: name, stream: "KV_" + name, maxValue: int(limit),
+	handle, err := m.js.Stream(ctx, "KV_"+name)
+	if err != nil {
+		return nil, fmt.Errorf("open the stream of mirror bucket %s: %w", name, err)
+	}
+	b = &mirrorBucket{kv: kv, js: m.js, nc: m.js.Conn(), name: name, stream: "KV_" + name, handle: handle, maxValue: int(limit),
 		serial: st.Config().Replicas > 1, opened: time.Now()}
 	if bs, ok := st.(*jetstream.KeyValueBucketStatus); ok && bs.StreamInfo() != nil {
 		b.atomic = bs.StreamInfo().Config.AllowAtomicPublish
@@ -412,12 +417,8 @@ func (m *mirrorWriter) dropDB(ctx context.Context, bucket, db string) (int, erro
 // mirror. Only the job that holds db's fence writes db's keys, so they do not change while the
 // job reads them.
 func (b *mirrorBucket) liveKeys(ctx context.Context, db string) ([]string, error) {
-	s, err := b.js.Stream(ctx, b.stream)
-	if err != nil {
-		return nil, err
-	}
 	prefix := "$KV." + b.name + "."
-	last, err := natsjs.LastPerSubject(ctx, s, prefix+mirrorkey.DBPrefix(db), true, listIdle)
+	last, err := natsjs.LastPerSubject(ctx, b.handle, prefix+mirrorkey.DBPrefix(db), true, listIdle)
 	if err != nil {
 		return nil, err
 	}
