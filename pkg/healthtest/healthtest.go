@@ -7,28 +7,27 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
-	"net"
 	"net/http"
 	"sort"
 	"strconv"
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/spiegel-nats/spiegel/pkg/freeport"
 )
 
 // client has a timeout above the readiness checks' own 3s bound.
 var client = &http.Client{Timeout: 10 * time.Second}
 
 // FreeAddr returns a loopback address with a port that was free a moment ago, for a process
-// whose listener address the test must know in advance.
+// whose listener address the test must know in advance (see package freeport).
 func FreeAddr(t testing.TB) string {
 	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	addr, err := freeport.Addr()
 	if err != nil {
-		t.Fatalf("healthtest: listen: %v", err)
+		t.Fatalf("healthtest: %v", err)
 	}
-	addr := ln.Addr().String()
-	_ = ln.Close()
 	return addr
 }
 

@@ -12,6 +12,8 @@ import (
 	"github.com/nats-io/nats-server/v2/server"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/spiegel-nats/spiegel/pkg/freeport"
 )
 
 // Server is an embedded nats-server with JetStream on a random loopback port and a temporary
@@ -45,9 +47,15 @@ func storageSync(opts *server.Options, v string) error {
 // Start starts a server for t. Options may adjust the server options before start.
 func Start(t testing.TB, options ...func(*server.Options)) *Server {
 	t.Helper()
+	// The client port is named, not drawn by the kernel: a restart (StartAgain) binds it again,
+	// and a port of the kernel's choosing could be taken meanwhile (see package freeport).
+	ports, err := freeport.Ports(1)
+	if err != nil {
+		t.Fatalf("natstest: %v", err)
+	}
 	opts := &server.Options{
 		Host:      "127.0.0.1",
-		Port:      server.RANDOM_PORT,
+		Port:      ports[0],
 		JetStream: true,
 		StoreDir:  t.TempDir(),
 		NoLog:     true,
@@ -155,14 +163,9 @@ func Answers(t testing.TB, nc *nats.Conn, subject string, want int, within time.
 // servers are shut down when the test ends.
 func StartCluster(t testing.TB, n int) []*Server {
 	t.Helper()
-	ports := make([]int, n)
-	for i := range ports {
-		ln, err := net.Listen("tcp", "127.0.0.1:0")
-		if err != nil {
-			t.Fatalf("natstest: cluster port: %v", err)
-		}
-		ports[i] = ln.Addr().(*net.TCPAddr).Port
-		_ = ln.Close()
+	ports, err := freeport.Ports(n) // each node's routes name the others' ports before they listen
+	if err != nil {
+		t.Fatalf("natstest: cluster ports: %v", err)
 	}
 	servers := make([]*Server, n)
 	for i := range servers {

@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
-	"net"
 	"net/http"
 	"os"
 	"path/filepath"
@@ -17,6 +16,8 @@ import (
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/spiegel-nats/spiegel/pkg/freeport"
 )
 
 // cluster is three nats-server processes (bin/nats-server, built from the module's pinned
@@ -333,27 +334,8 @@ func getJSON(ctx context.Context, url string, out any) error {
 	return json.NewDecoder(resp.Body).Decode(out)
 }
 
-// freePorts returns n loopback ports that were free a moment ago, none of them 5984.
-func freePorts(n int) ([]int, error) {
-	var ports []int
-	var lns []net.Listener
-	defer func() {
-		for _, ln := range lns {
-			_ = ln.Close()
-		}
-	}()
-	for len(ports) < n {
-		ln, err := net.Listen("tcp", "127.0.0.1:0")
-		if err != nil {
-			return nil, err
-		}
-		lns = append(lns, ln)
-		if p := ln.Addr().(*net.TCPAddr).Port; p != 5984 {
-			ports = append(ports, p)
-		}
-	}
-	return ports, nil
-}
+// freePorts returns n loopback ports that were free a moment ago (see package freeport).
+func freePorts(n int) ([]int, error) { return freeport.Ports(n) }
 
 // consumerLeader returns the name of the node leading consumer of stream (the JetStream API's
 // CONSUMER.INFO cluster.leader).
