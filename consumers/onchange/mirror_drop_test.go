@@ -6,7 +6,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -26,11 +25,7 @@ func TestMirrorDropReadsEveryKey(t *testing.T) {
 	s := natstest.Start(t)
 	proxy := s.NewProxy(t)
 	proxy.RewriteReplies(natstest.ZeroPendingAt("KV_M", 3))
-	nc, err := nats.Connect(proxy.URL())
-	require.NoError(t, err)
-	t.Cleanup(nc.Close)
-	js, err := jetstream.New(nc)
-	require.NoError(t, err)
+	nc, js := proxy.Connect(t)
 
 	m := newMirrorWriter(js, 1, nc.MaxPayload)
 	ctx := withMirrorPoints(t.Context())

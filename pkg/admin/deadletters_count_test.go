@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"testing"
 
-	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -20,12 +19,8 @@ func TestDeadLettersByRuleCountsEveryRecord(t *testing.T) {
 	t.Parallel()
 	proxy := natstest.Start(t).NewProxy(t)
 	proxy.RewriteReplies(natstest.ZeroPendingAt("DL", 3))
-	nc, err := nats.Connect(proxy.URL())
-	require.NoError(t, err)
-	t.Cleanup(nc.Close)
-	js, err := jetstream.New(nc)
-	require.NoError(t, err)
-	_, err = js.CreateStream(t.Context(), jetstream.StreamConfig{Name: "DL", Subjects: []string{"dl.>"}})
+	_, js := proxy.Connect(t)
+	_, err := js.CreateStream(t.Context(), jetstream.StreamConfig{Name: "DL", Subjects: []string{"dl.>"}})
 	require.NoError(t, err)
 	for i := range 10 {
 		b, err := json.Marshal(worker.DeadLetter{Rule: fmt.Sprintf("r%d", i%2)})

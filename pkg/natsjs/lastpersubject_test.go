@@ -5,7 +5,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -19,11 +18,7 @@ func throughEarlyZero(t *testing.T, history uint8) (jetstream.JetStream, jetstre
 	t.Helper()
 	proxy := natstest.Start(t).NewProxy(t)
 	proxy.RewriteReplies(natstest.ZeroPendingAt("KV_B", 3))
-	nc, err := nats.Connect(proxy.URL())
-	require.NoError(t, err)
-	t.Cleanup(nc.Close)
-	js, err := jetstream.New(nc)
-	require.NoError(t, err)
+	_, js := proxy.Connect(t)
 	kv, err := js.CreateKeyValue(t.Context(), jetstream.KeyValueConfig{Bucket: "B", History: history})
 	require.NoError(t, err)
 	s, err := js.Stream(t.Context(), "KV_B")

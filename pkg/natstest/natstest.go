@@ -119,7 +119,18 @@ func (s *Server) StartAgain(t testing.TB) {
 // the test.
 func (s *Server) Connect(t testing.TB) (*nats.Conn, jetstream.JetStream) {
 	t.Helper()
-	nc, err := nats.Connect(s.URL(), nats.MaxReconnects(-1), nats.ReconnectWait(100*time.Millisecond))
+	return connect(t, s.URL())
+}
+
+// Connect is Server.Connect through the proxy.
+func (p *Proxy) Connect(t testing.TB) (*nats.Conn, jetstream.JetStream) {
+	t.Helper()
+	return connect(t, p.URL())
+}
+
+func connect(t testing.TB, url string) (*nats.Conn, jetstream.JetStream) {
+	t.Helper()
+	nc, err := nats.Connect(url, nats.MaxReconnects(-1), nats.ReconnectWait(100*time.Millisecond))
 	if err != nil {
 		t.Fatalf("natstest: connect: %v", err)
 	}

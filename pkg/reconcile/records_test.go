@@ -7,7 +7,6 @@ import (
 	"slices"
 	"testing"
 
-	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/sirupsen/logrus"
 	"github.com/stretchr/testify/assert"
@@ -132,11 +131,7 @@ func TestReadDoesNotStopAtAnEarlyZeroPending(t *testing.T) {
 	topo := natsjs.DefaultTopology("")
 	proxy := natstest.Start(t).NewProxy(t)
 	proxy.RewriteReplies(natstest.ZeroPendingAt("KV_"+topo.Subjects.DoneBucket(), 3))
-	nc, err := nats.Connect(proxy.URL())
-	require.NoError(t, err)
-	t.Cleanup(nc.Close)
-	js, err := jetstream.New(nc)
-	require.NoError(t, err)
+	_, js := proxy.Connect(t)
 	require.NoError(t, natsjs.EnsureDoneBucket(t.Context(), js, topo))
 	kv, err := natsjs.DoneBucket(t.Context(), js, topo)
 	require.NoError(t, err)
