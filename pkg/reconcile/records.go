@@ -165,17 +165,14 @@ func RulesChanged(record, rules string) bool {
 // missing bucket is ErrNoBucket.
 func (r *Records) Read(ctx context.Context) (Done, error) {
 	s, err := r.js.Stream(ctx, "KV_"+r.kv.Bucket())
-	if err != nil {
-		if missing(err) {
-			return nil, fmt.Errorf("read completion records: %w", ErrNoBucket)
-		}
-		return nil, fmt.Errorf("read completion records: %w", err)
+	var last map[string]natsjs.LastMsg
+	if err == nil {
+		last, err = natsjs.LastPerSubject(ctx, s, "", false, readIdle)
 	}
-	last, err := natsjs.LastPerSubject(ctx, s, "", false, readIdle)
-	if err != nil {
-		if missing(err) {
-			return nil, fmt.Errorf("read completion records: %w", ErrNoBucket)
-		}
+	switch {
+	case missing(err):
+		return nil, fmt.Errorf("read completion records: %w", ErrNoBucket)
+	case err != nil:
 		return nil, fmt.Errorf("read completion records: %w", err)
 	}
 	subject := keySubjects(s)
