@@ -1,6 +1,7 @@
 package natsjs
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -28,50 +29,62 @@ func KVDeleted(h nats.Header) bool {
 // subject filter; "" for every subject of the stream), keyed by subject, without its data when
 // headersOnly.
 //
-// It does what a KV key listing or watch does with an ordered consumer, but knows when it is
-// done from the stream's subject index: it reads until it has a message of every subject the
-// stream held when it began. nats.go's KV listing and watch instead end their current values
-// at the first message whose pending count is 0, which a clustered JetStream can report before
-// the last one (seen in our chaos runs; nats.py #995 shows the same on 2.14), and a listing
-// ends quietly when its subscription is closed. Subjects written while it reads may be in the
-// result or not. A purge can leave fewer subjects than it counted: after idle without a message
-// it asks which subjects the stream still holds, and is done when it read them all. Otherwise
-// nothing for idle is an error (the server stopped delivering): the caller reads again later.
+// It does what a KV key listing or watch does, with one ephemeral consumer, but knows when it is
+// done from the stream's subject index. nats.go's KV listing and watch instead end their current
+// values at the first message whose pending count is 0, which a clustered JetStream can report
+// before the last one (seen in our chaos runs; nats.py #995 shows the same on 2.14), and a listing
+// ends quietly when its subscription is closed.
+//
+//   - With a filter it names the subjects first and reads until it has a message of each: a
+//     subject rewritten while it reads is waited for, and a filter that matches nothing costs
+//     one request and no consumer.
+//   - With "" it counts them (naming every subject of a big stream would cost a list of them
+//     all) and reads until it has that many: a subject first written while it reads can then
+//     stand in for one rewritten meanwhile, which the result may lack.
+//
+// Subjects first written while it reads may be in the result or not. A purge can leave fewer
+// subjects than it expects: after idle without a message it asks which subjects the stream still
+// holds, and is done when it read them all. Otherwise nothing for idle is an error (the server
+// stopped delivering): the caller reads again later.
 func LastPerSubject(ctx context.Context, s jetstream.Stream, filter string, headersOnly bool, idle time.Duration) (map[string]LastMsg, error) {
-	var want int
-	if filter == "" {
+	var want int               // the subjects to read
+	var need map[string]uint64 // which they are (filter only), until read
+	if filter != "" {
+		subs, err := subjects(ctx, s, filter)
+		if err != nil {
+			return nil, err
+		}
+		need, want = subs, len(subs)
+	} else {
 		info, err := s.Info(ctx)
 		if err != nil {
 			return nil, err
 		}
 		want = int(info.State.NumSubjects)
-	} else {
-		subs, err := subjects(ctx, s, filter)
-		if err != nil {
-			return nil, err
-		}
-		want = len(subs)
 	}
 	if testHookCounted != nil {
 		testHookCounted()
 	}
-	out := make(map[string]LastMsg, want)
 	if want == 0 {
-		return out, nil
+		return map[string]LastMsg{}, nil
 	}
-	cfg := jetstream.OrderedConsumerConfig{
-		DeliverPolicy: jetstream.DeliverLastPerSubjectPolicy, HeadersOnly: headersOnly,
+	c, err := s.CreateConsumer(ctx, jetstream.ConsumerConfig{
+		DeliverPolicy: jetstream.DeliverLastPerSubjectPolicy, FilterSubject: cmp.Or(filter, ">"),
+		AckPolicy: jetstream.AckNonePolicy, HeadersOnly: headersOnly, MemoryStorage: true, Replicas: 1,
 		InactiveThreshold: idle, // the server removes it once the read is done
-	}
-	if filter != "" {
-		cfg.FilterSubjects = []string{filter}
-	}
-	c, err := s.OrderedConsumer(ctx, cfg)
+	})
 	if err != nil {
 		return nil, err
 	}
-	for len(out) < want {
-		n, err := readLast(ctx, c, min(want-len(out), lastBatch), idle, out)
+	out := make(map[string]LastMsg, want)
+	left := func() int {
+		if need != nil {
+			return len(need)
+		}
+		return want - len(out)
+	}
+	for left() > 0 {
+		n, err := readLast(ctx, c, min(left(), lastBatch), idle, out, need)
 		if err != nil {
 			return nil, err
 		}
@@ -115,13 +128,12 @@ func subjects(ctx context.Context, s jetstream.Stream, filter string) (map[strin
 // testHookCounted runs once LastPerSubject has counted the subjects (tests purge some then).
 var testHookCounted func()
 
-// lastBatch is the most messages one read of LastPerSubject asks for (each read creates the
-// ordered consumer again, from where the previous one ended).
+// lastBatch is the most messages one read of LastPerSubject asks for.
 const lastBatch = 10_000
 
-// readLast reads up to n messages of c into out, waiting at most idle for them, and returns how
-// many it read.
-func readLast(ctx context.Context, c jetstream.Consumer, n int, idle time.Duration, out map[string]LastMsg) (int, error) {
+// readLast reads up to n messages of c into out, removing their subjects from need, waiting at
+// most idle for them, and returns how many it read.
+func readLast(ctx context.Context, c jetstream.Consumer, n int, idle time.Duration, out map[string]LastMsg, need map[string]uint64) (int, error) {
 	fetchCtx, cancel := context.WithTimeout(ctx, idle)
 	defer cancel()
 	batch, err := c.Fetch(n, jetstream.FetchContext(fetchCtx))
@@ -135,12 +147,12 @@ func readLast(ctx context.Context, c jetstream.Consumer, n int, idle time.Durati
 		if err != nil {
 			return read, err
 		}
-		// After the first read the consumer starts at a sequence, no longer at each subject's
-		// last message: a stream that keeps history then delivers a subject's older messages
-		// too. The latest one counts.
+		// Past each subject's last message at its start, the consumer delivers every new
+		// message: a subject written again meanwhile comes twice. The latest one counts.
 		if l, ok := out[m.Subject()]; !ok || md.Sequence.Stream > l.Seq {
 			out[m.Subject()] = LastMsg{Seq: md.Sequence.Stream, Header: m.Headers(), Data: m.Data()}
 		}
+		delete(need, m.Subject())
 	}
 	if err := ctx.Err(); err != nil {
 		return read, err

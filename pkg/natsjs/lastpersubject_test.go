@@ -124,3 +124,26 @@ func TestLastPerSubjectAfterAPurge(t *testing.T) {
 	assert.Len(t, got, 9)
 	assert.NotContains(t, got, "$KV.B.k7")
 }
+
+// With a filter, a key rewritten after the subjects were named is waited for, even when a key
+// first written meanwhile came before it: counting instead of naming stopped at as many keys
+// and left the rewritten one out (a mirror's drop would have kept it).
+func TestLastPerSubjectWaitsForARewrittenSubject(t *testing.T) {
+	_, kv, s := throughEarlyZero(t, 1)
+	for i := range 20 {
+		_, err := kv.PutString(t.Context(), fmt.Sprintf("a.k%02d", i), "v1")
+		require.NoError(t, err)
+	}
+	testHookCounted = func() {
+		_, err := kv.PutString(t.Context(), "a.new", "v1")
+		require.NoError(t, err)
+		_, err = kv.PutString(t.Context(), "a.k00", "v2")
+		require.NoError(t, err)
+	}
+	t.Cleanup(func() { testHookCounted = nil })
+	got, err := LastPerSubject(t.Context(), s, "$KV.B.a.*", false, 5*time.Second)
+	require.NoError(t, err)
+	require.Contains(t, got, "$KV.B.a.k00")
+	assert.Equal(t, "v2", string(got["$KV.B.a.k00"].Data))
+	assert.Len(t, got, 21)
+}

@@ -69,8 +69,7 @@ func mirrorPermissions(bucket string) (onchange, status []string) {
 	return []string{
 			"$KV." + bucket + ".>", "$JS.API.STREAM.INFO.KV_" + bucket, "$JS.API.STREAM.CREATE.KV_" + bucket,
 			"$JS.API.STREAM.MSG.GET.KV_" + bucket, "$JS.API.DIRECT.GET.KV_" + bucket + ".>", "$JS.API.STREAM.PURGE.KV_" + bucket,
-			"$JS.API.CONSUMER.CREATE.KV_" + bucket + ".>", "$JS.API.CONSUMER.DELETE.KV_" + bucket + ".>",
-			"$JS.API.CONSUMER.MSG.NEXT.KV_" + bucket + ".>",
+			"$JS.API.CONSUMER.CREATE.KV_" + bucket + ".>", "$JS.API.CONSUMER.MSG.NEXT.KV_" + bucket + ".>",
 		}, []string{
 			"$JS.API.STREAM.INFO.KV_" + bucket, "$JS.API.STREAM.MSG.GET.KV_" + bucket,
 		}
