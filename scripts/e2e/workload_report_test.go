@@ -85,12 +85,11 @@ func (r workloadResult) record(cs *couchtest.Server, w workload) benchdata.Run {
 		WriterStartS: r.writerStart.Seconds(), WriterEndS: r.writerEnd.Seconds(),
 		IdleStartS: r.idleStart.Seconds(), IdleEndS: r.idleEnd.Seconds(),
 		Writes: r.writes, Requests: r.requests, IdleRequests: r.idle,
-		MaxConns: r.maxConns, IdleConns: r.idleConns, ConnsMeasured: !r.baselineConnsUnmeasured,
+		MaxConns: r.maxConns, IdleConns: r.idleConns, ConnsMeasured: r.unmeasured == "",
 		Samples: r.samples,
 	}
-	if r.baselineConnsUnmeasured {
-		run.Notes = append(run.Notes, "The server is not on this machine, so its replications could not go through a counting proxy: "+
-			"their requests and connections are not measured.")
+	if r.unmeasured != "" {
+		run.Notes = append(run.Notes, r.unmeasured)
 	}
 	return run
 }

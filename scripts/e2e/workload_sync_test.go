@@ -150,7 +150,11 @@ func logSyncCost(b testing.TB, setup string, dbs int, from, to cpuMark, counts m
 			fmt.Fprintf(&sb, "    %-40s %8d  %.3f per db\n", ep, eps[ep], float64(eps[ep])/float64(dbs))
 		}
 	}
-	fmt.Fprintf(&sb, "  all: %d requests, %.2f per db, %.0f per second\n", total, float64(total)/float64(dbs), float64(total)/secs)
+	if len(counts) == 0 {
+		fmt.Fprintf(&sb, "  requests: not counted (no counting proxies)\n")
+	} else {
+		fmt.Fprintf(&sb, "  all: %d requests, %.2f per db, %.0f per second\n", total, float64(total)/float64(dbs), float64(total)/secs)
+	}
 	if sweep != "" {
 		fmt.Fprintf(&sb, "  the sweep's questions to CouchDB (spiegel_sweep_checks_total, since the producer started): %s\n", sweep)
 	}

@@ -39,6 +39,10 @@ import (
 // order):
 //   - hot: the defaults (native engine, hot feeds);
 //   - nohot: native engine, SPIEGEL_HOT_FEEDS=0 (the _db_updates path alone);
+//   - direct: the defaults with no counting proxies, as in production: the processes talk to
+//     CouchDB itself, so the bench's own process (the proxies took 0.46 cores of the two in an
+//     initial sync of 10,000 dbs) leaves CouchDB its CPU. Requests and connections are not
+//     counted;
 //   - capped: the defaults with each process's CouchDB connections for requests capped at 8;
 //   - couchdb: the couchdb engine (POST /_replicate), SPIEGEL_HOT_FEEDS=0 — the earlier default;
 //   - replicator: the server's own _replicator, one continuous job per user db (no on_change).
@@ -160,6 +164,7 @@ type workloadSetup struct {
 	key, name    string
 	vars         []string // SPIEGEL_ variables of the three processes
 	replicatorDB bool
+	direct       bool // no counting proxies: requests and connections are not counted
 }
 
 // workloadSetups returns the setups BENCH_SETUPS names, in the order it names them (every setup,
@@ -170,6 +175,7 @@ func workloadSetups() ([]workloadSetup, error) {
 	all := []workloadSetup{
 		{key: "hot", name: "native engine, hot feeds (defaults)"},
 		{key: "nohot", name: "native engine, no hot feeds", vars: []string{"SPIEGEL_HOT_FEEDS=0"}},
+		{key: "direct", name: "defaults, no counting proxies (requests and connections not counted)", direct: true},
 		{key: "capped", name: "defaults, SPIEGEL_COUCHDB_MAX_CONNECTIONS=8", vars: []string{"SPIEGEL_COUCHDB_MAX_CONNECTIONS=8"}},
 		{key: "uncapped", name: "defaults, no cap on connections (SPIEGEL_COUCHDB_MAX_CONNECTIONS=0)", vars: []string{"SPIEGEL_COUCHDB_MAX_CONNECTIONS=0"}},
 		{key: "couchdb", name: "couchdb engine, no hot feeds (earlier default)",
@@ -219,7 +225,7 @@ type workloadResult struct {
 	idleStart, idleEnd      time.Duration
 	writes                  []benchdata.Write
 	samples                 []benchdata.Sample
-	baselineConnsUnmeasured bool
+	unmeasured              string // why requests and connections were not counted ("": they were)
 	hotFeedsOpened          float64 // by the producer while the writer ran and until every doc arrived (-1: unknown)
 }
 
@@ -300,10 +306,16 @@ func runWorkload(b *testing.B, root string, cs *couchtest.Server, up *couchtest.
 	res.started = started
 	if s.replicatorDB {
 		proxies = startReplicatorJobs(b, cs, users, target)
-		res.baselineConnsUnmeasured = len(proxies) == 0
+		if len(proxies) == 0 {
+			res.unmeasured = "The server is not on this machine, so its replications could not go through a counting proxy: " +
+				"their requests and connections are not measured."
+		}
 	} else {
 		var ns *natstest.Server
-		procs, proxies, ns = startPipeline(b, root, up, prefix, target, sink.URL, s.vars)
+		procs, proxies, ns = startPipeline(b, root, up, prefix, target, sink.URL, s.vars, s.direct)
+		if s.direct {
+			res.unmeasured = "The processes talked to CouchDB without counting proxies: their requests and connections are not measured."
+		}
 		_, js = ns.Connect(b)
 	}
 	sampleCtx, stopSampling := context.WithCancel(ctx)
@@ -583,8 +595,8 @@ func loadAvg() string {
 }
 
 // startPipeline installs a spiegel db and starts the three binaries, each through its own
-// counting proxy in front of up, with rules for the workload.
-func startPipeline(b *testing.B, root string, up *couchtest.UpdatesProxy, prefix, target, hookURL string, vars []string) ([]*proc, map[string]*countingProxy, *natstest.Server) {
+// counting proxy in front of up (unless direct), with rules for the workload.
+func startPipeline(b *testing.B, root string, up *couchtest.UpdatesProxy, prefix, target, hookURL string, vars []string, direct bool) ([]*proc, map[string]*countingProxy, *natstest.Server) {
 	b.Helper()
 	binDir := cmp.Or(os.Getenv("BENCH_BIN_DIR"), filepath.Join(root, "bin")) // another build's binaries, to compare
 	bin := func(name string) string { return filepath.Join(binDir, name) }
@@ -593,10 +605,14 @@ func startPipeline(b *testing.B, root string, up *couchtest.UpdatesProxy, prefix
 	up.Server().Cleanup(b, spiegelDB)
 	proxies := map[string]*countingProxy{}
 	env := func(name string) []string {
-		p := newCountingProxy(b, up.URL(), spiegelDB)
-		proxies[name] = p
+		couchURL := up.URL()
+		if !direct {
+			p := newCountingProxy(b, up.URL(), spiegelDB)
+			proxies[name] = p
+			couchURL = p.urlFor(up.URL())
+		}
 		return baseEnv(append([]string{
-			"SPIEGEL_COUCHDB_URL=" + p.urlFor(up.URL()),
+			"SPIEGEL_COUCHDB_URL=" + couchURL,
 			"SPIEGEL_DB_NAME=" + spiegelDB,
 			"SPIEGEL_NATS_URL=" + ns.URL(),
 			"SPIEGEL_LOG_LEVEL=" + cmp.Or(os.Getenv("BENCH_LOG_LEVEL"), "warn"),
@@ -668,7 +684,7 @@ func TestWorkloadSetups(t *testing.T) {
 	}
 	assert.Equal(t, []string{"nohot", "hot"}, keys("nohot,hot"), "the order given is the order run")
 	assert.Equal(t, []string{"hot", "replicator"}, keys("hot,replicator,hot"), "a setup named twice runs once")
-	assert.Equal(t, []string{"hot", "nohot", "capped", "uncapped", "couchdb", "replicator"}, keys(""))
+	assert.Equal(t, []string{"hot", "nohot", "direct", "capped", "uncapped", "couchdb", "replicator"}, keys(""))
 
 	t.Setenv("BENCH_SETUPS", "hot,nohots")
 	_, err := workloadSetups()
