@@ -40,9 +40,8 @@ import (
 //   - hot: the defaults (native engine, hot feeds);
 //   - nohot: native engine, SPIEGEL_HOT_FEEDS=0 (the _db_updates path alone);
 //   - direct: the defaults with no counting proxies, as in production: the processes talk to
-//     CouchDB itself, so the bench's own process (the proxies took 0.46 cores of the two in an
-//     initial sync of 10,000 dbs) leaves CouchDB its CPU. Requests and connections are not
-//     counted;
+//     CouchDB itself, and the proxies' CPU and round trips are not in the figures. Requests and
+//     connections are not counted;
 //   - capped: the defaults with each process's CouchDB connections for requests capped at 8;
 //   - couchdb: the couchdb engine (POST /_replicate), SPIEGEL_HOT_FEEDS=0 — the earlier default;
 //   - replicator: the server's own _replicator, one continuous job per user db (no on_change).
