@@ -157,7 +157,7 @@ func RulesChanged(record, rules string) bool {
 	return rr != "" && rr != rules
 }
 
-// Read reads every record, with one ordered consumer over the bucket (natsjs.LastPerSubject),
+// Read reads every record, with one ephemeral consumer over the bucket (natsjs.LastPerSubject),
 // and never a cached copy: a watch kept between sweeps would not see a store rolled back or
 // purged (no delete markers), and would go on claiming dbs done that NATS no longer says are.
 // Unlike a KV watch, it does not stop at a pending count of 0 that a clustered server sends
