@@ -22,41 +22,35 @@ import (
 	"github.com/spiegel-nats/spiegel/pkg/couchtest"
 	"github.com/spiegel-nats/spiegel/pkg/healthtest"
 	"github.com/spiegel-nats/spiegel/pkg/mirrorkey"
+	"github.com/spiegel-nats/spiegel/pkg/natsjs"
 	"github.com/spiegel-nats/spiegel/pkg/rules"
 )
 
 // bucketDocs is the mirror bucket of the tests (each env has its own NATS server).
 const bucketDocs = "DOCS"
 
-// mirrorOf rebuilds db's docs from bucket as a service would: a KV watch (every current value,
-// then the nil marker) without reading CouchDB. Deleted keys are left out.
+// mirrorOf rebuilds db's docs from bucket's current values, without reading CouchDB. Deleted keys
+// are left out.
 func (e *env) mirrorOf(t testing.TB, bucket, db string) map[string]map[string]any {
 	t.Helper()
-	kv, err := e.JS.KeyValue(t.Context(), bucket)
+	s, err := e.JS.Stream(t.Context(), "KV_"+bucket)
 	require.NoError(t, err)
-	w, err := kv.Watch(t.Context(), mirrorkey.DBPrefix(db))
+	// Not a KV watch: in a bucket whose values expire, one that expired between the watch's
+	// start and its delivery leaves the watch waiting for it, without the end of its initial
+	// values.
+	subject := "$KV." + bucket + "."
+	last, err := natsjs.LastPerSubject(t.Context(), s, subject+mirrorkey.DBPrefix(db), false, time.Second)
 	require.NoError(t, err)
-	defer func() { _ = w.Stop() }()
 	out := map[string]map[string]any{}
-	timeout := time.After(10 * time.Second)
-	for {
-		select {
-		case <-timeout:
-			t.Fatal("the KV watch did not deliver the initial values within 10s")
-		case en := <-w.Updates():
-			if en == nil {
-				return out
-			}
-			gotDB, id, err := mirrorkey.Decode(en.Key())
-			require.NoError(t, err)
-			require.Equal(t, db, gotDB)
-			if en.Operation() != jetstream.KeyValuePut {
-				delete(out, id)
-				continue
-			}
-			out[id] = decodeObject(t, en.Value())
+	for subj, m := range last {
+		gotDB, id, err := mirrorkey.Decode(strings.TrimPrefix(subj, subject))
+		require.NoError(t, err)
+		require.Equal(t, db, gotDB)
+		if !natsjs.KVDeleted(m.Header) {
+			out[id] = decodeObject(t, m.Data)
 		}
 	}
+	return out
 }
 
 // keyRevisions returns the revision (stream sequence) of each key of db in kv.
