@@ -218,14 +218,14 @@ type workloadResult struct {
 	idleConns      map[string]int
 
 	// for the end-to-end report (record)
-	started                 time.Time
-	loadStart, loadEnd      string
-	writerStart, writerEnd  time.Duration // since started
-	idleStart, idleEnd      time.Duration
-	writes                  []benchdata.Write
-	samples                 []benchdata.Sample
-	unmeasured              string // why requests and connections were not counted ("": they were)
-	hotFeedsOpened          float64 // by the producer while the writer ran and until every doc arrived (-1: unknown)
+	started                time.Time
+	loadStart, loadEnd     string
+	writerStart, writerEnd time.Duration // since started
+	idleStart, idleEnd     time.Duration
+	writes                 []benchdata.Write
+	samples                []benchdata.Sample
+	unmeasured             string  // why requests and connections were not counted ("": they were)
+	hotFeedsOpened         float64 // by the producer while the writer ran and until every doc arrived (-1: unknown)
 }
 
 func (r workloadResult) total() int {
