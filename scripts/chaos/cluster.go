@@ -43,7 +43,7 @@ type natsNode struct {
 // client knows only the URLs it was given, so a product process reaches every node through its
 // own proxy (links.go).
 func startCluster(ctx context.Context, r *run, dir string) (*cluster, error) {
-	ports, err := freePorts(9)
+	ports, err := freeport.Ports(9)
 	if err != nil {
 		return nil, err
 	}
@@ -333,9 +333,6 @@ func getJSON(ctx context.Context, url string, out any) error {
 	}
 	return json.NewDecoder(resp.Body).Decode(out)
 }
-
-// freePorts returns n loopback ports that were free a moment ago (see package freeport).
-func freePorts(n int) ([]int, error) { return freeport.Ports(n) }
 
 // consumerLeader returns the name of the node leading consumer of stream (the JetStream API's
 // CONSUMER.INFO cluster.leader).

@@ -20,6 +20,7 @@ import (
 	"time"
 
 	"github.com/spiegel-nats/spiegel/pkg/couch"
+	"github.com/spiegel-nats/spiegel/pkg/freeport"
 )
 
 // couchServer is the CouchDB of the run: its own PouchDB Server on disk (a restart keeps the
@@ -77,7 +78,7 @@ func startCouch(ctx context.Context, r *run) (*couchServer, error) {
 		if err != nil {
 			return nil, err
 		}
-		ports, err := freePorts(1)
+		ports, err := freeport.Ports(1)
 		if err != nil {
 			return nil, err
 		}

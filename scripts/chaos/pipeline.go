@@ -10,6 +10,8 @@ import (
 	"regexp"
 	"strings"
 	"time"
+
+	"github.com/spiegel-nats/spiegel/pkg/freeport"
 )
 
 // Names of the run's rules (docs in the spiegel db).
@@ -183,7 +185,7 @@ func (r *run) startPipeline(ctx context.Context) error {
 			procLinks[i] = l
 		}
 	}
-	ports, err := freePorts(len(procNames))
+	ports, err := freeport.Ports(len(procNames))
 	if err != nil {
 		return err
 	}
