@@ -200,7 +200,7 @@ func runScaling(b *testing.B, root string, cs *couchtest.Server, up *couchtest.U
 			"SPIEGEL_LOG_LEVEL=" + cmp.Or(os.Getenv("BENCH_LOG_LEVEL"), "warn"),
 		}, extra...)...)
 	}
-	if out, code := runCmd(b, bin("producer"), env(up.URL()), "install"); code != 0 {
+	if out, code := runCmd(b, bin("producer"), env(pipelineURL(cs, up)), "install"); code != 0 {
 		b.Fatalf("producer install:\n%s", out)
 	}
 	sink := newLatencySink(b)
@@ -214,7 +214,7 @@ func runScaling(b *testing.B, root string, cs *couchtest.Server, up *couchtest.U
 	// is off. The feed's replay of the dbs' loading, or the sweep at start, would enqueue them a
 	// second time while their jobs wait (a wakeup marker each), and each job would run twice.
 	producer := startProc(b, "producer", bin("producer"), producerAddr,
-		env(up.URL(), "SPIEGEL_HTTP_ADDR="+producerAddr, "SPIEGEL_START=now", "SPIEGEL_SWEEP_INTERVAL=0"))
+		env(pipelineURL(cs, up), "SPIEGEL_HTTP_ADDR="+producerAddr, "SPIEGEL_START=now", "SPIEGEL_SWEEP_INTERVAL=0"))
 	waitFor(b, 30*time.Second, "producer ready", []*proc{producer}, func() bool { code, _ := producer.get("/readyz"); return code == http.StatusOK })
 	writer := up.Server()
 	if sr.group == "replicator" {

@@ -311,7 +311,7 @@ func runWorkload(b *testing.B, root string, cs *couchtest.Server, up *couchtest.
 		}
 	} else {
 		var ns *natstest.Server
-		procs, proxies, ns = startPipeline(b, root, up, prefix, target, sink.URL, s.vars, s.direct)
+		procs, proxies, ns = startPipeline(b, root, cs, up, prefix, target, sink.URL, s.vars, s.direct)
 		if s.direct {
 			res.unmeasured = "The processes talked to CouchDB without counting proxies: their requests and connections are not measured."
 		}
@@ -595,8 +595,20 @@ func loadAvg() string {
 
 // startPipeline installs a spiegel db and starts the three binaries, each through its own
 // counting proxy in front of up (unless direct), with rules for the workload.
-func startPipeline(b *testing.B, root string, up *couchtest.UpdatesProxy, prefix, target, hookURL string, vars []string, direct bool) ([]*proc, map[string]*countingProxy, *natstest.Server) {
+// pipelineURL returns the URL the bench's processes reach the server at: the server itself when
+// it has its own _db_updates (Apache CouchDB), as in production, and up on PouchDB Server, whose
+// feed the test proxy serves. Through up, every request would cross one more proxy in the bench
+// process, which would take its time and CPU from the figures.
+func pipelineURL(cs *couchtest.Server, up *couchtest.UpdatesProxy) string {
+	if up.Synthetic() {
+		return up.URL()
+	}
+	return cs.URL
+}
+
+func startPipeline(b *testing.B, root string, cs *couchtest.Server, up *couchtest.UpdatesProxy, prefix, target, hookURL string, vars []string, direct bool) ([]*proc, map[string]*countingProxy, *natstest.Server) {
 	b.Helper()
+	serverURL := pipelineURL(cs, up)
 	binDir := cmp.Or(os.Getenv("BENCH_BIN_DIR"), filepath.Join(root, "bin")) // another build's binaries, to compare
 	bin := func(name string) string { return filepath.Join(binDir, name) }
 	ns := natstest.Start(b)
@@ -604,11 +616,11 @@ func startPipeline(b *testing.B, root string, up *couchtest.UpdatesProxy, prefix
 	up.Server().Cleanup(b, spiegelDB)
 	proxies := map[string]*countingProxy{}
 	env := func(name string) []string {
-		couchURL := up.URL()
+		couchURL := serverURL
 		if !direct {
-			p := newCountingProxy(b, up.URL(), spiegelDB)
+			p := newCountingProxy(b, serverURL, spiegelDB)
 			proxies[name] = p
-			couchURL = p.urlFor(up.URL())
+			couchURL = p.urlFor(serverURL)
 		}
 		return baseEnv(append([]string{
 			"SPIEGEL_COUCHDB_URL=" + couchURL,
@@ -617,7 +629,7 @@ func startPipeline(b *testing.B, root string, up *couchtest.UpdatesProxy, prefix
 			"SPIEGEL_LOG_LEVEL=" + cmp.Or(os.Getenv("BENCH_LOG_LEVEL"), "warn"),
 		}, append(pprofVars(b), vars...)...)...)
 	}
-	install := baseEnv("SPIEGEL_COUCHDB_URL="+up.URL(), "SPIEGEL_DB_NAME="+spiegelDB, "SPIEGEL_NATS_URL="+ns.URL())
+	install := baseEnv("SPIEGEL_COUCHDB_URL="+serverURL, "SPIEGEL_DB_NAME="+spiegelDB, "SPIEGEL_NATS_URL="+ns.URL())
 	if out, code := runCmd(b, bin("producer"), install, "install"); code != 0 {
 		b.Fatalf("producer install:\n%s", out)
 	}
