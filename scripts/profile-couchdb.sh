@@ -5,13 +5,15 @@
 #     gc, other, sleep, per scheduler type; a dirty I/O scheduler's file operations and, without
 #     an emulator built with extra states, its busy waiting count as "other");
 #   - reductions.txt: the Erlang work by kind of process (reductions over the window, grouped by
-#     the processes' initial calls: HTTP requests, fabric workers, db updaters, the log server…);
+#     the processes' initial calls: HTTP connections, db updaters, the log server…; processes
+#     that ended within the window, such as fabric's short-lived workers, are not counted);
 #   - perf-threads.txt and perf-symbols.txt, when perf is installed: CPU samples of the node's
 #     threads (schedulers, dirty I/O schedulers) and the hottest symbols. Start CouchDB with
 #     ERL_FLAGS="+JPperf true" for the JIT's Erlang functions to have names.
 # Variables: COUCH_NODE (couchdb@127.0.0.1, the -name of the node's vm.args), COUCH_COOKIE (its
-# -setcookie; required), PROF_SECONDS, PROF_OUT. Needs erl on the PATH (any OTP that can connect
-# to the node's). It changes nothing on the node: msacc is switched on for the window and off
+# -setcookie; required), PROF_SECONDS, PROF_OUT. Needs erl on the PATH of the node's OTP release:
+# the probe sends the node a fun, which only the same release's erl_eval runs. It changes nothing
+# on the node: msacc is switched on for the window and off
 # again, and the reductions are read, not reset.
 set -euo pipefail
 node=${COUCH_NODE:-couchdb@127.0.0.1}

@@ -593,8 +593,6 @@ func loadAvg() string {
 	return strings.Join(f[:min(3, len(f))], " ")
 }
 
-// startPipeline installs a spiegel db and starts the three binaries, each through its own
-// counting proxy in front of up (unless direct), with rules for the workload.
 // pipelineURL returns the URL the bench's processes reach the server at: the server itself when
 // it has its own _db_updates (Apache CouchDB), as in production, and up on PouchDB Server, whose
 // feed the test proxy serves. Through up, every request would cross one more proxy in the bench
@@ -606,6 +604,9 @@ func pipelineURL(cs *couchtest.Server, up *couchtest.UpdatesProxy) string {
 	return cs.URL
 }
 
+// startPipeline installs a spiegel db and starts the three binaries, each through its own
+// counting proxy in front of the server (unless direct; see pipelineURL), with rules for the
+// workload.
 func startPipeline(b *testing.B, root string, cs *couchtest.Server, up *couchtest.UpdatesProxy, prefix, target, hookURL string, vars []string, direct bool) ([]*proc, map[string]*countingProxy, *natstest.Server) {
 	b.Helper()
 	serverURL := pipelineURL(cs, up)
