@@ -12,7 +12,7 @@
 # Variables: BENCH_NS (100,1000), BENCH_SETUPS (hot,replicator, run in that order; add scaling), BENCH_OUT
 # (bench-e2e), and those of the benchmarks: BENCH_RATE, BENCH_DURATION, BENCH_IDLE,
 # BENCH_SYNC_LIMIT, BENCH_SCALING_PROCS, BENCH_SCALING_GROUPS, BENCH_SCALING_CONCURRENCY,
-# BENCH_SERVER_PID (set here when PouchDB Server is started here), BENCH_TIMEOUT (go test's,
+# BENCH_SERVER_PID (set here when PouchDB Server is started here), BENCH_Q, BENCH_TIMEOUT (go test's,
 # 120m per N).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"

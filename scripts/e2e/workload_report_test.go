@@ -21,6 +21,9 @@ func serverName(cs *couchtest.Server) string {
 func workloadReport(cs *couchtest.Server, w workload, results []workloadResult) string {
 	var sb strings.Builder
 	fmt.Fprintf(&sb, "## Workload: %d dbs × %d docs, %d active, %.0f docs/s for %s\n\n", w.dbs, w.docsPerDB, w.active, w.rate, w.duration)
+	if w.q > 0 {
+		fmt.Fprintf(&sb, "The user dbs were created with q = %d (BENCH_Q); the target with the server's default.\n\n", w.q)
+	}
 	fmt.Fprintf(&sb, "Server: %s. One pattern replicator rule (every user db into one target) and one on_change rule (a GET per change to a local webhook). "+
 		"Latency: from the write's answer to the doc on the target's feed, or at the webhook. Requests: CouchDB requests by the pipeline's processes "+
 		"(for the _replicator baseline: by the server's replications, when the server is on this machine) while the writer ran and until every doc arrived, per written doc.\n\n",

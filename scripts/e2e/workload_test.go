@@ -15,6 +15,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/go-kivik/kivik/v4"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -121,6 +122,7 @@ type workload struct {
 	duration, idle         time.Duration
 	syncLimit              time.Duration // for the baseline's initial sync
 	serverPID              int           // the CouchDB server's process, when known and local
+	q                      int           // shard ranges of each user db (0: the server's default)
 }
 
 func workloadFromEnv(b *testing.B) workload {
@@ -155,8 +157,24 @@ func workloadFromEnv(b *testing.B) workload {
 		}
 		w.serverPID = pid
 	}
+	if v := os.Getenv("BENCH_Q"); v != "" {
+		q, err := strconv.Atoi(v)
+		if err != nil || q < 1 {
+			b.Fatalf("BENCH_Q=%q: want the number of shard ranges of each db, at least 1", v)
+		}
+		w.q = q
+	}
 	w.active = max(1, w.dbs/10)
 	return w
+}
+
+// dbOptions are the options the user dbs are created with: q when BENCH_Q sets it (Apache
+// CouchDB; PouchDB Server ignores it). The target keeps the server's default.
+func (w workload) dbOptions() []kivik.Option {
+	if w.q == 0 {
+		return nil
+	}
+	return []kivik.Option{kivik.Param("q", w.q)}
 }
 
 type workloadSetup struct {
@@ -291,8 +309,8 @@ func runWorkload(b *testing.B, root string, cs *couchtest.Server, up *couchtest.
 	for i := range users {
 		users[i] = fmt.Sprintf("%su%05d", prefix, i)
 	}
-	cs.CreateDB(b, target)
-	loadDBs(b, cs, writer, users, w.docsPerDB)
+	cs.CreateDB(b, target) // the server's default q: a big db that every replication writes to
+	loadDBs(b, cs, writer, users, w.docsPerDB, w.dbOptions()...)
 	initial := w.dbs * w.docsPerDB
 	sink := newLatencySink(b)
 	ctx, cancel := context.WithCancel(context.Background())
@@ -490,7 +508,7 @@ func runWorkload(b *testing.B, root string, cs *couchtest.Server, up *couchtest.
 
 // loadDBs creates the user dbs with docsPerDB docs each, a few at a time (10,000 dbs one by one
 // take CouchDB 20 minutes on two cores), and deletes them, a few at a time, when the benchmark ends.
-func loadDBs(b *testing.B, cs *couchtest.Server, writer *couchtest.Server, users []string, docsPerDB int) {
+func loadDBs(b *testing.B, cs *couchtest.Server, writer *couchtest.Server, users []string, docsPerDB int, opts ...kivik.Option) {
 	b.Helper()
 	const workers = 8
 	each := func(f func(i int, db string) error) error {
@@ -532,7 +550,7 @@ func loadDBs(b *testing.B, cs *couchtest.Server, writer *couchtest.Server, users
 	err := each(func(i int, db string) error {
 		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 		defer cancel()
-		if err := cs.Client.CreateDB(ctx, db); err != nil {
+		if err := cs.Client.CreateDB(ctx, db, opts...); err != nil {
 			return fmt.Errorf("create %s: %w", db, err)
 		}
 		docs := make([]map[string]any, docsPerDB)
