@@ -44,9 +44,10 @@ progress display on stderr. Jobs already pending are deduplicated. --json: the c
 
 const statusHelp = `Rules loaded and rejected (with reasons), pending and in-flight jobs per group, dead letters,
 and the producer's saved position; CouchDB's [global_changes] max_write_delay and max_event_delay
-(read on every node, never changed: the floor of the _db_updates feed's latency, with a hint when
-it is CouchDB's default of 500 ms; unknown, with the reason, on PouchDB Server or without a server
-admin; not part of --check); then the running producers and consumers (the answers of their NATS
+(read on every node, never changed: the floor of the _db_updates feed's latency, with a hint while
+either is CouchDB's default, 500 and 25 ms; CouchDB applies max_event_delay only when the node
+starts; unknown, with the reason, on PouchDB Server or without a server admin; not part of
+--check); then the running producers and consumers (the answers of their NATS
 services); then every rule (or only ID): kind, pattern, engine, enabled, dbs matched,
 for on_change rules the dbs behind their checkpoint and the oldest unprocessed change's age, and
 the consumers' last run, result, failures in the last hour and dead letters.

@@ -17,7 +17,9 @@ import (
 // CouchDB 3's defaults of its [global_changes] settings, in milliseconds. _db_updates is served
 // from the _global_changes db, which each node writes every max_write_delay (its listener hands
 // the events over every max_event_delay): that is the floor of the latency of every job the
-// feed starts.
+// feed starts. CouchDB applies a new max_write_delay at once; max_event_delay only when the node
+// starts (3.3 and 3.5 send the change to a listener that is not registered under the name the
+// config handler casts to), so a value set through _config shows before it is in effect.
 const (
 	defaultMaxWriteDelayMS = 500
 	defaultMaxEventDelayMS = 25
@@ -37,10 +39,12 @@ type globalChanges struct {
 	// MaxWriteDelayMS and MaxEventDelayMS are the largest of the nodes' (the floor of a cluster).
 	MaxWriteDelayMS int `json:"max_write_delay_ms,omitempty"`
 	MaxEventDelayMS int `json:"max_event_delay_ms,omitempty"`
-	// Default is true when max_write_delay is CouchDB's default (unset or 500) on some node.
-	Default bool                `json:"max_write_delay_default"`
-	Nodes   []globalChangesNode `json:"nodes,omitempty"`
-	// Hint, with Default, says how to lower the floor (no credentials in it).
+	// Default is true when max_write_delay is CouchDB's default (unset or 500) on some node,
+	// EventDefault when max_event_delay is (unset or 25).
+	Default      bool                `json:"max_write_delay_default"`
+	EventDefault bool                `json:"max_event_delay_default"`
+	Nodes        []globalChangesNode `json:"nodes,omitempty"`
+	// Hint, with Default or EventDefault, says how to lower the floor (no credentials in it).
 	Hint string `json:"hint,omitempty"`
 }
 
@@ -86,11 +90,10 @@ func readGlobalChanges(ctx context.Context, c *couch.Client) *globalChanges {
 		gc.Nodes = append(gc.Nodes, n)
 		gc.MaxWriteDelayMS = max(gc.MaxWriteDelayMS, n.MaxWriteDelayMS)
 		gc.MaxEventDelayMS = max(gc.MaxEventDelayMS, n.MaxEventDelayMS)
-		if n.MaxWriteDelayMS == defaultMaxWriteDelayMS {
-			gc.Default = true
-		}
+		gc.Default = gc.Default || n.MaxWriteDelayMS == defaultMaxWriteDelayMS
+		gc.EventDefault = gc.EventDefault || n.MaxEventDelayMS == defaultMaxEventDelayMS
 	}
-	if gc.Default {
+	if gc.Default || gc.EventDefault {
 		gc.Hint = globalChangesHint(c, gc)
 	}
 	return gc
@@ -144,27 +147,46 @@ func explainConfigError(err error) string {
 	return err.Error()
 }
 
-// globalChangesHint says what the default costs and how to lower it on every node, with the
-// server's URL without credentials.
+// globalChangesHint says what the defaults cost and how to lower them on the nodes that have
+// them, with the server's URL without credentials: max_write_delay through _config (applied at
+// once), max_event_delay in each node's local.ini (applied when the node starts).
 func globalChangesHint(c *couch.Client, gc *globalChanges) string {
 	base := c.BaseURL()
 	base.User, base.RawQuery, base.Fragment = nil, "", ""
 	root := strings.TrimRight(base.String(), "/")
-	var cmds []string
+	var cmds, restart []string
 	for _, n := range gc.Nodes {
-		if n.MaxWriteDelayMS != defaultMaxWriteDelayMS {
-			continue
+		if n.MaxWriteDelayMS == defaultMaxWriteDelayMS {
+			cmds = append(cmds, fmt.Sprintf(`curl -u ADMIN -X PUT %s/_node/%s/_config/global_changes/max_write_delay -d '"%d"'`,
+				root, url.PathEscape(n.Node), recommendedMaxWriteDelayMS))
 		}
-		cmds = append(cmds, fmt.Sprintf(`curl -u ADMIN -X PUT %s/_node/%s/_config/global_changes/max_write_delay -d '"%d"'`,
-			root, url.PathEscape(n.Node), recommendedMaxWriteDelayMS))
+		if n.MaxEventDelayMS == defaultMaxEventDelayMS {
+			name := n.Node
+			if name == "_local" { // the members could not be listed
+				name = "the node"
+			}
+			restart = append(restart, name)
+		}
+	}
+	var todo []string
+	if len(cmds) > 0 {
+		todo = append(todo, "set max_write_delay on every node (applied at once): "+strings.Join(cmds, "; "))
+	}
+	if len(restart) > 0 {
+		todo = append(todo, fmt.Sprintf("put max_event_delay = %d in the [global_changes] section of the local.ini of %s "+
+			"and restart the node (CouchDB reads it only when the node starts)", recommendedMaxEventDelayMS, strings.Join(restart, ", ")))
 	}
 	return fmt.Sprintf("CouchDB announces writes on _db_updates up to about %d ms late (max_write_delay %d ms + max_event_delay %d ms): "+
-		"that is the floor of the latency of every job the feed starts. To lower it, set it on every node: %s (see %s)",
-		defaultMaxWriteDelayMS+gc.MaxEventDelayMS, defaultMaxWriteDelayMS, gc.MaxEventDelayMS, strings.Join(cmds, "; "), latencyDocs)
+		"that is the floor of the latency of every job the feed starts. To lower it, %s (see %s)",
+		gc.MaxWriteDelayMS+gc.MaxEventDelayMS, gc.MaxWriteDelayMS, gc.MaxEventDelayMS, strings.Join(todo, "; "), latencyDocs)
 }
 
-// recommendedMaxWriteDelayMS is the max_write_delay the operating docs recommend.
-const recommendedMaxWriteDelayMS = 50
+// recommendedMaxWriteDelayMS and recommendedMaxEventDelayMS are the settings the operating docs
+// recommend.
+const (
+	recommendedMaxWriteDelayMS = 50
+	recommendedMaxEventDelayMS = 10
+)
 
 // printGlobalChanges prints gc's lines (tab-separated for the status table).
 func printGlobalChanges(w io.Writer, gc *globalChanges) {
@@ -190,9 +212,12 @@ func printGlobalChanges(w io.Writer, gc *globalChanges) {
 }
 
 func nodeDelays(n globalChangesNode, nodes int) string {
+	event := msSetting(n.MaxEventDelayMS, n.MaxEventDelayConfigured, defaultMaxEventDelayMS)
+	if n.MaxEventDelayConfigured != "" {
+		event += " (in effect once the node has restarted since it was set)"
+	}
 	s := fmt.Sprintf("[global_changes] max_write_delay %s, max_event_delay %s",
-		msSetting(n.MaxWriteDelayMS, n.MaxWriteDelayConfigured, defaultMaxWriteDelayMS),
-		msSetting(n.MaxEventDelayMS, n.MaxEventDelayConfigured, defaultMaxEventDelayMS))
+		msSetting(n.MaxWriteDelayMS, n.MaxWriteDelayConfigured, defaultMaxWriteDelayMS), event)
 	if nodes > 1 {
 		s += fmt.Sprintf(" (all %d nodes)", nodes)
 	}

@@ -74,17 +74,19 @@ func TestGlobalChangesPerNode(t *testing.T) {
 	assert.Equal(t, 500, gc.MaxWriteDelayMS, "a cluster's floor is its slowest node's")
 	assert.Equal(t, 25, gc.MaxEventDelayMS)
 	assert.True(t, gc.Default)
+	assert.True(t, gc.EventDefault)
 	require.Len(t, gc.Nodes, 2)
 	assert.Equal(t, globalChangesNode{Node: "couchdb@a", MaxWriteDelayMS: 50, MaxEventDelayMS: 10,
 		MaxWriteDelayConfigured: "50", MaxEventDelayConfigured: "10"}, gc.Nodes[0])
 	assert.Contains(t, gc.Hint, `/_node/couchdb@b/_config/global_changes/max_write_delay -d '"50"'`)
-	assert.NotContains(t, gc.Hint, "couchdb@a/", "the node already lowered needs nothing")
+	assert.Contains(t, gc.Hint, "max_event_delay = 10 in the [global_changes] section of the local.ini of couchdb@b and restart the node")
+	assert.NotContains(t, gc.Hint, "couchdb@a", "the node already lowered needs nothing")
 
 	var out strings.Builder
 	printGlobalChanges(&out, gc)
 	got := out.String()
 	assert.Contains(t, got, "differs between nodes")
-	assert.Contains(t, got, "couchdb@a\t[global_changes] max_write_delay 50 ms, max_event_delay 10 ms")
+	assert.Contains(t, got, "couchdb@a\t[global_changes] max_write_delay 50 ms, max_event_delay 10 ms (in effect once the node has restarted since it was set)")
 	assert.Contains(t, got, "couchdb@b\t[global_changes] max_write_delay 500 ms (default, unset), max_event_delay 25 ms (default, unset)")
 	assert.Contains(t, got, "hint\tCouchDB announces writes on _db_updates up to about 525 ms late")
 	assert.Contains(t, got, latencyDocs)
@@ -96,18 +98,48 @@ func TestGlobalChangesPerNode(t *testing.T) {
 	}
 }
 
-// Lowered on every node: one line, no hint.
-func TestGlobalChangesLowered(t *testing.T) {
+// max_write_delay lowered on every node, max_event_delay left: one line, and a hint about the
+// latter only, which CouchDB reads when a node starts (no _config command for it).
+func TestGlobalChangesWriteDelayLowered(t *testing.T) {
 	c := fakeCouch(t, couchWelcome, []string{"couchdb@a", "couchdb@b"}, map[string]map[string]string{
 		"couchdb@a": {"max_write_delay": "50"}, "couchdb@b": {"max_write_delay": "50"},
 	}, 0)
 	gc := readGlobalChanges(t.Context(), c)
 	require.True(t, gc.Known, gc.Reason)
 	assert.False(t, gc.Default)
+	assert.True(t, gc.EventDefault)
+	var out strings.Builder
+	printGlobalChanges(&out, gc)
+	assert.Equal(t, "couchdb _db_updates delay\t[global_changes] max_write_delay 50 ms, max_event_delay 25 ms (default, unset) (all 2 nodes)\n"+
+		"  hint\tCouchDB announces writes on _db_updates up to about 75 ms late (max_write_delay 50 ms + max_event_delay 25 ms): "+
+		"that is the floor of the latency of every job the feed starts. To lower it, put max_event_delay = 10 in the [global_changes] "+
+		"section of the local.ini of couchdb@a, couchdb@b and restart the node (CouchDB reads it only when the node starts) (see "+latencyDocs+")\n",
+		out.String())
+	assert.NotContains(t, gc.Hint, "_config/global_changes/max_event_delay", "a live change of it is not applied: no command for it")
+}
+
+// Both lowered on every node: one line, no hint.
+func TestGlobalChangesLowered(t *testing.T) {
+	c := fakeCouch(t, couchWelcome, []string{"couchdb@a", "couchdb@b"}, map[string]map[string]string{
+		"couchdb@a": {"max_write_delay": "50", "max_event_delay": "10"}, "couchdb@b": {"max_write_delay": "50", "max_event_delay": "10"},
+	}, 0)
+	gc := readGlobalChanges(t.Context(), c)
+	require.True(t, gc.Known, gc.Reason)
+	assert.False(t, gc.Default)
+	assert.False(t, gc.EventDefault)
 	assert.Empty(t, gc.Hint)
 	var out strings.Builder
 	printGlobalChanges(&out, gc)
-	assert.Equal(t, "couchdb _db_updates delay\t[global_changes] max_write_delay 50 ms, max_event_delay 25 ms (default, unset) (all 2 nodes)\n", out.String())
+	assert.Equal(t, "couchdb _db_updates delay\t[global_changes] max_write_delay 50 ms, max_event_delay 10 ms "+
+		"(in effect once the node has restarted since it was set) (all 2 nodes)\n", out.String())
+}
+
+// A server whose members cannot be listed is read at /_node/_local: the hint names "the node".
+func TestGlobalChangesLocalNode(t *testing.T) {
+	c := fakeCouch(t, couchWelcome, nil, map[string]map[string]string{"_local": {"max_write_delay": "50"}}, 0)
+	gc := readGlobalChanges(t.Context(), c)
+	require.True(t, gc.Known, gc.Reason)
+	assert.Contains(t, gc.Hint, "the local.ini of the node and restart")
 }
 
 // What cannot be read is unknown, with the reason; nothing fails.
@@ -177,6 +209,9 @@ func TestStatusShowsGlobalChanges(t *testing.T) {
 	assert.Equal(t, want == 500, out.GC.Default)
 	if want == 500 {
 		assert.Contains(t, text, "/_config/global_changes/max_write_delay -d '\"50\"'")
+	}
+	if _, set := section["max_event_delay"]; !set {
+		assert.Contains(t, text, "max_event_delay = 10 in the [global_changes] section")
 	}
 	if u, err := url.Parse(e.cfg.CouchDBURL); err == nil {
 		if pw, ok := u.User.Password(); ok {
