@@ -64,6 +64,13 @@ func TestCompose(t *testing.T) { // not parallel: checkEnv sets the environment
 	for _, db := range []string{"_users", "_replicator", "_global_changes"} {
 		assert.Contains(t, initCmd, db)
 	}
+	// The _db_updates floor the operating docs recommend, on the CouchDB this file starts:
+	// max_write_delay through _config, max_event_delay too and, while it was not configured, a
+	// restart of the node (CouchDB reads it only when it starts), waited for before `install`.
+	assert.Contains(t, initCmd, `-X PUT "$cfg/max_write_delay" -d '"50"'`)
+	assert.Contains(t, initCmd, `-X PUT "$cfg/max_event_delay" -d '"10"'`)
+	assert.Contains(t, initCmd, `-X POST http://couchdb:5984/_node/_local/_restart`)
+	assert.Regexp(t, `(?s)_restart.*until curl -fs -o /dev/null http://couchdb:5984/_up`, initCmd)
 	assert.Equal(t, types.ServiceConditionHealthy, p.Services["couchdb-init"].DependsOn["couchdb"].Condition)
 
 	// A three-node JetStream cluster: unique names, JetStream on with a volume and storage sync
